@@ -1,0 +1,32 @@
+// Memory-bound kernels for everything around the GEMM that cuBLASLt's epilogues either cannot
+// do (squared ReLU, widths the ReLU bit-mask refuses) or do slower than a separate pass.
+// Row-major [rows, cols] matrices, contiguous. `dtype` is the element type of every matrix
+// and vector argument (bias, bias_grad included); arithmetic is in fp32.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "types.h"
+
+namespace fused_dense::core {
+
+// out = act(x + bias). bias (length cols) may be null. When pre_act is non-null it receives
+// x + bias (GELU, squared ReLU, none) or, for ReLU, the bit-mask (relu_mask_row_bytes(cols)
+// bytes per row). x may alias out or pre_act (in-place use after a plain GEMM).
+void bias_act_forward(DType dtype, Activation act, const void* x, const void* bias, void* out,
+                      void* pre_act, int64_t rows, int64_t cols, cudaStream_t stream);
+
+// grad_in = grad * act'(pre_act); bias_grad[j] = sum_i grad_in[i, j] when bias_grad is non-null.
+// For kNone pre_act is ignored (grad_in = grad, which may then be the same buffer).
+// For ReLU pre_act is the bit-mask. grad_in may alias grad.
+// workspace holds the fp32 partial column sums; reduction_workspace_bytes says how much is
+// needed; a smaller workspace is used with fewer row chunks (never wrong, only slower).
+std::size_t reduction_workspace_bytes(int64_t rows, int64_t cols);
+void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const void* pre_act,
+                            void* grad_in, void* bias_grad, int64_t rows, int64_t cols,
+                            void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+}  // namespace fused_dense::core

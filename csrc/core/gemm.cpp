@@ -1,0 +1,312 @@
+#include "gemm.h"
+
+#include <array>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda_check.h"
+
+namespace fused_dense::core {
+
+const char* cublas_status_name(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "unknown cublasStatus_t";
+  }
+}
+
+namespace {
+
+// ---- RAII wrappers: every cuBLASLt object is destroyed exactly once, also on throw. ----
+struct LayoutDeleter {
+  void operator()(cublasLtMatrixLayoutOpaque_t* p) const { cublasLtMatrixLayoutDestroy(p); }
+};
+using Layout = std::unique_ptr<cublasLtMatrixLayoutOpaque_t, LayoutDeleter>;
+struct MatmulDescDeleter {
+  void operator()(cublasLtMatmulDescOpaque_t* p) const { cublasLtMatmulDescDestroy(p); }
+};
+using MatmulDesc = std::unique_ptr<cublasLtMatmulDescOpaque_t, MatmulDescDeleter>;
+struct PreferenceDeleter {
+  void operator()(cublasLtMatmulPreferenceOpaque_t* p) const { cublasLtMatmulPreferenceDestroy(p); }
+};
+using Preference = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, PreferenceDeleter>;
+
+cudaDataType_t cuda_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return CUDA_R_16F;
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat32: return CUDA_R_32F;
+  }
+  throw Error("fused_dense: unsupported dtype for cuBLASLt");
+}
+
+cublasLtEpilogue_t lt_epilogue(const GemmProblem& p) {
+  switch (p.epilogue) {
+    case Epilogue::kNone: return p.with_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    case Epilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
+    case Epilogue::kGelu: return p.with_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
+    case Epilogue::kGeluAux:
+      return p.with_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    case Epilogue::kRelu: return p.with_bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    case Epilogue::kReluAux:
+      return p.with_bias ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS : CUBLASLT_EPILOGUE_RELU_AUX;
+    case Epilogue::kDGelu: return p.with_bias_grad ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+    case Epilogue::kDRelu: return p.with_bias_grad ? CUBLASLT_EPILOGUE_DRELU_BGRAD : CUBLASLT_EPILOGUE_DRELU;
+    case Epilogue::kBGradB: return CUBLASLT_EPILOGUE_BGRADB;
+  }
+  throw Error("fused_dense: unknown epilogue");
+}
+
+bool uses_aux(Epilogue e) {
+  return e == Epilogue::kGeluAux || e == Epilogue::kReluAux || e == Epilogue::kDGelu ||
+         e == Epilogue::kDRelu;
+}
+bool uses_bias_pointer(const GemmProblem& p) {
+  return p.with_bias || p.with_bias_grad || p.epilogue == Epilogue::kBias ||
+         p.epilogue == Epilogue::kBGradB;
+}
+
+// cuBLASLt's heuristic assumes 256-byte aligned operands unless told otherwise; a view with a
+// storage offset can be less aligned, so the alignment is part of the cached problem.
+uint32_t alignment_of(const void* ptr) {
+  auto addr = reinterpret_cast<uintptr_t>(ptr);
+  uint32_t align = 256;
+  while (align > 1 && (addr % align) != 0) align /= 2;
+  return align;
+}
+
+template <typename T>
+void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
+  FD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+}
+
+struct CacheKey {
+  GemmProblem problem;
+  std::array<uint32_t, 3> alignment;  // A, B, D
+  std::size_t workspace_bytes;
+  bool operator==(const CacheKey& o) const { return std::memcmp(this, &o, sizeof(CacheKey)) == 0; }
+};
+struct CacheKeyHash {
+  std::size_t operator()(const CacheKey& k) const {
+    // FNV-1a over the bytes: the key is a zero-initialised POD (padding included).
+    const auto* bytes = reinterpret_cast<const unsigned char*>(&k);
+    std::size_t h = 1469598103934665603ull;
+    for (std::size_t i = 0; i < sizeof(CacheKey); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+    return h;
+  }
+};
+
+// Everything about a problem that does not depend on the call's pointers: the operand
+// layouts and cuBLASLt's ranked algorithm list. Immutable once built, so shared by threads.
+struct PlannedGemm {
+  Layout a, b, d;
+  std::vector<cublasLtMatmulHeuristicResult_t> algorithms;
+};
+
+constexpr int kRequestedAlgorithms = 16;
+constexpr int kMaxDevices = 64;
+
+cublasLtHandle_t handle_for(int device) {
+  static std::mutex mutex;
+  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
+  if (device < 0 || device >= kMaxDevices) throw Error("fused_dense: device index out of range");
+  std::lock_guard<std::mutex> lock(mutex);
+  if (handles[device] == nullptr) FD_CUBLAS_CHECK(cublasLtCreate(&handles[device]));
+  // Handles live for the process: destroying them at exit would race the CUDA context teardown.
+  return handles[device];
+}
+
+MatmulDesc make_matmul_desc(const GemmProblem& p) {
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  if (p.dtype == DType::kFloat32 && p.allow_tf32) compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+  cublasLtMatmulDesc_t raw = nullptr;
+  FD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw, compute, CUDA_R_32F));
+  MatmulDesc desc(raw);
+  cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasOperation_t tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  set_attr(raw, CUBLASLT_MATMUL_DESC_TRANSA, ta);
+  set_attr(raw, CUBLASLT_MATMUL_DESC_TRANSB, tb);
+  set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(p));
+  if (uses_aux(p.epilogue)) set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, p.ld_aux);
+  return desc;
+}
+
+Layout make_layout(DType dtype, int64_t rows, int64_t cols, int64_t ld) {
+  cublasLtMatrixLayout_t raw = nullptr;
+  FD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, cuda_type(dtype), static_cast<uint64_t>(rows),
+                                             static_cast<uint64_t>(cols), ld));
+  return Layout(raw);
+}
+
+std::unique_ptr<PlannedGemm> plan(const CacheKey& key) {
+  const GemmProblem& p = key.problem;
+  auto planned = std::make_unique<PlannedGemm>();
+  planned->a = p.trans_a ? make_layout(p.dtype, p.k, p.m, p.lda) : make_layout(p.dtype, p.m, p.k, p.lda);
+  planned->b = p.trans_b ? make_layout(p.dtype, p.n, p.k, p.ldb) : make_layout(p.dtype, p.k, p.n, p.ldb);
+  planned->d = make_layout(p.dtype, p.m, p.n, p.ldd);
+
+  MatmulDesc desc = make_matmul_desc(p);
+  cublasLtMatmulPreference_t raw_pref = nullptr;
+  FD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
+  Preference pref(raw_pref);
+  uint64_t ws = key.workspace_bytes;
+  FD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  const cublasLtMatmulPreferenceAttributes_t align_attrs[3] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 3; ++i) {
+    uint32_t a = key.alignment[i];
+    FD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, align_attrs[i], &a, sizeof(a)));
+  }
+  planned->algorithms.resize(kRequestedAlgorithms);
+  int returned = 0;
+  cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle_for(p.device), desc.get(), planned->a.get(), planned->b.get(), planned->d.get(),
+      planned->d.get(), pref.get(), kRequestedAlgorithms, planned->algorithms.data(), &returned);
+  // NOT_SUPPORTED here means "no algorithm for this epilogue/shape": an empty list, not an error.
+  if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED)
+    FD_CUBLAS_CHECK(status);
+  if (status != CUBLAS_STATUS_SUCCESS) returned = 0;
+  planned->algorithms.resize(returned);
+  return planned;
+}
+
+class PlanCache {
+ public:
+  const PlannedGemm& get(const CacheKey& key) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = plans_.find(key);
+      if (it != plans_.end()) return *it->second;
+    }
+    // Plan outside the lock (the heuristic query is slow); a racing thread's duplicate is dropped.
+    auto planned = plan(key);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto [it, inserted] = plans_.emplace(key, std::move(planned));
+    return *it->second;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<CacheKey, std::unique_ptr<PlannedGemm>, CacheKeyHash> plans_;
+};
+
+PlanCache& plan_cache() {
+  static PlanCache* cache = new PlanCache();  // never destroyed: used until process exit
+  return *cache;
+}
+
+CacheKey make_key(const GemmProblem& problem, const GemmPointers* ptrs, std::size_t workspace_bytes) {
+  CacheKey key;
+  std::memset(&key, 0, sizeof(key));
+  // Member-wise copy keeps the padding bytes zero, which the byte-wise hash and equality need.
+  key.problem.device = problem.device;
+  key.problem.dtype = problem.dtype;
+  key.problem.trans_a = problem.trans_a;
+  key.problem.trans_b = problem.trans_b;
+  key.problem.m = problem.m;
+  key.problem.n = problem.n;
+  key.problem.k = problem.k;
+  key.problem.lda = problem.lda;
+  key.problem.ldb = problem.ldb;
+  key.problem.ldd = problem.ldd;
+  key.problem.epilogue = problem.epilogue;
+  key.problem.with_bias = problem.with_bias;
+  key.problem.with_bias_grad = problem.with_bias_grad;
+  key.problem.ld_aux = uses_aux(problem.epilogue) ? problem.ld_aux : 0;
+  key.problem.accumulate = problem.accumulate;
+  key.problem.allow_tf32 = problem.dtype == DType::kFloat32 && problem.allow_tf32;
+  if (ptrs != nullptr) {
+    key.alignment = {alignment_of(ptrs->a), alignment_of(ptrs->b), alignment_of(ptrs->d)};
+  } else {
+    key.alignment = {256, 256, 256};
+  }
+  key.workspace_bytes = workspace_bytes;
+  return key;
+}
+
+std::string describe(const GemmProblem& p) {
+  std::ostringstream s;
+  s << "m=" << p.m << " n=" << p.n << " k=" << p.k << " dtype=" << dtype_name(p.dtype)
+    << " epilogue=" << static_cast<int>(p.epilogue) << (p.with_bias ? " +bias" : "")
+    << (p.with_bias_grad ? " +bias_grad" : "");
+  return s.str();
+}
+
+enum class Outcome { kDone, kRefused };
+
+Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const Workspace& ws,
+            cudaStream_t stream) {
+  if (heuristic < 0) throw Error("fused_dense: internal error: negative heuristic reached gemm()");
+  const PlannedGemm& planned = plan_cache().get(make_key(p, &ptrs, ws.bytes));
+  const int count = static_cast<int>(planned.algorithms.size());
+  if (count == 0) return Outcome::kRefused;
+  if (heuristic >= count) {
+    std::ostringstream msg;
+    msg << "fused_dense: heuristic=" << heuristic << " is out of range: cuBLASLt offers " << count
+        << " algorithm(s) for this problem (" << describe(p) << "), so heuristic must be in [0, "
+        << count - 1 << "] (or -1 for the unfused path)";
+    throw HeuristicOutOfRange(msg.str());
+  }
+  MatmulDesc desc = make_matmul_desc(p);
+  if (uses_bias_pointer(p)) {
+    const void* bias = (p.with_bias_grad || p.epilogue == Epilogue::kBGradB) ? ptrs.bias_grad : ptrs.bias;
+    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  }
+  if (uses_aux(p.epilogue)) set_attr(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
+  cublasStatus_t status = cublasLtMatmul(
+      handle_for(p.device), desc.get(), &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
+      &beta, ptrs.d, planned.d.get(), ptrs.d, planned.d.get(), &planned.algorithms[heuristic].algo,
+      ws.ptr, ws.bytes, stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return Outcome::kRefused;
+  FD_CUBLAS_CHECK(status);
+  return Outcome::kDone;
+}
+
+}  // namespace
+
+std::size_t gemm_workspace_bytes(int device) {
+  static std::mutex mutex;
+  static std::array<int, kMaxDevices> major{};  // 0 = not queried yet
+  if (device < 0 || device >= kMaxDevices) throw Error("fused_dense: device index out of range");
+  std::lock_guard<std::mutex> lock(mutex);
+  if (major[device] == 0) {
+    FD_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
+  }
+  return major[device] >= 9 ? (32u << 20) : (4u << 20);
+}
+
+int gemm_algorithm_count(const GemmProblem& problem) {
+  return static_cast<int>(
+      plan_cache().get(make_key(problem, nullptr, gemm_workspace_bytes(problem.device))).algorithms.size());
+}
+
+bool try_gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,
+              const Workspace& workspace, cudaStream_t stream) {
+  return run(problem, ptrs, heuristic, workspace, stream) == Outcome::kDone;
+}
+
+void gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,
+          const Workspace& workspace, cudaStream_t stream) {
+  if (run(problem, ptrs, heuristic, workspace, stream) == Outcome::kRefused) {
+    throw Error("fused_dense: cuBLASLt offers no algorithm for " + describe(problem));
+  }
+}
+
+}  // namespace fused_dense::core

@@ -1,0 +1,182 @@
+// CUDA kernels of the ops: validate, allocate outputs and workspace from PyTorch's caching
+// allocator, then hand raw pointers to the framework-free core on the current stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "../core/elementwise.h"
+#include "../core/linear.h"
+#include "reference.h"
+
+namespace fused_dense {
+namespace {
+
+namespace core = ::fused_dense::core;
+
+// cuBLASLt takes 64-bit sizes but its kernels, like ours, are only validated up to int32 dims.
+constexpr int64_t kMaxDim = std::numeric_limits<int32_t>::max();
+
+void check_cuda_dims(const char* op, std::initializer_list<std::pair<const char*, int64_t>> dims) {
+  for (const auto& [name, value] : dims) {
+    TORCH_CHECK(value <= kMaxDim, op, ": ", name, " = ", value,
+                " exceeds the largest dimension fused_dense supports on CUDA (", kMaxDim, ")");
+  }
+}
+
+core::DType core_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return core::DType::kFloat16;
+    case at::kBFloat16: return core::DType::kBFloat16;
+    case at::kFloat: return core::DType::kFloat32;
+    default: TORCH_CHECK(false, "fused_dense: no CUDA kernel for dtype ", t);
+  }
+}
+
+// Runs a core call, turning its errors into the matching PyTorch error classes.
+template <typename Fn>
+void run_core(Fn&& fn) {
+  try {
+    fn();
+  } catch (const core::HeuristicOutOfRange& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const core::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+core::LinearContext make_context(const at::Tensor& like, const at::Tensor& workspace) {
+  core::LinearContext ctx;
+  ctx.device = like.get_device();
+  ctx.dtype = core_dtype(like.scalar_type());
+  ctx.allow_tf32 = at::globalContext().allowTF32CuBLAS();
+  ctx.workspace = core::Workspace{workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())};
+  ctx.stream = at::cuda::getCurrentCUDAStream(ctx.device).stream();
+  return ctx;
+}
+
+at::Tensor allocate_workspace(const at::Tensor& like, std::size_t bytes) {
+  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+}
+
+const void* maybe_ptr(const std::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? t->data_ptr() : nullptr;
+}
+
+std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                        const std::optional<at::Tensor>& bias, int64_t activation,
+                                        bool save_pre_act, int64_t heuristic) {
+  if (input.scalar_type() == at::kDouble)
+    return linear_act_reference(input, weight, bias, activation, save_pre_act, heuristic);
+  const ActivationCode act = check_linear_act(input, weight, bias, activation, save_pre_act, heuristic);
+  check_cuda_dims("fused_dense::linear_act", {{"batch (input.size(0))", input.size(0)},
+                                              {"in_features", input.size(1)},
+                                              {"out_features", weight.size(0)}});
+  c10::cuda::CUDAGuard guard(input.device());
+  const int64_t B = input.size(0), N = weight.size(0);
+  auto out = at::empty({B, N}, input.options());
+  at::Tensor pre_act;
+  if (save_pre_act) pre_act = empty_pre_act(input, B, N, act);
+
+  core::ForwardArgs args;
+  args.batch = B, args.in_features = input.size(1), args.out_features = N;
+  args.input = input.data_ptr();
+  args.weight = weight.data_ptr();
+  args.bias = maybe_ptr(bias);
+  args.activation = static_cast<core::Activation>(act);
+  args.out = out.data_ptr();
+  args.pre_act = save_pre_act ? pre_act.data_ptr() : nullptr;
+  args.heuristic = static_cast<int>(heuristic);
+  run_core([&] {
+    auto ws = allocate_workspace(input, core::forward_workspace_bytes(input.get_device(), args));
+    core::linear_act_forward(make_context(input, ws), args);
+  });
+  if (!save_pre_act) return {out};
+  return {out, pre_act};
+}
+
+std::vector<at::Tensor> linear_bias_wgrad_cuda(const at::Tensor& input, const at::Tensor& d_output,
+                                               bool has_d_bias) {
+  if (input.scalar_type() == at::kDouble) return linear_bias_wgrad_reference(input, d_output, has_d_bias);
+  check_wgrad(input, d_output);
+  check_cuda_dims("fused_dense::linear_bias_wgrad", {{"batch (input.size(0))", input.size(0)},
+                                                     {"in_features", input.size(1)},
+                                                     {"out_features", d_output.size(1)}});
+  c10::cuda::CUDAGuard guard(input.device());
+  const int64_t N = d_output.size(1), K = input.size(1);
+  auto d_weight = at::empty({N, K}, input.options());
+  at::Tensor d_bias;
+  if (has_d_bias) d_bias = at::empty({N}, input.options());
+
+  core::WgradArgs args;
+  args.batch = input.size(0), args.in_features = K, args.out_features = N;
+  args.input = input.data_ptr();
+  args.d_output = d_output.data_ptr();
+  args.d_weight = d_weight.data_ptr();
+  args.d_bias = has_d_bias ? d_bias.data_ptr() : nullptr;
+  run_core([&] {
+    auto ws = allocate_workspace(input, core::wgrad_workspace_bytes(input.get_device(), args));
+    core::linear_wgrad(make_context(input, ws), args);
+  });
+  if (!has_d_bias) return {d_weight};
+  return {d_weight, d_bias};
+}
+
+std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at::Tensor& d_output,
+                                              const std::optional<at::Tensor>& pre_act, int64_t activation,
+                                              bool has_d_bias, int64_t heuristic) {
+  if (weight.scalar_type() == at::kDouble)
+    return act_linear_dgrad_reference(weight, d_output, pre_act, activation, has_d_bias, heuristic);
+  const ActivationCode act = check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
+  check_cuda_dims("fused_dense::act_linear_dgrad", {{"batch (d_output.size(0))", d_output.size(0)},
+                                                    {"in_features", weight.size(1)},
+                                                    {"out_features", weight.size(0)}});
+  c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t B = d_output.size(0), K = weight.size(1);
+  auto d_input = at::empty({B, K}, weight.options());
+  at::Tensor d_bias;
+  if (has_d_bias) d_bias = at::empty({K}, weight.options());
+
+  core::DgradArgs args;
+  args.batch = B, args.in_features = K, args.out_features = weight.size(0);
+  args.weight = weight.data_ptr();
+  args.d_output = d_output.data_ptr();
+  args.pre_act = maybe_ptr(pre_act);
+  args.activation = static_cast<core::Activation>(act);
+  args.d_input = d_input.data_ptr();
+  args.d_bias = has_d_bias ? d_bias.data_ptr() : nullptr;
+  args.heuristic = static_cast<int>(heuristic);
+  run_core([&] {
+    auto ws = allocate_workspace(weight, core::dgrad_workspace_bytes(weight.get_device(), args));
+    core::act_linear_dgrad(make_context(weight, ws), args);
+  });
+  if (!has_d_bias) return {d_input};
+  return {d_input, d_bias};
+}
+
+at::Tensor act_forward_cuda(const at::Tensor& pre_act, int64_t activation) {
+  if (pre_act.scalar_type() == at::kDouble) return act_forward_reference(pre_act, activation);
+  const ActivationCode act = check_act_forward(pre_act, activation);
+  c10::cuda::CUDAGuard guard(pre_act.device());
+  auto out = at::empty_like(pre_act);
+  if (pre_act.numel() == 0) return out;
+  const int64_t cols = pre_act.dim() == 0 ? 1 : pre_act.size(-1);
+  const int64_t rows = cols == 0 ? 0 : pre_act.numel() / cols;
+  run_core([&] {
+    core::bias_act_forward(core_dtype(pre_act.scalar_type()), static_cast<core::Activation>(act),
+                           pre_act.data_ptr(), nullptr, out.data_ptr(), nullptr, rows, cols,
+                           at::cuda::getCurrentCUDAStream(pre_act.get_device()).stream());
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
+  m.impl("linear_act", &fused_dense::linear_act_cuda);
+  m.impl("linear_bias_wgrad", &fused_dense::linear_bias_wgrad_cuda);
+  m.impl("act_linear_dgrad", &fused_dense::act_linear_dgrad_cuda);
+  m.impl("act_forward", &fused_dense::act_forward_cuda);
+}

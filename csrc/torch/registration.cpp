@@ -1,0 +1,54 @@
+// The op schemas, registered once. CPU, CUDA and Meta kernels live in their own files; the
+// three flash-attn-compatible entry points are thin composites over the two general ops.
+#include <torch/library.h>
+
+#include "reference.h"
+
+TORCH_LIBRARY(fused_dense, m) {
+  // General forms. activation: 0 none, 1 gelu_approx (tanh), 2 relu, 3 sqrelu.
+  // heuristic: -2 auto, -1 unfused, >= 0 index into cuBLASLt's algorithm list.
+  m.def("linear_act(Tensor input, Tensor weight, Tensor? bias, int activation, bool save_pre_act, "
+        "int heuristic) -> Tensor[]");
+  m.def("act_linear_dgrad(Tensor weight, Tensor d_output, Tensor? pre_act, int activation, "
+        "bool has_d_bias, int heuristic) -> Tensor[]");
+  m.def("linear_bias_wgrad(Tensor input, Tensor d_output, bool has_d_bias) -> Tensor[]");
+  m.def("act_forward(Tensor pre_act, int activation) -> Tensor");
+  // The seed's contract (flash-attn's fused_dense_lib): is_gelu picks GELU, else ReLU.
+  m.def("linear_act_forward(Tensor input, Tensor weight, Tensor? bias, bool is_gelu, "
+        "bool save_pre_act, int heuristic) -> Tensor[]");
+  m.def("bias_act_linear_dgrad_bgrad(Tensor weight, Tensor d_output, Tensor pre_act, bool is_gelu, "
+        "int heuristic) -> Tensor[]");
+}
+
+namespace fused_dense {
+namespace {
+
+std::vector<at::Tensor> linear_act_forward(const at::Tensor& input, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias, bool is_gelu,
+                                           bool save_pre_act, int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::linear_act", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                      const std::optional<at::Tensor>&, int64_t, bool,
+                                                      int64_t)>();
+  const auto act = is_gelu ? ActivationCode::kGeluTanh : ActivationCode::kRelu;
+  return op.call(input, weight, bias, static_cast<int64_t>(act), save_pre_act, heuristic);
+}
+
+std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, const at::Tensor& d_output,
+                                                    const at::Tensor& pre_act, bool is_gelu,
+                                                    int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_linear_dgrad", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                      const std::optional<at::Tensor>&, int64_t, bool,
+                                                      int64_t)>();
+  const auto act = is_gelu ? ActivationCode::kGeluTanh : ActivationCode::kRelu;
+  return op.call(weight, d_output, pre_act, static_cast<int64_t>(act), true, heuristic);
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, CompositeImplicitAutograd, m) {
+  m.impl("linear_act_forward", &fused_dense::linear_act_forward);
+  m.impl("bias_act_linear_dgrad_bgrad", &fused_dense::bias_act_linear_dgrad_bgrad);
+}

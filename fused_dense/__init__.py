@@ -1,0 +1,9 @@
+"""fused_dense: fused GEMM + bias + activation dense layers for PyTorch training."""
+from ._loader import has_cuda_kernels, load_library
+
+load_library()
+
+from . import ops  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["ops", "has_cuda_kernels"]
