@@ -93,18 +93,19 @@ void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, co
   FD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
 }
 
+// The problem fields that decide the plan, flattened to integers so hashing and equality
+// cannot see padding bytes.
 struct CacheKey {
-  GemmProblem problem;
-  std::array<uint32_t, 3> alignment;  // A, B, D
-  std::size_t workspace_bytes;
-  bool operator==(const CacheKey& o) const { return std::memcmp(this, &o, sizeof(CacheKey)) == 0; }
+  static constexpr int kFields = 20;
+  std::array<int64_t, kFields> v{};
+  std::size_t workspace_bytes() const { return static_cast<std::size_t>(v[kFields - 1]); }
+  uint32_t alignment(int i) const { return static_cast<uint32_t>(v[16 + i]); }
+  bool operator==(const CacheKey& o) const { return v == o.v; }
 };
 struct CacheKeyHash {
   std::size_t operator()(const CacheKey& k) const {
-    // FNV-1a over the bytes: the key is a zero-initialised POD (padding included).
-    const auto* bytes = reinterpret_cast<const unsigned char*>(&k);
     std::size_t h = 1469598103934665603ull;
-    for (std::size_t i = 0; i < sizeof(CacheKey); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+    for (int64_t x : k.v) h = (h ^ static_cast<std::size_t>(x)) * 1099511628211ull;
     return h;
   }
 };
@@ -151,8 +152,7 @@ Layout make_layout(DType dtype, int64_t rows, int64_t cols, int64_t ld) {
   return Layout(raw);
 }
 
-std::unique_ptr<PlannedGemm> plan(const CacheKey& key) {
-  const GemmProblem& p = key.problem;
+std::unique_ptr<PlannedGemm> plan(const GemmProblem& p, const CacheKey& key) {
   auto planned = std::make_unique<PlannedGemm>();
   planned->a = p.trans_a ? make_layout(p.dtype, p.k, p.m, p.lda) : make_layout(p.dtype, p.m, p.k, p.lda);
   planned->b = p.trans_b ? make_layout(p.dtype, p.n, p.k, p.ldb) : make_layout(p.dtype, p.k, p.n, p.ldb);
@@ -162,14 +162,14 @@ std::unique_ptr<PlannedGemm> plan(const CacheKey& key) {
   cublasLtMatmulPreference_t raw_pref = nullptr;
   FD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
   Preference pref(raw_pref);
-  uint64_t ws = key.workspace_bytes;
+  uint64_t ws = key.workspace_bytes();
   FD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
       raw_pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   const cublasLtMatmulPreferenceAttributes_t align_attrs[3] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 3; ++i) {
-    uint32_t a = key.alignment[i];
+    uint32_t a = key.alignment(i);
     FD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, align_attrs[i], &a, sizeof(a)));
   }
   planned->algorithms.resize(kRequestedAlgorithms);
@@ -187,14 +187,14 @@ std::unique_ptr<PlannedGemm> plan(const CacheKey& key) {
 
 class PlanCache {
  public:
-  const PlannedGemm& get(const CacheKey& key) {
+  const PlannedGemm& get(const GemmProblem& problem, const CacheKey& key) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = plans_.find(key);
       if (it != plans_.end()) return *it->second;
     }
     // Plan outside the lock (the heuristic query is slow); a racing thread's duplicate is dropped.
-    auto planned = plan(key);
+    auto planned = plan(problem, key);
     std::lock_guard<std::mutex> lock(mutex_);
     auto [it, inserted] = plans_.emplace(key, std::move(planned));
     return *it->second;
@@ -210,32 +210,14 @@ PlanCache& plan_cache() {
   return *cache;
 }
 
-CacheKey make_key(const GemmProblem& problem, const GemmPointers* ptrs, std::size_t workspace_bytes) {
+CacheKey make_key(const GemmProblem& p, const GemmPointers* ptrs, std::size_t workspace_bytes) {
   CacheKey key;
-  std::memset(&key, 0, sizeof(key));
-  // Member-wise copy keeps the padding bytes zero, which the byte-wise hash and equality need.
-  key.problem.device = problem.device;
-  key.problem.dtype = problem.dtype;
-  key.problem.trans_a = problem.trans_a;
-  key.problem.trans_b = problem.trans_b;
-  key.problem.m = problem.m;
-  key.problem.n = problem.n;
-  key.problem.k = problem.k;
-  key.problem.lda = problem.lda;
-  key.problem.ldb = problem.ldb;
-  key.problem.ldd = problem.ldd;
-  key.problem.epilogue = problem.epilogue;
-  key.problem.with_bias = problem.with_bias;
-  key.problem.with_bias_grad = problem.with_bias_grad;
-  key.problem.ld_aux = uses_aux(problem.epilogue) ? problem.ld_aux : 0;
-  key.problem.accumulate = problem.accumulate;
-  key.problem.allow_tf32 = problem.dtype == DType::kFloat32 && problem.allow_tf32;
-  if (ptrs != nullptr) {
-    key.alignment = {alignment_of(ptrs->a), alignment_of(ptrs->b), alignment_of(ptrs->d)};
-  } else {
-    key.alignment = {256, 256, 256};
-  }
-  key.workspace_bytes = workspace_bytes;
+  const bool tf32 = p.dtype == DType::kFloat32 && p.allow_tf32;
+  key.v = {p.device, static_cast<int64_t>(p.dtype), p.trans_a, p.trans_b, p.m, p.n, p.k, p.lda, p.ldb,
+           p.ldd, static_cast<int64_t>(p.epilogue), p.with_bias, p.with_bias_grad,
+           uses_aux(p.epilogue) ? p.ld_aux : 0, p.accumulate, tf32,
+           ptrs ? alignment_of(ptrs->a) : 256, ptrs ? alignment_of(ptrs->b) : 256,
+           ptrs ? alignment_of(ptrs->d) : 256, static_cast<int64_t>(workspace_bytes)};
   return key;
 }
 
@@ -252,7 +234,7 @@ enum class Outcome { kDone, kRefused };
 Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const Workspace& ws,
             cudaStream_t stream) {
   if (heuristic < 0) throw Error("fused_dense: internal error: negative heuristic reached gemm()");
-  const PlannedGemm& planned = plan_cache().get(make_key(p, &ptrs, ws.bytes));
+  const PlannedGemm& planned = plan_cache().get(p, make_key(p, &ptrs, ws.bytes));
   const int count = static_cast<int>(planned.algorithms.size());
   if (count == 0) return Outcome::kRefused;
   if (heuristic >= count) {
@@ -294,7 +276,7 @@ std::size_t gemm_workspace_bytes(int device) {
 
 int gemm_algorithm_count(const GemmProblem& problem) {
   return static_cast<int>(
-      plan_cache().get(make_key(problem, nullptr, gemm_workspace_bytes(problem.device))).algorithms.size());
+      plan_cache().get(problem, make_key(problem, nullptr, gemm_workspace_bytes(problem.device))).algorithms.size());
 }
 
 bool try_gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,

@@ -1,9 +1,11 @@
 #include "linear.h"
 
 #include <algorithm>
+#include <sstream>
 
 #include "cuda_check.h"
 #include "elementwise.h"
+#include "tuner.h"
 
 namespace fused_dense::core {
 namespace {
@@ -28,12 +30,55 @@ GemmProblem base_problem(const LinearContext& ctx) {
   return p;
 }
 
-// The unfused path runs the plain GEMM; an explicit heuristic indexes its list instead.
-int plain_heuristic(int heuristic) { return heuristic >= 0 ? heuristic : 0; }
-
 void zero(void* ptr, int64_t elements, DType dtype, cudaStream_t stream) {
   if (ptr != nullptr && elements > 0)
     FD_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<std::size_t>(elements) * dtype_size(dtype), stream));
+}
+
+enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2 };
+
+TuningKey tuning_key(OpKind op, const LinearContext& ctx, int64_t B, int64_t K, int64_t N, Activation act,
+                     bool flag_a, bool flag_b) {
+  TuningKey key;
+  key.v = {static_cast<int64_t>(op), static_cast<int64_t>(ctx.dtype), B, K, N, static_cast<int64_t>(act),
+           flag_a, flag_b, ctx.dtype == DType::kFloat32 && ctx.allow_tf32, 0};
+  return key;
+}
+
+std::string describe(const char* op, const LinearContext& ctx, int64_t B, int64_t K, int64_t N, Activation act) {
+  std::ostringstream s;
+  s << op << " " << dtype_name(ctx.dtype) << " " << activation_name(act) << " B=" << B << " K=" << K << " N=" << N;
+  return s.str();
+}
+
+// Resolves the heuristic argument into runs of `run_choice`: an explicit index tries the fused
+// epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the plain
+// list; 'auto' measures (tuner.h).
+template <typename RunChoice>
+void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_problem,
+              const GemmProblem& plain_problem, const Choice& rule, const LinearContext& ctx,
+              const TuningKey& key, const std::string& description, RunChoice&& run_choice) {
+  if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !fused_possible)) {
+    run_choice(Choice{false, std::max(heuristic, 0)});
+    return;
+  }
+  if (heuristic >= 0) {
+    if (!run_choice(Choice{true, heuristic})) run_choice(Choice{false, heuristic});
+    return;
+  }
+  const int fused_count = fused_possible ? gemm_algorithm_count(fused_problem) : 0;
+  const int plain_count = gemm_algorithm_count(plain_problem);
+  Choice fallback = rule;
+  if (fallback.fused && fused_count == 0) fallback = Choice{false, 0};
+  const Choice choice = tuned_choice(ctx.device, key, description, fused_count, plain_count, fallback,
+                                     run_choice, ctx.stream);
+  // A choice tuned on aligned operands may not exist in the list of a less aligned call.
+  bool done = false;
+  try {
+    done = run_choice(choice);
+  } catch (const HeuristicOutOfRange&) {
+  }
+  if (!done) run_choice(Choice{false, 0});
 }
 
 }  // namespace
@@ -62,38 +107,44 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
     bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.stream);
     return;
   }
-  GemmProblem p = base_problem(ctx);
-  p.trans_a = true;
-  p.m = N, p.n = B, p.k = K;
-  p.lda = K, p.ldb = K, p.ldd = N;
-  GemmPointers ptrs;
-  ptrs.a = a.weight;
-  ptrs.b = a.input;
+  GemmProblem plain = base_problem(ctx);
+  plain.trans_a = true;
+  plain.m = N, plain.n = B, plain.k = K;
+  plain.lda = K, plain.ldb = K, plain.ldd = N;
+
+  GemmProblem fused = plain;
+  fused.with_bias = a.bias != nullptr;
+  fused.ld_aux = N;
+  switch (a.activation) {
+    case Activation::kNone: fused.epilogue = Epilogue::kNone; break;
+    case Activation::kGeluTanh: fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
+    case Activation::kRelu: fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
+    case Activation::kSquaredRelu: break;
+  }
+  const bool fused_possible = a.activation != Activation::kSquaredRelu &&
+                              (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
   const Workspace ws = gemm_part(ctx);
 
-  const bool epilogue_exists = a.activation != Activation::kSquaredRelu &&
-                               (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
-  if (a.heuristic != kHeuristicUnfused && epilogue_exists) {
-    GemmProblem fused = p;
-    fused.with_bias = a.bias != nullptr;
-    switch (a.activation) {
-      case Activation::kNone: fused.epilogue = Epilogue::kNone; break;
-      case Activation::kGeluTanh: fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
-      case Activation::kRelu: fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
-      case Activation::kSquaredRelu: break;
+  auto run_choice = [&](const Choice& c) -> bool {
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.input;
+    if (c.fused) {
+      ptrs.d = a.out;
+      ptrs.bias = a.bias;
+      ptrs.aux = a.pre_act;
+      return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
     }
-    fused.ld_aux = N;
-    GemmPointers fptrs = ptrs;
-    fptrs.d = a.out;
-    fptrs.bias = a.bias;
-    fptrs.aux = a.pre_act;
-    const int h = a.heuristic == kHeuristicAuto ? 0 : a.heuristic;
-    if (try_gemm(fused, fptrs, h, ws, ctx.stream)) return;
-  }
-  ptrs.d = gemm_target;
-  gemm(p, ptrs, plain_heuristic(a.heuristic), ws, ctx.stream);
-  if (a.activation == Activation::kNone && a.bias == nullptr) return;
-  bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.stream);
+    ptrs.d = gemm_target;
+    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
+    if (a.activation != Activation::kNone || a.bias != nullptr)
+      bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.stream);
+    return true;
+  };
+  // Rule without measurement: the fused epilogue, cuBLASLt's first choice.
+  dispatch(a.heuristic, fused_possible, fused, plain, Choice{true, 0}, ctx,
+           tuning_key(OpKind::kForward, ctx, B, K, N, a.activation, a.bias != nullptr, a.pre_act != nullptr),
+           describe("forward", ctx, B, K, N, a.activation), run_choice);
 }
 
 void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
@@ -104,29 +155,39 @@ void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
     return;
   }
   if (N == 0) return;
-  if (K > 0) {
-    GemmProblem p = base_problem(ctx);
-    p.trans_b = true;
-    p.m = K, p.n = N, p.k = B;
-    p.lda = K, p.ldb = N, p.ldd = K;
+  auto column_sum = [&] {
+    act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_output, nullptr, nullptr, a.d_bias, B, N,
+                           ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+  };
+  if (K == 0) {
+    if (a.d_bias != nullptr) column_sum();
+    return;
+  }
+  GemmProblem plain = base_problem(ctx);
+  plain.trans_b = true;
+  plain.m = K, plain.n = N, plain.k = B;
+  plain.lda = K, plain.ldb = N, plain.ldd = K;
+  GemmProblem fused = plain;
+  fused.epilogue = Epilogue::kBGradB;
+  const Workspace ws = gemm_part(ctx);
+
+  auto run_choice = [&](const Choice& c) -> bool {
     GemmPointers ptrs;
     ptrs.a = a.input;
     ptrs.b = a.d_output;
     ptrs.d = a.d_weight;
-    const Workspace ws = gemm_part(ctx);
-    if (a.d_bias != nullptr) {
-      GemmProblem fused = p;
-      fused.epilogue = Epilogue::kBGradB;
-      GemmPointers fptrs = ptrs;
-      fptrs.bias_grad = a.d_bias;
-      if (try_gemm(fused, fptrs, 0, ws, ctx.stream)) return;
+    if (c.fused) {
+      ptrs.bias_grad = a.d_bias;
+      return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
     }
-    gemm(p, ptrs, 0, ws, ctx.stream);
-  }
-  if (a.d_bias != nullptr) {
-    act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_output, nullptr, nullptr, a.d_bias, B, N,
-                           ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
-  }
+    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
+    if (a.d_bias != nullptr) column_sum();
+    return true;
+  };
+  // The seed's wgrad op takes no heuristic: it is always 'auto'; the rule fuses BGRADB.
+  dispatch(kHeuristicAuto, a.d_bias != nullptr, fused, plain, Choice{a.d_bias != nullptr, 0}, ctx,
+           tuning_key(OpKind::kWgrad, ctx, B, K, N, Activation::kNone, a.d_bias != nullptr, false),
+           describe("wgrad", ctx, B, K, N, Activation::kNone), run_choice);
 }
 
 void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
@@ -135,40 +196,44 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
     if (B == 0) zero(a.d_bias, K, ctx.dtype, ctx.stream);
     return;
   }
-  const bool needs_kernel = a.activation != Activation::kNone || a.d_bias != nullptr;
   if (N == 0) {
     zero(a.d_input, B * K, ctx.dtype, ctx.stream);
     zero(a.d_bias, K, ctx.dtype, ctx.stream);
     return;
   }
-  GemmProblem p = base_problem(ctx);
-  p.m = K, p.n = B, p.k = N;
-  p.lda = K, p.ldb = N, p.ldd = K;
-  GemmPointers ptrs;
-  ptrs.a = a.weight;
-  ptrs.b = a.d_output;
-  ptrs.d = a.d_input;
+  GemmProblem plain = base_problem(ctx);
+  plain.m = K, plain.n = B, plain.k = N;
+  plain.lda = K, plain.ldb = N, plain.ldd = K;
+  GemmProblem fused = plain;
+  fused.epilogue = a.activation == Activation::kRelu ? Epilogue::kDRelu : Epilogue::kDGelu;
+  fused.with_bias_grad = a.d_bias != nullptr;
+  fused.ld_aux = K;
+  const bool fused_possible = (a.activation == Activation::kGeluTanh || a.activation == Activation::kRelu) &&
+                              aux_ld_accepted(a.activation, K);
+  const bool needs_kernel = a.activation != Activation::kNone || a.d_bias != nullptr;
   const Workspace ws = gemm_part(ctx);
 
-  // 'auto' keeps dgrad unfused: on the H200 DGELU_BGRAD measured slower than GEMM + one
+  auto run_choice = [&](const Choice& c) -> bool {
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.d_output;
+    ptrs.d = a.d_input;
+    if (c.fused) {
+      ptrs.aux = const_cast<void*>(a.pre_act);
+      ptrs.bias_grad = a.d_bias;
+      return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
+    }
+    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
+    if (needs_kernel)
+      act_backward_bias_grad(ctx.dtype, a.activation, a.d_input, a.pre_act, a.d_input, a.d_bias, B, K,
+                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+    return true;
+  };
+  // Rule without measurement: unfused. On the H200 DGELU_BGRAD measured slower than GEMM + one
   // elementwise pass at every shape of ../shared/BASELINES.md (0.158 vs 0.124 ms at 8192x1024x4096).
-  const bool try_fused = a.heuristic >= 0 && (a.activation == Activation::kGeluTanh ||
-                                              a.activation == Activation::kRelu) &&
-                         aux_ld_accepted(a.activation, K);
-  if (try_fused) {
-    GemmProblem fused = p;
-    fused.epilogue = a.activation == Activation::kRelu ? Epilogue::kDRelu : Epilogue::kDGelu;
-    fused.with_bias_grad = a.d_bias != nullptr;
-    fused.ld_aux = K;
-    GemmPointers fptrs = ptrs;
-    fptrs.aux = const_cast<void*>(a.pre_act);
-    fptrs.bias_grad = a.d_bias;
-    if (try_gemm(fused, fptrs, a.heuristic, ws, ctx.stream)) return;
-  }
-  gemm(p, ptrs, plain_heuristic(a.heuristic), ws, ctx.stream);
-  if (!needs_kernel) return;
-  act_backward_bias_grad(ctx.dtype, a.activation, a.d_input, a.pre_act, a.d_input, a.d_bias, B, K,
-                         ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+  dispatch(a.heuristic, fused_possible, fused, plain, Choice{false, 0}, ctx,
+           tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
+           describe("dgrad", ctx, B, K, N, a.activation), run_choice);
 }
 
 }  // namespace fused_dense::core

@@ -1,0 +1,196 @@
+#include "tuner.h"
+
+#include <cublasLt.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "cuda_check.h"
+
+namespace fused_dense::core {
+namespace {
+
+// Bounds on one problem's tuning: a handful of candidates, a few timed runs each, and a wall
+// clock budget after which the best so far wins (large problems take ~15 ms per GEMM).
+constexpr int kMaxFusedCandidates = 8;
+constexpr int kMaxPlainCandidates = 4;
+constexpr int kTimedRuns = 3;
+constexpr double kBudgetMs = 1500.0;
+
+struct TuningKeyHash {
+  std::size_t operator()(const TuningKey& k) const {
+    std::size_t h = 1469598103934665603ull;
+    for (int64_t x : k.v) h = (h ^ static_cast<std::size_t>(x)) * 1099511628211ull;
+    return h;
+  }
+};
+
+struct EventDeleter {
+  void operator()(CUevent_st* e) const { cudaEventDestroy(e); }
+};
+using Event = std::unique_ptr<CUevent_st, EventDeleter>;
+Event make_event() {
+  cudaEvent_t e = nullptr;
+  FD_CUDA_CHECK(cudaEventCreate(&e));
+  return Event(e);
+}
+
+bool env_flag(const char* name, bool default_value) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return default_value;
+  return !(v[0] == '0' && v[1] == '\0');
+}
+
+// A persisted choice is only valid for the same GPU model and cuBLASLt build.
+std::string device_tag(int device) {
+  cudaDeviceProp prop{};
+  FD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  std::string name = prop.name;
+  for (char& c : name)
+    if (c == ' ' || c == '\t') c = '_';
+  std::ostringstream tag;
+  tag << name << "/sm" << prop.major << prop.minor << "/cublasLt" << cublasLtGetVersion();
+  return tag.str();
+}
+
+class ChoiceCache {
+ public:
+  bool lookup(int device, const TuningKey& key, Choice* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& table = table_for(device);
+    auto it = table.find(key);
+    if (it == table.end()) return false;
+    *out = it->second;
+    return true;
+  }
+
+  void insert(int device, const TuningKey& key, const Choice& choice) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    table_for(device)[key] = choice;
+    const char* path = std::getenv("FUSED_DENSE_TUNING_CACHE");
+    if (path == nullptr || *path == '\0') return;
+    std::ofstream file(path, std::ios::app);
+    if (!file) return;  // persistence is an optimisation; an unwritable path only costs re-tuning
+    file << tags_[device];
+    for (int64_t x : key.v) file << ' ' << x;
+    file << ' ' << (choice.fused ? 1 : 0) << ' ' << choice.algorithm << '\n';
+  }
+
+ private:
+  using Table = std::unordered_map<TuningKey, Choice, TuningKeyHash>;
+
+  // Caller holds mutex_.
+  Table& table_for(int device) {
+    auto it = tables_.find(device);
+    if (it != tables_.end()) return it->second;
+    Table& table = tables_[device];
+    tags_[device] = device_tag(device);
+    load(tags_[device], &table);
+    return table;
+  }
+
+  static void load(const std::string& tag, Table* table) {
+    const char* path = std::getenv("FUSED_DENSE_TUNING_CACHE");
+    if (path == nullptr || *path == '\0') return;
+    std::ifstream file(path);
+    std::string line;
+    while (std::getline(file, line)) {
+      std::istringstream in(line);
+      std::string line_tag;
+      TuningKey key;
+      int fused = 0;
+      Choice choice;
+      in >> line_tag;
+      for (auto& x : key.v) in >> x;
+      in >> fused >> choice.algorithm;
+      if (!in || line_tag != tag || choice.algorithm < 0) continue;  // other GPU, or a torn line
+      choice.fused = fused != 0;
+      (*table)[key] = choice;
+    }
+  }
+
+  std::mutex mutex_;
+  std::map<int, Table> tables_;
+  std::map<int, std::string> tags_;
+};
+
+ChoiceCache& choice_cache() {
+  static ChoiceCache* cache = new ChoiceCache();  // lives until exit, like the plans it indexes
+  return *cache;
+}
+
+void announce_first_tuning() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "fused_dense: heuristic='auto' measures the candidate algorithms of each new problem "
+                 "shape once (FUSED_DENSE_TUNING_VERBOSE=1 prints each choice, FUSED_DENSE_TUNING=0 "
+                 "turns measuring off)\n");
+  });
+}
+
+}  // namespace
+
+Choice tuned_choice(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
+                    int plain_algorithms, const Choice& fallback, const CandidateRunner& run,
+                    cudaStream_t stream) {
+  Choice cached;
+  if (choice_cache().lookup(device, key, &cached)) return cached;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone || !env_flag("FUSED_DENSE_TUNING", true)) return fallback;
+  announce_first_tuning();
+
+  std::vector<Choice> candidates;
+  for (int i = 0; i < std::min(fused_algorithms, kMaxFusedCandidates); ++i) candidates.push_back({true, i});
+  for (int i = 0; i < std::min(plain_algorithms, kMaxPlainCandidates); ++i) candidates.push_back({false, i});
+
+  Event start = make_event(), stop = make_event();
+  Choice best = fallback;
+  float best_ms = std::numeric_limits<float>::infinity();
+  float fallback_ms = std::numeric_limits<float>::quiet_NaN();
+  int measured = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const Choice& c : candidates) {
+    const double spent =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (measured > 0 && spent > kBudgetMs) break;
+    try {
+      if (!run(c)) continue;  // warm-up run; also tells whether cuBLASLt accepts it
+      FD_CUDA_CHECK(cudaEventRecord(start.get(), stream));
+      for (int r = 0; r < kTimedRuns; ++r) run(c);
+      FD_CUDA_CHECK(cudaEventRecord(stop.get(), stream));
+      FD_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+    } catch (const Error&) {
+      continue;  // an algorithm the heuristic listed but the launch rejected is simply not a candidate
+    }
+    float ms = 0.f;
+    FD_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    ms /= kTimedRuns;
+    ++measured;
+    if (c.fused == fallback.fused && c.algorithm == fallback.algorithm) fallback_ms = ms;
+    if (ms < best_ms) {
+      best_ms = ms;
+      best = c;
+    }
+  }
+  if (measured == 0) return fallback;
+  if (env_flag("FUSED_DENSE_TUNING_VERBOSE", false)) {
+    std::fprintf(stderr, "fused_dense: tuned %s: %s algorithm %d, %.4f ms (rule's choice: %.4f ms), %d candidates\n",
+                 description.c_str(), best.fused ? "fused" : "unfused", best.algorithm, best_ms, fallback_ms,
+                 measured);
+  }
+  choice_cache().insert(device, key, best);
+  return best;
+}
+
+}  // namespace fused_dense::core

@@ -1,0 +1,38 @@
+// Measured choice for heuristic = auto: on the first call of a problem, time each candidate
+// (the fused epilogue with several of cuBLASLt's algorithms, plain GEMM + elementwise kernel
+// with several plain algorithms) on the caller's stream and keep the fastest, process-wide.
+// FUSED_DENSE_TUNING_CACHE=path persists choices across processes (one line per problem).
+// FUSED_DENSE_TUNING=0 disables measuring (the fixed rule is used instead).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace fused_dense::core {
+
+struct Choice {
+  bool fused = false;
+  int algorithm = 0;  // index into the fused epilogue's or the plain GEMM's algorithm list
+};
+
+// What identifies a problem for tuning: op kind, dtype, shape and epilogue flags.
+struct TuningKey {
+  std::array<int64_t, 10> v{};
+  bool operator==(const TuningKey& o) const { return v == o.v; }
+};
+
+// Candidate runner: enqueue one run of `choice` on the stream; false when cuBLASLt refuses it.
+using CandidateRunner = std::function<bool(const Choice&)>;
+
+// Returns the measured best choice for key, tuning now if needed and allowed. When the stream
+// is being captured into a CUDA graph, or tuning is disabled, returns `fallback` without
+// measuring (and without caching it, so a later eager call still tunes).
+Choice tuned_choice(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
+                    int plain_algorithms, const Choice& fallback, const CandidateRunner& run,
+                    cudaStream_t stream);
+
+}  // namespace fused_dense::core

@@ -1,0 +1,46 @@
+#include "types.h"
+
+#include <string>
+
+namespace fused_dense::core {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+  }
+  // Reached only through a cast from an out-of-range integer; error messages still need a name.
+  return "unknown";
+}
+
+const char* activation_name(Activation act) {
+  switch (act) {
+    case Activation::kNone:
+      return "none";
+    case Activation::kGeluTanh:
+      return "gelu_approx";
+    case Activation::kRelu:
+      return "relu";
+    case Activation::kSquaredRelu:
+      return "sqrelu";
+  }
+  return "unknown";
+}
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat32:
+      return 4;
+  }
+  // A size of 0 would silently turn byte counts into 0, so an invalid code must not pass.
+  throw Error("fused_dense: invalid dtype code " + std::to_string(static_cast<int>(dtype)));
+}
+
+}  // namespace fused_dense::core

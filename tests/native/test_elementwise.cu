@@ -1,0 +1,654 @@
+// Standalone check of csrc/core/elementwise.cu against a host fp64 reference (no PyTorch).
+//
+// Build (from the repository root):
+//   nvcc -std=c++17 -O2 -Icsrc/core -gencode arch=compute_90,code=sm_90
+//        tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp
+//        -o build/test_elementwise            (one line)
+// Run:  build/test_elementwise            correctness suite, prints "N passed, M failed"
+//       build/test_elementwise --quick    skip the large shapes
+//       build/test_elementwise --bench    also time large shapes and print effective GB/s
+//       build/test_elementwise --bench-only
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "elementwise.h"
+#include "types.h"
+
+using namespace fused_dense::core;
+
+namespace {
+
+#define CK(expr)                                                                                \
+  do {                                                                                          \
+    cudaError_t e_ = (expr);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s (case %s)\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                   #expr, g_current.c_str());                                                   \
+      std::exit(2);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+// Name of the case in flight, for fatal CUDA errors (they poison the context, so we stop).
+std::string g_current;
+int g_passed = 0;
+int g_failed = 0;
+
+void record(bool ok, const std::string& name, const std::string& detail = "") {
+  if (ok) {
+    ++g_passed;
+  } else {
+    ++g_failed;
+    if (g_failed <= 60) std::printf("FAIL %s %s\n", name.c_str(), detail.c_str());
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Host-side dtype handling.
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+  uint64_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+  float uniform(float lo, float hi) { return lo + (hi - lo) * static_cast<float>((next() >> 40) * (1.0 / (1ull << 24))); }
+};
+
+size_t esize(DType d) { return dtype_size(d); }
+
+float get(DType d, const std::vector<uint8_t>& buf, size_t i) {
+  switch (d) {
+    case DType::kFloat16: {
+      __half h;
+      std::memcpy(&h, buf.data() + 2 * i, 2);
+      return __half2float(h);
+    }
+    case DType::kBFloat16: {
+      __nv_bfloat16 h;
+      std::memcpy(&h, buf.data() + 2 * i, 2);
+      return __bfloat162float(h);
+    }
+    default: {
+      float f;
+      std::memcpy(&f, buf.data() + 4 * i, 4);
+      return f;
+    }
+  }
+}
+
+void put(DType d, std::vector<uint8_t>& buf, size_t i, float v) {
+  switch (d) {
+    case DType::kFloat16: {
+      __half h = __float2half_rn(v);
+      std::memcpy(buf.data() + 2 * i, &h, 2);
+      break;
+    }
+    case DType::kBFloat16: {
+      __nv_bfloat16 h = __float2bfloat16_rn(v);
+      std::memcpy(buf.data() + 2 * i, &h, 2);
+      break;
+    }
+    default:
+      std::memcpy(buf.data() + 4 * i, &v, 4);
+  }
+}
+
+float round_to(DType d, float v) {
+  std::vector<uint8_t> b(4);
+  put(d, b, 0, v);
+  return get(d, b, 0);
+}
+
+double rtol_of(DType d) {
+  switch (d) {
+    case DType::kFloat16:
+      return 2e-3;
+    case DType::kBFloat16:
+      return 1.6e-2;
+    default:
+      return 2e-5;
+  }
+}
+
+double atol_of(DType d) {
+  switch (d) {
+    case DType::kFloat16:
+      return 2e-5;
+    case DType::kBFloat16:
+      return 2e-4;
+    default:
+      return 2e-6;
+  }
+}
+
+bool close(double got, double ref, double rtol, double atol) {
+  if (std::isnan(ref)) return std::isnan(got);
+  if (std::isnan(got)) return false;
+  if (std::isinf(ref)) return got == ref;
+  return std::fabs(got - ref) <= rtol * std::fabs(ref) + atol;
+}
+
+// ----------------------------------------------------------------------------------------------
+// fp64 reference activations.
+
+const double kK0 = 0.7978845608028654;
+const double kK1 = 0.044715;
+
+double ref_act(Activation a, double p) {
+  switch (a) {
+    case Activation::kNone:
+      return p;
+    case Activation::kGeluTanh:
+      return 0.5 * p * (1.0 + std::tanh(kK0 * (p + kK1 * p * p * p)));
+    case Activation::kRelu:
+      return p > 0 ? p : 0.0;
+    case Activation::kSquaredRelu:
+      return p > 0 ? p * p : 0.0;
+  }
+  return 0;
+}
+
+double ref_dact(Activation a, double p) {
+  switch (a) {
+    case Activation::kNone:
+      return 1.0;
+    case Activation::kGeluTanh: {
+      const double t = std::tanh(kK0 * (p + kK1 * p * p * p));
+      return 0.5 * (1.0 + t) + 0.5 * p * (1.0 - t * t) * kK0 * (1.0 + 3.0 * kK1 * p * p);
+    }
+    case Activation::kRelu:
+      return p > 0 ? 1.0 : 0.0;
+    case Activation::kSquaredRelu:
+      return p > 0 ? 2.0 * p : 0.0;
+  }
+  return 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Device buffers: one allocation with slack so a view can be deliberately misaligned.
+
+struct DevBuf {
+  uint8_t* base = nullptr;
+  uint8_t* ptr = nullptr;
+  size_t bytes = 0;
+  DevBuf() = default;
+  DevBuf(size_t n, size_t offset) : bytes(n) {
+    CK(cudaMalloc(&base, n + 64));
+    ptr = base + offset;
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() {
+    if (base) cudaFree(base);
+  }
+  void upload(const std::vector<uint8_t>& h) {
+    if (bytes) CK(cudaMemcpy(ptr, h.data(), bytes, cudaMemcpyHostToDevice));
+  }
+  void poison() {
+    if (bytes) CK(cudaMemset(ptr, 0xFF, bytes));  // NaN in every float format, all mask bits set
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> h(bytes);
+    if (bytes) CK(cudaMemcpy(h.data(), ptr, bytes, cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+const char* aname(Activation a) { return activation_name(a); }
+
+std::string case_name(const char* what, DType d, Activation a, int64_t rows, int64_t cols, const std::string& extra) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "%s[%s,%s,rows=%lld,cols=%lld%s]", what, dtype_name(d), aname(a),
+                static_cast<long long>(rows), static_cast<long long>(cols), extra.c_str());
+  return buf;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward.
+
+enum class Alias { kNone, kXisOut, kXisPre };
+
+void test_forward(DType d, Activation a, int64_t rows, int64_t cols, bool use_bias, bool use_pre, Alias alias,
+                  bool misalign, uint64_t seed) {
+  const bool mask_mode = a == Activation::kRelu && use_pre;
+  if (alias == Alias::kXisPre && (!use_pre || mask_mode)) return;
+  std::string extra = std::string(use_bias ? ",bias" : "") + (use_pre ? ",pre" : "") +
+                      (alias == Alias::kXisOut ? ",x=out" : alias == Alias::kXisPre ? ",x=pre" : "") +
+                      (misalign ? ",misaligned" : "");
+  const std::string name = case_name("forward", d, a, rows, cols, extra);
+  g_current = name;
+
+  const size_t es = esize(d);
+  const size_t n = static_cast<size_t>(rows) * cols;
+  const int64_t rb = relu_mask_row_bytes(cols);
+  const size_t pre_bytes = mask_mode ? static_cast<size_t>(rows) * rb : n * es;
+  Rng rng(seed);
+
+  std::vector<uint8_t> hx(n * es), hb(cols * es);
+  for (int64_t j = 0; j < cols; ++j) put(d, hb, j, use_bias ? rng.uniform(-1.f, 1.f) : 0.f);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t r = rng.next();
+    float v = rng.uniform(-3.f, 3.f);
+    // Exact zeros of x + bias exercise the strict "> 0" of the ReLU mask and derivative.
+    if ((r & 15) == 0) v = use_bias ? -get(d, hb, i % cols) : 0.f;
+    put(d, hx, i, v);
+  }
+
+  const size_t off = misalign ? es : 0;
+  DevBuf dx(n * es, off), dbias(use_bias ? cols * es : 0, off), dout(n * es, off),
+      dpre(use_pre ? pre_bytes : 0, misalign ? (mask_mode ? 1 : es) : 0);
+  dout.poison();
+  dpre.poison();
+  void* xptr = dx.ptr;
+  if (alias == Alias::kXisOut) {
+    dout.upload(hx);
+    xptr = dout.ptr;
+  } else if (alias == Alias::kXisPre) {
+    dpre.upload(hx);
+    xptr = dpre.ptr;
+  } else {
+    dx.upload(hx);
+  }
+  dbias.upload(hb);
+
+  try {
+    bias_act_forward(d, a, xptr, use_bias ? dbias.ptr : nullptr, dout.ptr, use_pre ? dpre.ptr : nullptr, rows, cols,
+                     nullptr);
+    CK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    record(false, name, std::string("threw: ") + e.what());
+    return;
+  }
+
+  const auto hout = dout.download();
+  const auto hpre = dpre.download();
+  const double rtol = rtol_of(d), atol = atol_of(d);
+  bool ok = true;
+  std::string detail;
+  for (int64_t i = 0; i < rows && ok; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const size_t k = static_cast<size_t>(i) * cols + j;
+      // Same fp32 add and rounding as the device, so pre_act and the mask must match exactly.
+      const float p32 = get(d, hx, k) + (use_bias ? get(d, hb, j) : 0.f);
+      const float pr = round_to(d, p32);
+      const double ref = ref_act(a, pr);
+      const double got = get(d, hout, k);
+      if (!close(got, ref, rtol, atol)) {
+        ok = false;
+        detail = "out[" + std::to_string(i) + "," + std::to_string(j) + "]=" + std::to_string(got) +
+                 " ref=" + std::to_string(ref);
+        break;
+      }
+      if (use_pre && !mask_mode) {
+        std::vector<uint8_t> want(es);
+        put(d, want, 0, pr);
+        if (std::memcmp(want.data(), hpre.data() + k * es, es) != 0) {
+          ok = false;
+          detail = "pre_act[" + std::to_string(i) + "," + std::to_string(j) + "] differs";
+          break;
+        }
+      }
+    }
+    if (ok && mask_mode) {
+      for (int64_t b = 0; b < rb; ++b) {
+        unsigned want = 0;
+        for (int bit = 0; bit < 8; ++bit) {
+          const int64_t j = b * 8 + bit;
+          if (j >= cols) break;
+          const size_t k = static_cast<size_t>(i) * cols + j;
+          const float p32 = get(d, hx, k) + (use_bias ? get(d, hb, j) : 0.f);
+          if (round_to(d, p32) > 0.f) want |= 1u << bit;
+        }
+        const unsigned got = hpre[static_cast<size_t>(i) * rb + b];
+        if (got != want) {
+          ok = false;
+          char buf[128];
+          std::snprintf(buf, sizeof(buf), "mask[%lld,%lld]=0x%02x want 0x%02x", static_cast<long long>(i),
+                        static_cast<long long>(b), got, want);
+          detail = buf;
+          break;
+        }
+      }
+    }
+  }
+  record(ok, name, detail);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward.
+
+enum class Ws { kPreferred, kMinimal, kHalf };
+
+void test_backward(DType d, Activation a, int64_t rows, int64_t cols, bool use_bias_grad, bool inplace, bool misalign,
+                   Ws ws_mode, uint64_t seed) {
+  std::string extra = std::string(use_bias_grad ? ",bias_grad" : "") + (inplace ? ",grad_in=grad" : "") +
+                      (misalign ? ",misaligned" : "") +
+                      (!use_bias_grad ? ""
+                       : ws_mode == Ws::kMinimal ? ",ws=min"
+                       : ws_mode == Ws::kHalf    ? ",ws=half"
+                                                 : "");
+  const std::string name = case_name("backward", d, a, rows, cols, extra);
+  g_current = name;
+
+  const size_t es = esize(d);
+  const size_t n = static_cast<size_t>(rows) * cols;
+  const int64_t rb = relu_mask_row_bytes(cols);
+  const bool mask_mode = a == Activation::kRelu;
+  const size_t pre_bytes = mask_mode ? static_cast<size_t>(rows) * rb : n * es;
+  Rng rng(seed);
+
+  std::vector<uint8_t> hg(n * es), hp(pre_bytes);
+  for (size_t i = 0; i < n; ++i) put(d, hg, i, rng.uniform(-2.f, 2.f));
+  if (mask_mode) {
+    // Random bytes, padding bits included: the kernels must ignore the padding.
+    for (size_t i = 0; i < pre_bytes; ++i) hp[i] = static_cast<uint8_t>(rng.next() >> 32);
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const uint64_t r = rng.next();
+      put(d, hp, i, (r & 15) == 0 ? 0.f : rng.uniform(-4.f, 4.f));
+    }
+  }
+
+  const size_t off = misalign ? es : 0;
+  DevBuf dg(n * es, off), dp(pre_bytes, misalign ? (mask_mode ? 1 : es) : 0), dgi(inplace ? 0 : n * es, off),
+      dbg(use_bias_grad ? cols * es : 0, off);
+  dg.upload(hg);
+  dp.upload(hp);
+  dgi.poison();
+  dbg.poison();
+  void* gi_ptr = inplace ? dg.ptr : dgi.ptr;
+
+  size_t ws_bytes = 0;
+  if (use_bias_grad) {
+    const size_t pref = reduction_workspace_bytes(rows, cols);
+    const size_t minimal = static_cast<size_t>(cols) * sizeof(float);
+    ws_bytes = ws_mode == Ws::kPreferred ? pref : ws_mode == Ws::kMinimal ? minimal : std::max(minimal, pref / 2);
+    if (rows > 0 && pref < minimal) {
+      record(false, name, "reduction_workspace_bytes below cols*4");
+      return;
+    }
+  }
+  DevBuf dws(std::max<size_t>(ws_bytes, 4), 0);
+  dws.poison();
+
+  std::vector<uint8_t> first_bg;
+  for (int rep = 0; rep < 2; ++rep) {
+    if (rep == 1) {
+      // Second run on the same inputs must reproduce the bias gradient bit for bit.
+      if (!use_bias_grad || inplace) break;
+      dbg.poison();
+      dws.poison();
+    }
+    try {
+      act_backward_bias_grad(d, a, dg.ptr, a == Activation::kNone ? nullptr : dp.ptr, gi_ptr,
+                             use_bias_grad ? dbg.ptr : nullptr, rows, cols, use_bias_grad ? dws.ptr : nullptr,
+                             ws_bytes, nullptr);
+      CK(cudaDeviceSynchronize());
+    } catch (const std::exception& e) {
+      record(false, name, std::string("threw: ") + e.what());
+      return;
+    }
+    if (rep == 1) {
+      record(dbg.download() == first_bg, name + "/deterministic");
+      return;
+    }
+    first_bg = dbg.download();
+
+    const auto hgi = inplace ? dg.download() : dgi.download();
+    const double rtol = rtol_of(d), atol = atol_of(d);
+    bool ok = true;
+    std::string detail;
+    for (int64_t i = 0; i < rows && ok; ++i) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const size_t k = static_cast<size_t>(i) * cols + j;
+        const double g = get(d, hg, k);
+        double ref;
+        if (mask_mode) {
+          ref = ((hp[static_cast<size_t>(i) * rb + j / 8] >> (j % 8)) & 1) ? g : 0.0;
+        } else {
+          ref = g * ref_dact(a, a == Activation::kNone ? 0.0 : get(d, hp, k));
+        }
+        const double got = get(d, hgi, k);
+        const bool exact = a == Activation::kNone || a == Activation::kRelu;
+        if (exact ? got != ref : !close(got, ref, rtol, atol)) {
+          ok = false;
+          detail = "grad_in[" + std::to_string(i) + "," + std::to_string(j) + "]=" + std::to_string(got) +
+                   " ref=" + std::to_string(ref);
+          break;
+        }
+      }
+    }
+    if (ok && use_bias_grad) {
+      const auto hbg = first_bg;
+      for (int64_t j = 0; j < cols; ++j) {
+        // The bias gradient sums the rounded grad_in that was actually written.
+        double ref = 0, mag = 0;
+        for (int64_t i = 0; i < rows; ++i) {
+          const double v = get(d, hgi, static_cast<size_t>(i) * cols + j);
+          ref += v;
+          mag += std::fabs(v);
+        }
+        const double got = get(d, hbg, j);
+        if (!close(got, ref, rtol_of(d), atol_of(d) + 2e-6 * mag)) {
+          ok = false;
+          detail = "bias_grad[" + std::to_string(j) + "]=" + std::to_string(got) + " ref=" + std::to_string(ref);
+          break;
+        }
+      }
+    }
+    record(ok, name, detail);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Error paths.
+
+void expect_throw(const std::string& name, const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    record(true, name);
+    return;
+  } catch (const std::exception& e) {
+    record(false, name, std::string("threw a non-core exception: ") + e.what());
+    return;
+  }
+  record(false, name, "did not throw");
+}
+
+void test_errors() {
+  DevBuf a(4096, 0), b(4096, 0), c(4096, 0);
+  expect_throw("error/negative rows fwd", [&] {
+    bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, b.ptr, nullptr, -1, 8, nullptr);
+  });
+  expect_throw("error/negative cols bwd", [&] {
+    act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, nullptr, 4, -8, nullptr, 0,
+                           nullptr);
+  });
+  expect_throw("error/negative rows ws", [&] { reduction_workspace_bytes(-3, 8); });
+  expect_throw("error/bad activation", [&] {
+    bias_act_forward(DType::kFloat16, static_cast<Activation>(7), a.ptr, nullptr, b.ptr, nullptr, 4, 8, nullptr);
+  });
+  expect_throw("error/bad dtype", [&] {
+    bias_act_forward(static_cast<DType>(9), Activation::kRelu, a.ptr, nullptr, b.ptr, nullptr, 4, 8, nullptr);
+  });
+  expect_throw("error/workspace too small", [&] {
+    act_backward_bias_grad(DType::kFloat32, Activation::kRelu, a.ptr, b.ptr, c.ptr, c.ptr + 2048, 4, 64, b.ptr + 1024,
+                           64 * 4 - 4, nullptr);
+  });
+  expect_throw("error/null workspace", [&] {
+    act_backward_bias_grad(DType::kFloat32, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, c.ptr + 2048, 4, 64, nullptr,
+                           1 << 20, nullptr);
+  });
+  expect_throw("error/relu mask overlaps x", [&] {
+    bias_act_forward(DType::kFloat16, Activation::kRelu, a.ptr, nullptr, b.ptr, a.ptr, 4, 64, nullptr);
+  });
+  expect_throw("error/partial overlap x,out", [&] {
+    bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, a.ptr + 2, nullptr, 4, 64, nullptr);
+  });
+  expect_throw("error/null pre_act for gelu backward", [&] {
+    act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, c.ptr, nullptr, 4, 64, nullptr, 0,
+                           nullptr);
+  });
+  // Empty problems are legal no-ops.
+  bool ok = true;
+  try {
+    bias_act_forward(DType::kFloat16, Activation::kRelu, nullptr, nullptr, nullptr, nullptr, 0, 5, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kRelu, nullptr, nullptr, nullptr, nullptr, 5, 0, nullptr);
+    act_backward_bias_grad(DType::kBFloat16, Activation::kGeluTanh, nullptr, nullptr, nullptr, nullptr, 7, 0, nullptr,
+                           0, nullptr);
+    ok = reduction_workspace_bytes(0, 100) == 0 && reduction_workspace_bytes(100, 0) == 0;
+    CK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    ok = false;
+  }
+  record(ok, "empty problems are no-ops");
+}
+
+// ----------------------------------------------------------------------------------------------
+// Timing.
+
+void bench() {
+  const int64_t rows = 16384, cols = 8192;
+  const size_t n = static_cast<size_t>(rows) * cols;
+  for (DType d : {DType::kBFloat16, DType::kFloat32}) {
+    const size_t es = esize(d);
+    DevBuf x(n * es, 0), out(n * es, 0), pre(n * es, 0), mask(n / 8, 0), bias(cols * es, 0), bg(cols * es, 0);
+    CK(cudaMemset(x.ptr, 0x3c, n * es));
+    CK(cudaMemset(bias.ptr, 0x3c, cols * es));
+    CK(cudaMemset(pre.ptr, 0x3c, n * es));
+    CK(cudaMemset(mask.ptr, 0x5a, n / 8));
+    const size_t ws_bytes = reduction_workspace_bytes(rows, cols);
+    DevBuf ws(ws_bytes, 0);
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    auto timeit = [&](const char* label, double bytes, const std::function<void()>& f) {
+      f();
+      CK(cudaDeviceSynchronize());
+      const int iters = 20;
+      CK(cudaEventRecord(e0));
+      for (int i = 0; i < iters; ++i) f();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      const double s = ms / 1e3 / iters;
+      std::printf("bench %-9s %-44s %8.1f us  %7.0f GB/s\n", dtype_name(d), label, s * 1e6, bytes / s / 1e9);
+    };
+    const double m = static_cast<double>(n) * es;
+    timeit("fwd gelu +bias +pre", 3 * m, [&] {
+      bias_act_forward(d, Activation::kGeluTanh, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, nullptr);
+    });
+    timeit("fwd gelu +bias, in place", 2 * m, [&] {
+      bias_act_forward(d, Activation::kGeluTanh, out.ptr, bias.ptr, out.ptr, nullptr, rows, cols, nullptr);
+    });
+    timeit("fwd relu +bias +mask", 2 * m + n / 8.0, [&] {
+      bias_act_forward(d, Activation::kRelu, x.ptr, bias.ptr, out.ptr, mask.ptr, rows, cols, nullptr);
+    });
+    timeit("fwd sqrelu +bias +pre", 3 * m, [&] {
+      bias_act_forward(d, Activation::kSquaredRelu, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, nullptr);
+    });
+    timeit("bwd gelu", 3 * m, [&] {
+      act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, nullptr, rows, cols, nullptr, 0,
+                             nullptr);
+    });
+    timeit("bwd gelu +bias_grad", 3 * m, [&] {
+      act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
+                             nullptr);
+    });
+    timeit("bwd relu(mask) +bias_grad", 2 * m + n / 8.0, [&] {
+      act_backward_bias_grad(d, Activation::kRelu, x.ptr, mask.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
+                             nullptr);
+    });
+    timeit("bwd none +bias_grad (grad_in=grad)", m, [&] {
+      act_backward_bias_grad(d, Activation::kNone, x.ptr, nullptr, x.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
+                             nullptr);
+    });
+    timeit("bwd sqrelu +bias_grad, misaligned (scalar path)", 3 * m - 3 * es, [&] {
+      act_backward_bias_grad(d, Activation::kSquaredRelu, x.ptr + es, pre.ptr + es, out.ptr + es, bg.ptr, rows,
+                             cols - 1, ws.ptr, ws_bytes, nullptr);
+    });
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false, do_bench = false, bench_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--bench")) do_bench = true;
+    if (!std::strcmp(argv[i], "--bench-only")) do_bench = bench_only = true;
+  }
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    std::printf("no CUDA device\n");
+    return 2;
+  }
+
+  const DType dtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
+  const Activation acts[] = {Activation::kNone, Activation::kGeluTanh, Activation::kRelu, Activation::kSquaredRelu};
+  const int64_t cols_list[] = {1, 7, 8, 9, 127, 128, 1000, 4096};
+  const int64_t rows_list[] = {0, 1, 3, 257};
+
+  if (bench_only) {
+    bench();
+    return 0;
+  }
+
+  uint64_t seed = 1;
+  for (DType d : dtypes)
+    for (Activation a : acts)
+      for (int64_t rows : rows_list)
+        for (int64_t cols : cols_list) {
+          for (int bias = 0; bias < 2; ++bias)
+            for (int pre = 0; pre < 2; ++pre)
+              for (Alias al : {Alias::kNone, Alias::kXisOut, Alias::kXisPre})
+                for (int mis = 0; mis < 2; ++mis) test_forward(d, a, rows, cols, bias, pre, al, mis, ++seed);
+          for (int bg = 0; bg < 2; ++bg)
+            for (int inplace = 0; inplace < 2; ++inplace)
+              for (int mis = 0; mis < 2; ++mis)
+                for (Ws ws : {Ws::kPreferred, Ws::kMinimal, Ws::kHalf}) {
+                  if (!bg && ws != Ws::kPreferred) continue;
+                  test_backward(d, a, rows, cols, bg, inplace, mis, ws, ++seed);
+                }
+        }
+
+  if (!quick) {
+    // Large enough that every thread of the capped grids loops several times, so the
+    // incremental (row, col) bookkeeping and the row-chunking are exercised.
+    for (DType d : {DType::kFloat16, DType::kFloat32})
+      for (Activation a : {Activation::kGeluTanh, Activation::kRelu})
+        for (int mis = 0; mis < 2; ++mis) {
+          test_forward(d, a, 40009, 1000, true, true, Alias::kNone, mis, ++seed);
+          test_backward(d, a, 40009, 1000, true, false, mis, Ws::kPreferred, ++seed);
+          test_backward(d, a, 40009, 1000, false, false, mis, Ws::kPreferred, ++seed);
+        }
+    test_forward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, Alias::kXisOut, false, ++seed);
+    test_backward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, false, Ws::kHalf, ++seed);
+  }
+
+  test_errors();
+
+  if (do_bench) bench();
+
+  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}
