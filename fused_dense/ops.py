@@ -42,7 +42,11 @@ def heuristic_code(heuristic: Heuristic) -> int:
 
 
 def relu_mask_row_bytes(cols: int) -> int:
-    """Bytes per row of the ReLU bit-mask: bit j%8 of byte j//8 of row i is pre_act[i, j] > 0."""
+    """Bytes per row of the ReLU bit-mask: bit j%8 of byte j//8 of row i is pre_act[i, j] >= 0.
+
+    ">= 0" is cuBLASLt's RELU_AUX convention; every path (fused, unfused, CPU) follows it, so the
+    gradient at an exact zero pre-activation is passed (PyTorch's relu passes none there).
+    """
     return (cols + 7) // 8
 
 

@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           // Padding columns (j >= n) contribute no bit, as the mask format requires.
-          if (j < n[k] && p[j] > 0.f) bits |= 1u << j;
+          if (j < n[k] && p[j] >= 0.f) bits |= 1u << j;
           p[j] = relu_f(p[j]);
         }
         floats_to_pack(op, p);
@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 4; ++j) {
           float p = xv[k].v[j];
           if (bias != nullptr) p += bv[k].v[j];
-          if (p > 0.f) nib |= 1u << j;
+          if (p >= 0.f) nib |= 1u << j;
           ov.v[j] = relu_f(p);
         }
         store_pack<float, 4>(out + c[k].idx * 4, ov);

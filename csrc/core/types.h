@@ -18,7 +18,10 @@ const char* activation_name(Activation act);
 std::size_t dtype_size(DType dtype);
 
 // Bytes per row of the ReLU bit-mask: bit (j % 8) of byte (j / 8) of row i is set
-// exactly when pre_act[i, j] > 0. Rows are padded to whole bytes.
+// exactly when pre_act[i, j] >= 0. Rows are padded to whole bytes (padding bits 0).
+// ">= 0" is what cuBLASLt's RELU_AUX epilogue writes (measured on the H200, CUDA 13.0: an exact
+// zero sets its bit); every path follows it so fused, unfused and CPU masks agree bit for bit.
+// It differs from PyTorch's relu backward only at pre_act == 0 exactly (subgradient 1, not 0).
 inline int64_t relu_mask_row_bytes(int64_t cols) { return (cols + 7) / 8; }
 
 // Every failure inside the core surfaces as this type; the torch layer turns it into a

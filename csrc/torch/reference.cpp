@@ -9,7 +9,7 @@ namespace {
 
 at::ScalarType math_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// Bit (j % 8) of byte (j / 8) of row i is set exactly when positive[i, j].
+// Bit (j % 8) of byte (j / 8) of row i is set exactly when bits[i, j] (see core/types.h).
 at::Tensor pack_mask(const at::Tensor& positive) {
   const int64_t rows = positive.size(0), cols = positive.size(1), bytes = relu_mask_row_bytes(cols);
   auto bits = at::zeros({rows, bytes * 8}, positive.options().dtype(at::kByte));
@@ -48,7 +48,7 @@ std::vector<at::Tensor> linear_act_reference(const at::Tensor& input, const at::
   pre = pre.to(dtype);  // rounded where the CUDA path stores the GEMM (+ bias) result
   auto out = apply_act(pre.to(mt), act).to(dtype).contiguous();
   if (!save_pre_act) return {out};
-  if (act == ActivationCode::kRelu) return {out, pack_mask(pre.gt(0))};
+  if (act == ActivationCode::kRelu) return {out, pack_mask(pre.ge(0))};
   return {out, pre.contiguous()};
 }
 

@@ -243,7 +243,7 @@ void test_forward(DType d, Activation a, int64_t rows, int64_t cols, bool use_bi
   for (size_t i = 0; i < n; ++i) {
     const uint64_t r = rng.next();
     float v = rng.uniform(-3.f, 3.f);
-    // Exact zeros of x + bias exercise the strict "> 0" of the ReLU mask and derivative.
+    // Exact zeros of x + bias exercise the ">= 0" of the ReLU mask (cuBLASLt's convention).
     if ((r & 15) == 0) v = use_bias ? -get(d, hb, i % cols) : 0.f;
     put(d, hx, i, v);
   }
@@ -311,7 +311,7 @@ void test_forward(DType d, Activation a, int64_t rows, int64_t cols, bool use_bi
           if (j >= cols) break;
           const size_t k = static_cast<size_t>(i) * cols + j;
           const float p32 = get(d, hx, k) + (use_bias ? get(d, hb, j) : 0.f);
-          if (round_to(d, p32) > 0.f) want |= 1u << bit;
+          if (round_to(d, p32) >= 0.f) want |= 1u << bit;
         }
         const unsigned got = hpre[static_cast<size_t>(i) * rb + b];
         if (got != want) {
