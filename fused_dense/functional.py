@@ -165,7 +165,7 @@ def _linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: s
     out = _plain_act(pre, activation)
     if not save_pre_act:
         return out, None
-    return out, (pre > 0 if activation == "relu" else pre)
+    return out, (pre >= 0 if activation == "relu" else pre)
 
 
 def _act_forward(pre_act: Tensor, activation: str, use_ops: bool) -> Tensor:

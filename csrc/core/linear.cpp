@@ -107,13 +107,16 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
     bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.stream);
     return;
   }
+  // The unfused path still adds the bias in the GEMM's fp32 epilogue: adding it after the GEMM
+  // result is rounded to 16 bits would let that rounding flip the sign of x.w + b wherever
+  // x.w ~= -b, and every flipped ReLU unit passes (or blocks) a whole gradient element.
   GemmProblem plain = base_problem(ctx);
   plain.trans_a = true;
   plain.m = N, plain.n = B, plain.k = K;
   plain.lda = K, plain.ldb = K, plain.ldd = N;
+  plain.with_bias = a.bias != nullptr;
 
   GemmProblem fused = plain;
-  fused.with_bias = a.bias != nullptr;
   fused.ld_aux = N;
   switch (a.activation) {
     case Activation::kNone: fused.epilogue = Epilogue::kNone; break;
@@ -136,9 +139,12 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
       return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
     }
     ptrs.d = gemm_target;
+    ptrs.bias = a.bias;
     gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
-    if (a.activation != Activation::kNone || a.bias != nullptr)
-      bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.stream);
+    // A saved GELU / squared-ReLU pre-activation is already in place; only the mask is left to write.
+    if (a.activation != Activation::kNone)
+      bias_act_forward(ctx.dtype, a.activation, gemm_target, nullptr, a.out, mask ? a.pre_act : nullptr, B, N,
+                       ctx.stream);
     return true;
   };
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice.

@@ -1,5 +1,6 @@
 // The reference: plain ATen, device-generic. It is the CPU kernel of every op, the CUDA kernel
 // for float64, and the definition the CUDA kernels are tested against.
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include "reference.h"
@@ -8,6 +9,12 @@ namespace fused_dense {
 namespace {
 
 at::ScalarType math_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The reference promises its own precision (fp32 math for 16-bit inputs); an enclosing
+// torch.autocast must not re-cast the matmuls inside it.
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
 
 // Bit (j % 8) of byte (j / 8) of row i is set exactly when bits[i, j] (see core/types.h).
 at::Tensor pack_mask(const at::Tensor& positive) {
@@ -40,6 +47,7 @@ at::Tensor apply_act(const at::Tensor& x, ActivationCode act) {
 std::vector<at::Tensor> linear_act_reference(const at::Tensor& input, const at::Tensor& weight,
                                              const std::optional<at::Tensor>& bias, int64_t activation,
                                              bool save_pre_act, int64_t heuristic) {
+  NoAutocast no_autocast;
   const ActivationCode act = check_linear_act(input, weight, bias, activation, save_pre_act, heuristic);
   const auto dtype = input.scalar_type();
   const auto mt = math_type(dtype);
@@ -54,6 +62,7 @@ std::vector<at::Tensor> linear_act_reference(const at::Tensor& input, const at::
 
 std::vector<at::Tensor> linear_bias_wgrad_reference(const at::Tensor& input, const at::Tensor& d_output,
                                                     bool has_d_bias) {
+  NoAutocast no_autocast;
   check_wgrad(input, d_output);
   const auto dtype = input.scalar_type();
   const auto mt = math_type(dtype);
@@ -65,6 +74,7 @@ std::vector<at::Tensor> linear_bias_wgrad_reference(const at::Tensor& input, con
 std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, const at::Tensor& d_output,
                                                    const std::optional<at::Tensor>& pre_act,
                                                    int64_t activation, bool has_d_bias, int64_t heuristic) {
+  NoAutocast no_autocast;
   const ActivationCode act = check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
   const auto dtype = weight.scalar_type();
   const auto mt = math_type(dtype);
@@ -82,6 +92,7 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
 }
 
 at::Tensor act_forward_reference(const at::Tensor& pre_act, int64_t activation) {
+  NoAutocast no_autocast;
   const ActivationCode act = check_act_forward(pre_act, activation);
   return apply_act(pre_act.to(math_type(pre_act.scalar_type())), act).to(pre_act.scalar_type()).contiguous();
 }
