@@ -94,7 +94,9 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
 at::Tensor act_forward_reference(const at::Tensor& pre_act, int64_t activation) {
   NoAutocast no_autocast;
   const ActivationCode act = check_act_forward(pre_act, activation);
-  return apply_act(pre_act.to(math_type(pre_act.scalar_type())), act).to(pre_act.scalar_type()).contiguous();
+  auto out = apply_act(pre_act.to(math_type(pre_act.scalar_type())), act).to(pre_act.scalar_type()).contiguous();
+  // The schema promises a fresh tensor; the identity on fp32/fp64 would otherwise alias pre_act.
+  return out.is_same(pre_act) ? out.clone() : out;
 }
 
 }  // namespace fused_dense
