@@ -140,11 +140,20 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
     }
     ptrs.d = gemm_target;
     ptrs.bias = a.bias;
-    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
-    // A saved GELU / squared-ReLU pre-activation is already in place; only the mask is left to write.
-    if (a.activation != Activation::kNone)
-      bias_act_forward(ctx.dtype, a.activation, gemm_target, nullptr, a.out, mask ? a.pre_act : nullptr, B, N,
-                       ctx.stream);
+    // cuBLASLt refuses the BIAS epilogue for some operand alignments (seen on the H200 for bf16
+    // at a 2-byte offset); then the kernel adds the bias, after the 16-bit rounding.
+    const void* kernel_bias = nullptr;
+    if (!try_gemm(plain, ptrs, c.algorithm, ws, ctx.stream)) {
+      GemmProblem no_bias = plain;
+      no_bias.with_bias = false;
+      gemm(no_bias, ptrs, c.algorithm, ws, ctx.stream);
+      kernel_bias = a.bias;
+    }
+    // A saved GELU / squared-ReLU pre-activation is already in place unless the bias is still to
+    // be added; the ReLU mask is always left to the kernel.
+    if (a.activation != Activation::kNone || kernel_bias != nullptr)
+      bias_act_forward(ctx.dtype, a.activation, gemm_target, kernel_bias, a.out,
+                       (mask || kernel_bias != nullptr) ? a.pre_act : nullptr, B, N, ctx.stream);
     return true;
   };
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice.
