@@ -1,0 +1,931 @@
+"""Tensor / sequence parallelism: fused_dense.distributed and fused_dense.parallel.
+
+Every check runs in `world_size` spawned processes joined in one process group: gloo on the CPU
+(CI), NCCL with one GPU per rank (marker `cuda`; skipped unless torch.cuda.device_count() >=
+world_size). The processes of one (backend, world_size) are started once and kept for the whole
+module (a `_Pool`); each test sends them the name of a `_w_*` function to run, and waits at
+most `TASK_TIMEOUT` seconds. A rank that raises sends its traceback back; a pool that stops
+answering is killed and the test fails (the next test starts a fresh pool).
+
+References: a single-process float64 model built from nn.Linear / F.gelu with the same
+initial weights; each rank compares its outputs and gradients with the slice of the reference
+that it owns (rows for sequence parallelism, features for tensor parallelism), within the
+DESIGN.md tolerance of the dtype it ran in.
+"""
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import TOL, rel_err
+
+WORLD_SIZES = (1, 2, 4)
+TASK_TIMEOUT = 90.0       # seconds one test may take on all ranks together
+START_TIMEOUT = 120.0     # seconds for a pool of processes to start and join its group
+FAILURE_GRACE = 5.0       # after one rank fails, how long to wait for the others
+
+# --------------------------------------------------------------------------------------------
+# Process pools (parent side)
+
+
+class _Pool:
+    """`world_size` spawned processes in one process group, running `_w_*` functions on request."""
+
+    broken = False  # set when a rank died or stopped answering: the pool is then replaced
+
+    def __init__(self, backend, world_size):
+        self.backend, self.world_size = backend, world_size
+        self.tmpdir = tempfile.mkdtemp(prefix="fd_dist_")
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        init_file = os.path.join(self.tmpdir, "rendezvous")
+        self.procs = [
+            ctx.Process(target=_worker_main,
+                        args=(rank, world_size, backend, init_file, self.tasks[rank], self.results),
+                        daemon=True)
+            for rank in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        errors = self._collect(START_TIMEOUT, "start")
+        if errors:
+            self.close()
+            raise RuntimeError(f"{backend} pool of {world_size} failed to start:\n" + "\n".join(errors))
+
+    def _collect(self, timeout, what):
+        """Waits for one reply per rank; returns the list of failure messages."""
+        deadline = time.monotonic() + timeout
+        replies, errors = {}, []
+        while len(replies) < self.world_size:
+            now = time.monotonic()
+            if errors:
+                deadline = min(deadline, now + FAILURE_GRACE)
+            if now >= deadline:
+                missing = sorted(set(range(self.world_size)) - set(replies))
+                errors.append(f"ranks {missing} did not answer {what!r} within {timeout:.0f}s"
+                              + (" (after another rank failed)" if len(errors) else ""))
+                self.broken = True
+                return errors
+            try:
+                rank, err = self.results.get(timeout=min(1.0, max(deadline - now, 0.01)))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in replies]
+                if dead:
+                    errors.append(f"ranks {dead} died (exit codes "
+                                  f"{[self.procs[r].exitcode for r in dead]}) during {what!r}")
+                    self.broken = True
+                    return errors
+                continue
+            replies[rank] = err
+            if err is not None:
+                errors.append(f"--- rank {rank} ---\n{err}")
+        return errors
+
+    def run(self, fn_name, timeout=TASK_TIMEOUT, **kwargs):
+        for q in self.tasks:
+            q.put((fn_name, kwargs))
+        return self._collect(timeout, fn_name)
+
+    def close(self):
+        for q in self.tasks:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + (3.0 if not self.broken else 0.5)
+        for p in self.procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+_POOLS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        pool.close()
+
+
+def _skip_unless_backend(backend, world_size):
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            pytest.skip("this torch has no NCCL")
+        if torch.cuda.device_count() < world_size:
+            pytest.skip(f"needs {world_size} GPUs, {torch.cuda.device_count()} present")
+    elif not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo")
+
+
+def run_distributed(backend, world_size, fn_name, timeout=TASK_TIMEOUT, **kwargs):
+    """Runs `fn_name(**kwargs)` on every rank of the (backend, world_size) pool; fails the test
+    with every failing rank's traceback."""
+    _skip_unless_backend(backend, world_size)
+    key = (backend, world_size)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = _Pool(backend, world_size)
+    errors = pool.run(fn_name, timeout=timeout, **kwargs)
+    if pool.broken or errors:  # after a failure the ranks may disagree on what comes next
+        _POOLS.pop(key, None)
+        pool.close()
+    if errors:
+        pytest.fail(f"{fn_name}{kwargs} on {backend} x{world_size}:\n" + "\n".join(errors), pytrace=False)
+
+
+BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.cuda)]
+
+
+def _dtypes(backend):
+    return [torch.float32] if backend == "gloo" else [torch.bfloat16]
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side
+
+_RANK = _WORLD = _DEVICE = None
+
+
+def _worker_main(rank, world_size, backend, init_file, tasks, results):
+    global _RANK, _WORLD, _DEVICE
+    try:
+        torch.set_num_threads(1)
+        if backend == "gloo" and sys.platform.startswith("linux") and os.path.exists("/sys/class/net/lo"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        kwargs = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=60), **kwargs)
+        _RANK, _WORLD = rank, world_size
+        _DEVICE = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        import fused_dense.parallel  # noqa: F401  (fail at start, not in the first test)
+        results.put((rank, None))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        name, kwargs = task
+        try:
+            torch.manual_seed(1234)
+            globals()[name](**kwargs)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _check(out, ref, dtype, what):
+    err = rel_err(out, ref)
+    tol = TOL[dtype]
+    assert err <= tol, (f"rank {_RANK}/{_WORLD}: {what}: relative error {err:.3e} > {tol:.0e} "
+                        f"(dtype {dtype}, shape {tuple(out.shape)})")
+
+
+def _rows(n_rows):
+    """This rank's dim-0 slice of `n_rows` rows under sequence parallelism."""
+    n = n_rows // _WORLD
+    return slice(_RANK * n, (_RANK + 1) * n)
+
+
+def _act_ref(h, activation):
+    if activation == "gelu_approx":
+        return F.gelu(h, approximate="tanh")
+    if activation == "relu":
+        return F.relu(h)
+    return F.relu(h).square()
+
+
+def _rank_tensor(shape, rank, dtype, scale=1.0):
+    """A tensor every rank can rebuild for any `rank`: deterministic in (shape, rank)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype=dtype, device=_DEVICE)
+
+
+# ---- raw collectives
+
+
+def _w_raw(native, async_op, dtype):
+    from fused_dense import distributed as fdist
+
+    saved = set(fdist.LIST_COLLECTIVE_BACKENDS)
+    if native:
+        fdist.LIST_COLLECTIVE_BACKENDS.clear()
+    try:
+        group, ws, rank = dist.group.WORLD, _WORLD, _RANK
+
+        def done(out, handle):
+            if async_op:
+                assert handle is not None, "async_op=True must return a handle"
+                handle.wait()
+            else:
+                assert handle is None, "a synchronous call returns handle None"
+            return out
+
+        # all-gather: rank r contributes x_r [3, 5]; everyone gets cat(x_0..x_{ws-1}).
+        x = _rank_tensor((3, 5), rank, dtype)
+        out = done(*fdist.all_gather_raw(x, group, async_op=async_op))
+        ref = torch.cat([_rank_tensor((3, 5), r, dtype) for r in range(ws)])
+        assert out.shape == (3 * ws, 5) and out.dtype == dtype
+        assert torch.equal(out, ref), "all_gather_raw result differs from the concatenation"
+        # no rows
+        out = done(*fdist.all_gather_raw(x[:0], group, async_op=async_op))
+        assert out.shape == (0, 5)
+        # non-contiguous input
+        xt = _rank_tensor((5, 3), rank, dtype).t()
+        out = done(*fdist.all_gather_raw(xt, group, async_op=async_op))
+        assert torch.equal(out, torch.cat([_rank_tensor((5, 3), r, dtype).t() for r in range(ws)]))
+
+        # reduce-scatter: rank r contributes y_r [2*ws, 4]; rank r gets rows 2r..2r+1 of the sum.
+        y = _rank_tensor((2 * ws, 4), rank, dtype)
+        y_copy = y.clone()
+        out = done(*fdist.reduce_scatter_raw(y, group, async_op=async_op))
+        total = sum(_rank_tensor((2 * ws, 4), r, torch.float64) for r in range(ws))
+        assert out.shape == (2, 4) and out.dtype == dtype
+        _check(out, total[2 * rank:2 * rank + 2], dtype, "reduce_scatter_raw")
+        assert torch.equal(y, y_copy), "reduce_scatter_raw must not modify its input"
+
+        # all-reduce: in place on a contiguous input.
+        z = _rank_tensor((3, 4), rank, dtype)
+        out = done(*fdist.all_reduce_raw(z, group, async_op=async_op))
+        assert out.data_ptr() == z.data_ptr(), "all_reduce_raw works in place"
+        _check(out, sum(_rank_tensor((3, 4), r, torch.float64) for r in range(ws)), dtype, "all_reduce_raw")
+
+        # Several async collectives in flight at once, waited in reverse order.
+        if async_op:
+            pending = [fdist.all_gather_raw(x, group, async_op=True),
+                       fdist.reduce_scatter_raw(y, group, async_op=True),
+                       fdist.all_reduce_raw(_rank_tensor((3, 4), rank, dtype), group, async_op=True)]
+            for _, h in reversed(pending):
+                h.wait()
+            assert torch.equal(pending[0][0], ref)
+            _check(pending[1][0], total[2 * rank:2 * rank + 2], dtype, "overlapped reduce_scatter_raw")
+
+        if ws > 1:
+            try:
+                fdist.reduce_scatter_raw(_rank_tensor((ws + 1, 2), rank, dtype), group)
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("reduce_scatter_raw must reject a dim 0 not divisible by world size")
+    finally:
+        fdist.LIST_COLLECTIVE_BACKENDS.clear()
+        fdist.LIST_COLLECTIVE_BACKENDS.update(saved)
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend, native", [
+    pytest.param("gloo", False, id="gloo-fallback"),  # what gloo gets by default
+    pytest.param("gloo", True, id="gloo-native"),      # the tensor collectives, where gloo has them
+    pytest.param("nccl", True, id="nccl", marks=pytest.mark.cuda),
+])
+def test_raw_collectives(backend, native, world_size, async_op):
+    for dtype in _dtypes(backend) + ([torch.float64, torch.bfloat16, torch.float16] if backend == "gloo" else []):
+        run_distributed(backend, world_size, "_w_raw", native=native, async_op=async_op, dtype=dtype)
+
+
+# ---- autograd forms
+
+
+def _w_autograd_forms(dtype):
+    from fused_dense.distributed import all_gather, all_reduce, reduce_scatter
+
+    group, ws, rank = dist.group.WORLD, _WORLD, _RANK
+    n = 3
+    # all_gather: d(out)/d(x_r) collects every rank's gradient for rows of rank r.
+    x = _rank_tensor((n, 4), rank, dtype).requires_grad_()
+    out = all_gather(x, group)
+    assert torch.equal(out.detach(), torch.cat([_rank_tensor((n, 4), r, dtype) for r in range(ws)]))
+    out.backward(_rank_tensor((n * ws, 4), 100 + rank, dtype))
+    ref = sum(_rank_tensor((n * ws, 4), 100 + r, torch.float64) for r in range(ws))[rank * n:(rank + 1) * n]
+    _check(x.grad, ref, dtype, "all_gather backward")
+
+    # reduce_scatter: gradient of x_r is the gather of every rank's output gradient.
+    y = _rank_tensor((n * ws, 4), rank, dtype).requires_grad_()
+    out = reduce_scatter(y, group)
+    _check(out, sum(_rank_tensor((n * ws, 4), r, torch.float64) for r in range(ws))[rank * n:(rank + 1) * n],
+           dtype, "reduce_scatter forward")
+    out.backward(_rank_tensor((n, 4), 200 + rank, dtype))
+    assert torch.equal(y.grad, torch.cat([_rank_tensor((n, 4), 200 + r, dtype) for r in range(ws)]))
+
+    # all_reduce: replicated output, so the gradient passes through; the input is a leaf here
+    # (never modified) and then a non-leaf (reduced in place).
+    z = _rank_tensor((n, 4), rank, dtype).requires_grad_()
+    out = all_reduce(z, group)
+    total = sum(_rank_tensor((n, 4), r, torch.float64) for r in range(ws))
+    _check(out, total, dtype, "all_reduce forward")
+    assert torch.equal(z.detach(), _rank_tensor((n, 4), rank, dtype)), "all_reduce modified a leaf"
+    g = _rank_tensor((n, 4), 300, dtype)
+    out.backward(g)
+    assert torch.equal(z.grad, g)
+    z.grad = None
+    out = all_reduce(z * 2, group)
+    _check(out, 2 * total, dtype, "all_reduce forward (non-leaf)")
+    out.backward(g)
+    assert torch.equal(z.grad, 2 * g)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autograd_forms(backend, world_size):
+    run_distributed(backend, world_size, "_w_autograd_forms", dtype=torch.float64 if backend == "gloo" else torch.float32)
+
+
+# ---- helpers
+
+
+def test_get_dim_for_local_rank():
+    from fused_dense.distributed import get_dim_for_local_rank
+    from fused_dense.parallel import shard_range
+
+    assert [get_dim_for_local_rank(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
+    assert [get_dim_for_local_rank(12, 4, r) for r in range(4)] == [3, 3, 3, 3]
+    assert [get_dim_for_local_rank(48, 3, r, multiple_of=8) for r in range(3)] == [16, 16, 16]
+    assert [get_dim_for_local_rank(40, 3, r, multiple_of=8) for r in range(3)] == [16, 16, 8]
+    assert [get_dim_for_local_rank(8, 4, r, multiple_of=4) for r in range(4)] == [4, 4, 0, 0]
+    assert get_dim_for_local_rank(7, 1, 0) == 7
+    for dim in range(0, 40):
+        for ws in (1, 2, 3, 4, 8):
+            for mult in (1, 2, 4):
+                if dim % mult:
+                    continue
+                sizes = [get_dim_for_local_rank(dim, ws, r, mult) for r in range(ws)]
+                assert sum(sizes) == dim and all(s % mult == 0 for s in sizes)
+                assert max(sizes) - min(sizes) <= mult and sizes == sorted(sizes, reverse=True)
+                slices = [shard_range(dim, ws, r, mult) for r in range(ws)]
+                assert [s.start for s in slices] == [sum(sizes[:r]) for r in range(ws)]
+    with pytest.raises(ValueError, match="multiple"):
+        get_dim_for_local_rank(10, 2, 0, multiple_of=4)
+    with pytest.raises(ValueError):
+        get_dim_for_local_rank(10, 2, 2)
+    with pytest.raises(ValueError):
+        get_dim_for_local_rank(10, 2, 0, multiple_of=0)
+
+
+def _w_model_helpers():
+    from fused_dense.distributed import allreduce_sequence_parallel_grad, sync_shared_params
+
+    # Groups of 2 consecutive ranks when possible, so that "rank 0 of the group" is not always
+    # global rank 0.
+    ws, rank = _WORLD, _RANK
+    tp = 2 if ws % 2 == 0 else 1
+    groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, ws, tp)]
+    group = groups[rank // tp]
+    leader = (rank // tp) * tp
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2)).to(_DEVICE)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(_rank_tensor(p.shape, 10 * rank + i, p.dtype))
+    for p in model[1].parameters():
+        p._shared_params = True
+        p._sequence_parallel = True
+    model[0].bias._shared_params = True
+    # A non-contiguous shared parameter.
+    model[2].weight = nn.Parameter(_rank_tensor((3, 2), 10 * rank + 7, torch.float32).t())
+    model[2].weight._shared_params = True
+    sync_shared_params(model, group)
+    for i, p in enumerate(model.parameters()):
+        mine = _rank_tensor(p.shape, 10 * rank + i, p.dtype)
+        theirs = _rank_tensor(p.shape, 10 * leader + i, p.dtype)
+        if getattr(p, "_shared_params", False):
+            if i == 4:
+                theirs = _rank_tensor((3, 2), 10 * leader + 7, torch.float32).t()
+            assert torch.equal(p.detach(), theirs), f"param {i} not synced from group rank 0"
+        else:
+            assert torch.equal(p.detach(), mine), f"param {i} is not marked but changed"
+
+    for i, p in enumerate(model.parameters()):
+        p.grad = _rank_tensor(p.shape, 50 + 10 * rank + i, p.dtype)
+    model[0].weight.grad = None  # marked but without a gradient (on every rank): skipped
+    model[0].weight._sequence_parallel = True
+    allreduce_sequence_parallel_grad(model, group)
+    for i, p in enumerate(model.parameters()):
+        if i == 0:
+            assert p.grad is None
+            continue
+        if getattr(p, "_sequence_parallel", False):
+            ref = sum(_rank_tensor(p.shape, 50 + 10 * r + i, torch.float64) for r in range(leader, leader + tp))
+            _check(p.grad, ref, p.dtype, f"sequence-parallel grad {i}")
+        else:
+            assert torch.equal(p.grad, _rank_tensor(p.shape, 50 + 10 * rank + i, p.dtype))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_helpers(backend, world_size):
+    run_distributed(backend, world_size, "_w_model_helpers")
+
+
+# ---- layers against the single-process reference
+
+
+def _inputs(rows, features, sequence_parallel, dtype, seed=0, shape3d=False):
+    """(full reference input fp64 with grad, this rank's input in `dtype` with grad)."""
+    g = torch.Generator().manual_seed(seed)
+    x_full = torch.randn(rows, features, generator=g, dtype=torch.float64).to(dtype).to(torch.float64)
+    if shape3d:  # [rows/2, 2, features]: leading dims are flattened by the layers
+        x_full = x_full.view(rows // 2, 2, features)
+        local = x_full[_rows(rows // 2)] if sequence_parallel else x_full
+    else:
+        local = x_full[_rows(rows)] if sequence_parallel else x_full
+    x = local.to(device=_DEVICE, dtype=dtype).requires_grad_()
+    # The reference sees exactly the values the rank sees (rounded to `dtype`).
+    return x_full.to(dtype).to(torch.float64).requires_grad_(), x
+
+
+def _ref_linear(in_f, out_f, bias, dtype, seed):
+    """A float64 nn.Linear whose values are representable in `dtype`."""
+    torch.manual_seed(seed)
+    ref = nn.Linear(in_f, out_f, bias=bias, dtype=torch.float64)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(dtype).to(torch.float64))
+    return ref
+
+
+def _w_column(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d):
+    from fused_dense.parallel import ColumnParallelLinear
+
+    rows = 8
+    ref = _ref_linear(in_f, out_f, bias, dtype, seed=1)
+    x_full, x = _inputs(rows, in_f, sequence_parallel, dtype, shape3d=shape3d)
+    y_ref = ref(x_full)
+    g_full = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).to(torch.float64)
+    y_ref.backward(g_full)
+
+    layer = ColumnParallelLinear(in_f, out_f, dist.group.WORLD, bias=bias, sequence_parallel=sequence_parallel,
+                                 multiple_of=multiple_of, device=_DEVICE, dtype=dtype)
+    sl = layer.shard
+    assert layer.weight.shape == (sl.stop - sl.start, in_f) and (layer.bias is not None) == bias
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight[sl])
+        if bias:
+            layer.bias.copy_(ref.bias[sl])
+    y = layer(x)
+    _check(y, y_ref[..., sl], dtype, "column output")
+    y.backward(g_full[..., sl].to(device=_DEVICE, dtype=dtype))
+    rows_sl = _rows(x_full.shape[0]) if sequence_parallel else slice(None)
+    _check(x.grad, x_full.grad[rows_sl], dtype, "column grad_input")
+    _check(layer.weight.grad, ref.weight.grad[sl], dtype, "column grad_weight")
+    if bias:
+        _check(layer.bias.grad, ref.bias.grad[sl], dtype, "column grad_bias")
+
+
+def _w_row(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d):
+    from fused_dense.parallel import RowParallelLinear
+
+    rows = 8
+    ref = _ref_linear(in_f, out_f, bias, dtype, seed=2)
+    x_full, _ = _inputs(rows, in_f, False, dtype, shape3d=shape3d)
+    y_ref = ref(x_full)
+    g_full = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).to(torch.float64)
+    y_ref.backward(g_full)
+
+    layer = RowParallelLinear(in_f, out_f, dist.group.WORLD, bias=bias, sequence_parallel=sequence_parallel,
+                              multiple_of=multiple_of, device=_DEVICE, dtype=dtype)
+    sl = layer.shard
+    assert layer.weight.shape == (out_f, sl.stop - sl.start)
+    assert (layer.bias is not None) == (bias and _RANK == 0), "the bias lives on rank 0 only"
+    with torch.no_grad():
+        layer.weight.copy_(ref.weight[:, sl])
+        if layer.bias is not None:
+            layer.bias.copy_(ref.bias)
+    x = x_full.detach()[..., sl].to(device=_DEVICE, dtype=dtype).requires_grad_()
+    y = layer(x)
+    rows_sl = _rows(x_full.shape[0]) if sequence_parallel else slice(None)
+    _check(y, y_ref[rows_sl], dtype, "row output")
+    y.backward(g_full[rows_sl].to(device=_DEVICE, dtype=dtype))
+    _check(x.grad, x_full.grad[..., sl], dtype, "row grad_input")
+    _check(layer.weight.grad, ref.weight.grad[:, sl], dtype, "row grad_weight")
+    if layer.bias is not None:
+        _check(layer.bias.grad, ref.bias.grad, dtype, "row grad_bias")
+
+
+LAYER_CASES = [
+    # (in_features, out_features, multiple_of): even, uneven by 1s, uneven in units of 4
+    pytest.param((16, 32, 1), id="even"),
+    pytest.param((16, 30, 1), id="uneven"),
+    pytest.param((24, 36, 4), id="uneven_x4"),
+]
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("dims", LAYER_CASES)
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_linear(backend, world_size, kind, dims, sequence_parallel, bias):
+    in_f, out_f, multiple_of = dims
+    if kind == "row":  # split the input features instead
+        in_f, out_f = out_f, in_f
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, f"_w_{kind}", in_f=in_f, out_f=out_f, multiple_of=multiple_of,
+                        bias=bias, sequence_parallel=sequence_parallel, dtype=dtype, shape3d=False)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_linear_3d_input(backend, world_size, kind):
+    """[rows, 2, features] inputs: sequence parallelism splits dim 0, the layers flatten the rest."""
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, f"_w_{kind}", in_f=16, out_f=30, multiple_of=1, bias=True,
+                        sequence_parallel=True, dtype=dtype, shape3d=True)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("world_size", [2])
+def test_parallel_linear_float64(world_size, kind):
+    run_distributed("gloo", world_size, f"_w_{kind}", in_f=16, out_f=30, multiple_of=1, bias=True,
+                    sequence_parallel=True, dtype=torch.float64, shape3d=False)
+
+
+def _w_mlp(in_f, hidden, out_f, activation, bias1, bias2, sequence_parallel, checkpoint_lvl, heuristic,
+           dtype, train):
+    from fused_dense.parallel import ParallelFusedMLP
+
+    rows = 8
+    fc1 = _ref_linear(in_f, hidden, bias1, dtype, seed=3)
+    fc2 = _ref_linear(hidden, out_f, bias2, dtype, seed=4)
+    x_full, x = _inputs(rows, in_f, sequence_parallel, dtype)
+    y_ref = fc2(_act_ref(fc1(x_full), activation))
+    g_full = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).to(torch.float64)
+    y_ref.backward(g_full)
+
+    mlp = ParallelFusedMLP(in_f, hidden, out_f, activation=activation, process_group=dist.group.WORLD,
+                           bias1=bias1, bias2=bias2, sequence_parallel=sequence_parallel,
+                           checkpoint_lvl=checkpoint_lvl, heuristic=heuristic, device=_DEVICE, dtype=dtype)
+    mlp.train(train)
+    sl = mlp.fc1.shard
+    assert mlp.fc2.shard == sl
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(fc1.weight[sl])
+        mlp.fc2.weight.copy_(fc2.weight[:, sl])
+        if bias1:
+            mlp.fc1.bias.copy_(fc1.bias[sl])
+        if mlp.fc2.bias is not None:
+            mlp.fc2.bias.copy_(fc2.bias)
+    assert (mlp.fc2.bias is not None) == (bias2 and _RANK == 0)
+    y = mlp(x)
+    rows_sl = _rows(rows) if sequence_parallel else slice(None)
+    _check(y, y_ref[rows_sl], dtype, "mlp output")
+    if not train:
+        return
+    y.backward(g_full[rows_sl].to(device=_DEVICE, dtype=dtype))
+    _check(x.grad, x_full.grad[rows_sl], dtype, "mlp grad_input")
+    _check(mlp.fc1.weight.grad, fc1.weight.grad[sl], dtype, "mlp fc1 grad_weight")
+    _check(mlp.fc2.weight.grad, fc2.weight.grad[:, sl], dtype, "mlp fc2 grad_weight")
+    if bias1:
+        _check(mlp.fc1.bias.grad, fc1.bias.grad[sl], dtype, "mlp fc1 grad_bias")
+    if mlp.fc2.bias is not None:
+        _check(mlp.fc2.bias.grad, fc2.bias.grad, dtype, "mlp fc2 grad_bias")
+
+
+@pytest.mark.parametrize("activation", ["gelu_approx", "relu", "sqrelu"])
+@pytest.mark.parametrize("checkpoint_lvl", [0, 1, 2])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_mlp(backend, world_size, sequence_parallel, checkpoint_lvl, activation):
+    # hidden 38 splits unevenly: 19 + 19 on 2 ranks, 10 + 10 + 9 + 9 on 4.
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_mlp", in_f=16, hidden=38, out_f=16, activation=activation,
+                        bias1=True, bias2=True, sequence_parallel=sequence_parallel,
+                        checkpoint_lvl=checkpoint_lvl, heuristic="auto", dtype=dtype, train=True)
+
+
+@pytest.mark.parametrize("heuristic", ["auto", -1, 0])
+@pytest.mark.parametrize("biases", [(False, True), (True, False), (False, False)], ids=["b2", "b1", "nobias"])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_mlp_bias_heuristic(backend, world_size, sequence_parallel, biases, heuristic):
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_mlp", in_f=24, hidden=64, out_f=20, activation="gelu_approx",
+                        bias1=biases[0], bias2=biases[1], sequence_parallel=sequence_parallel,
+                        checkpoint_lvl=1, heuristic=heuristic, dtype=dtype, train=True)
+
+
+@pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_mlp_eval(backend, world_size, activation):
+    """eval(): save_pre_act=False; the output is unchanged."""
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_mlp", in_f=16, hidden=32, out_f=16, activation=activation,
+                        bias1=True, bias2=True, sequence_parallel=True, checkpoint_lvl=0, heuristic="auto",
+                        dtype=dtype, train=False)
+
+
+def _w_modules_process_group(dtype):
+    """FusedDense / FusedMLP.forward(x, process_group) as in flash-attn: the caller holds the
+    shards; x is this rank's rows; FusedDense returns its output-feature shard for all rows,
+    FusedMLP this rank's rows of the summed output."""
+    from fused_dense import FusedDense, FusedMLP
+    from fused_dense.parallel import shard_range
+
+    rows, in_f, hidden, out_f = 8, 16, 40, 12
+    group = dist.group.WORLD
+    ref = _ref_linear(in_f, out_f, True, dtype, seed=5)
+    x_full, x = _inputs(rows, in_f, True, dtype)
+    y_ref = ref(x_full)
+    g_full = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).to(torch.float64)
+    y_ref.backward(g_full)
+    sl = shard_range(out_f, _WORLD, _RANK)
+    dense = FusedDense(in_f, sl.stop - sl.start, device=_DEVICE, dtype=dtype)
+    with torch.no_grad():
+        dense.weight.copy_(ref.weight[sl])
+        dense.bias.copy_(ref.bias[sl])
+    y = dense(x, process_group=group)
+    _check(y, y_ref[:, sl], dtype, "FusedDense(process_group) output")
+    y.backward(g_full[:, sl].to(device=_DEVICE, dtype=dtype))
+    _check(x.grad, x_full.grad[_rows(rows)], dtype, "FusedDense(process_group) grad_input")
+    _check(dense.weight.grad, ref.weight.grad[sl], dtype, "FusedDense(process_group) grad_weight")
+
+    fc1 = _ref_linear(in_f, hidden, True, dtype, seed=6)
+    fc2 = _ref_linear(hidden, out_f, True, dtype, seed=7)
+    x_full, x = _inputs(rows, in_f, True, dtype, seed=1)
+    y_ref = fc2(F.gelu(fc1(x_full), approximate="tanh"))
+    g_full = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).to(torch.float64)
+    y_ref.backward(g_full)
+    hs = shard_range(hidden, _WORLD, _RANK)
+    mlp = FusedMLP(in_f, hs.stop - hs.start, out_f, bias2=_RANK == 0, device=_DEVICE, dtype=dtype)
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(fc1.weight[hs])
+        mlp.fc1.bias.copy_(fc1.bias[hs])
+        mlp.fc2.weight.copy_(fc2.weight[:, hs])
+        if _RANK == 0:
+            mlp.fc2.bias.copy_(fc2.bias)
+    y = mlp(x, process_group=group)
+    _check(y, y_ref[_rows(rows)], dtype, "FusedMLP(process_group) output")
+    y.backward(g_full[_rows(rows)].to(device=_DEVICE, dtype=dtype))
+    _check(x.grad, x_full.grad[_rows(rows)], dtype, "FusedMLP(process_group) grad_input")
+    _check(mlp.fc1.weight.grad, fc1.weight.grad[hs], dtype, "FusedMLP(process_group) fc1 grad_weight")
+    _check(mlp.fc2.weight.grad, fc2.weight.grad[:, hs], dtype, "FusedMLP(process_group) fc2 grad_weight")
+    if _RANK == 0:
+        _check(mlp.fc2.bias.grad, fc2.bias.grad, dtype, "FusedMLP(process_group) fc2 grad_bias")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modules_with_process_group(backend, world_size):
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_modules_process_group", dtype=dtype)
+
+
+def test_constructor_errors():
+    from fused_dense import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear  # top-level, as flash-attn
+
+    with pytest.raises(ValueError, match="process_group"):
+        ParallelFusedMLP(8, 16)
+    with pytest.raises(ValueError, match="process_group"):
+        ColumnParallelLinear(8, 16, None)
+    with pytest.raises(ValueError, match="process_group"):
+        RowParallelLinear(8, 16, None)
+    with pytest.raises(ValueError, match="activation"):
+        ParallelFusedMLP(8, activation="tanh")
+    with pytest.raises(ValueError, match="checkpoint_lvl"):
+        ParallelFusedMLP(8, checkpoint_lvl=3)
+    with pytest.raises(ValueError, match="heuristic"):
+        ParallelFusedMLP(8, heuristic="fast")
+
+
+# ---- a GPT-style model trained 5 steps: tensor parallel vs one process
+
+
+class _Attention(nn.Module):
+    """Causal self-attention. qkv output features are laid out [head, (q, k, v), head_dim] so
+    that a column split in units of 3 * head_dim gives each rank whole heads."""
+
+    def __init__(self, dim, n_heads, group, sequence_parallel):
+        super().__init__()
+        from fused_dense.parallel import ColumnParallelLinear, RowParallelLinear
+
+        self.head_dim = dim // n_heads
+        if group is None:
+            self.qkv = nn.Linear(dim, 3 * dim)
+            self.proj = nn.Linear(dim, dim)
+        else:
+            self.qkv = ColumnParallelLinear(dim, 3 * dim, group, sequence_parallel=sequence_parallel,
+                                            multiple_of=3 * self.head_dim)
+            self.proj = RowParallelLinear(dim, dim, group, sequence_parallel=sequence_parallel,
+                                          multiple_of=self.head_dim)
+
+    def forward(self, x, batch):
+        qkv = self.qkv(x)                                   # [batch * seq, local heads * 3 * hd]
+        qkv = qkv.view(batch, -1, qkv.shape[-1] // (3 * self.head_dim), 3, self.head_dim)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)      # [batch, heads, seq, hd]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(o.transpose(1, 2).reshape(-1, o.shape[1] * self.head_dim))
+
+
+class _RefMLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class _Block(nn.Module):
+    def __init__(self, dim, n_heads, group, sequence_parallel):
+        super().__init__()
+        from fused_dense.parallel import ParallelFusedMLP
+
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = _Attention(dim, n_heads, group, sequence_parallel)
+        if group is None:
+            self.mlp = _RefMLP(dim, 4 * dim)
+        else:
+            self.mlp = ParallelFusedMLP(dim, 4 * dim, process_group=group, sequence_parallel=sequence_parallel)
+
+    def forward(self, x, batch):
+        x = x + self.attn(self.ln1(x), batch)
+        return x + self.mlp(self.ln2(x))
+
+
+class _GPT(nn.Module):
+    """Tokens in, summed cross-entropy out. Rows are the flattened (batch, seq) positions; under
+    sequence parallelism each rank embeds, normalises and scores only its slice of the rows."""
+
+    def __init__(self, vocab, dim, n_heads, n_layers, seq, group=None, sequence_parallel=False):
+        super().__init__()
+        self.group, self.sequence_parallel, self.seq = group, sequence_parallel, seq
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(_Block(dim, n_heads, group, sequence_parallel) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if group is not None:  # mark the replicated parameters for the distributed helpers
+            replicated = [self.tok, self.pos, self.ln_f, self.head] + [m for b in self.blocks for m in (b.ln1, b.ln2)]
+            for m in replicated:
+                for p in m.parameters():
+                    p._shared_params = True
+                    if sequence_parallel:
+                        p._sequence_parallel = True
+
+    def forward(self, tokens, targets):
+        batch = tokens.shape[0]
+        rows = torch.arange(tokens.numel(), device=tokens.device)
+        tokens, targets = tokens.reshape(-1), targets.reshape(-1)
+        if self.group is not None and self.sequence_parallel:
+            n = tokens.numel() // dist.get_world_size(self.group)
+            mine = slice(dist.get_rank(self.group) * n, (dist.get_rank(self.group) + 1) * n)
+            tokens, targets, rows = tokens[mine], targets[mine], rows[mine]
+        x = self.tok(tokens) + self.pos(rows % self.seq)
+        for block in self.blocks:
+            x = block(x, batch)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
+def _load_shards(tp_model, ref_model):
+    """Copies the reference weights into the tensor-parallel model, each rank its shard."""
+    from fused_dense.parallel import ColumnParallelLinear, RowParallelLinear
+
+    ref_modules = dict(ref_model.named_modules())
+    with torch.no_grad():
+        for name, m in tp_model.named_modules():
+            ref = ref_modules[name]
+            if isinstance(m, ColumnParallelLinear):
+                m.weight.copy_(ref.weight[m.shard])
+                if m.bias is not None:
+                    m.bias.copy_(ref.bias[m.shard])
+            elif isinstance(m, RowParallelLinear):
+                m.weight.copy_(ref.weight[:, m.shard])
+                if m.bias is not None:
+                    m.bias.copy_(ref.bias)
+            elif isinstance(m, (nn.LayerNorm, nn.Embedding, nn.Linear)):
+                for p, rp in zip(m.parameters(), ref.parameters()):
+                    p.copy_(rp)
+
+
+def _w_gpt(sequence_parallel, steps, dtype):
+    from fused_dense.distributed import allreduce_sequence_parallel_grad, sync_shared_params
+    from fused_dense.parallel import ColumnParallelLinear, RowParallelLinear
+
+    # 6 heads: 3 + 3 on 2 ranks, 2 + 2 + 1 + 1 on 4 (uneven, through multiple_of).
+    vocab, dim, heads, layers, batch, seq = 64, 48, 6, 2, 2, 8
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    ref = _GPT(vocab, dim, heads, layers, seq).to(device=_DEVICE, dtype=dtype)
+    torch.manual_seed(1 + _RANK)  # different init per rank: the shards come from `ref`
+    tp = _GPT(vocab, dim, heads, layers, seq, group, sequence_parallel).to(device=_DEVICE, dtype=dtype)
+    _load_shards(tp, ref)
+    if _RANK != 0:  # replicated parameters must come from rank 0
+        with torch.no_grad():
+            for p in tp.parameters():
+                if getattr(p, "_shared_params", False):
+                    p.add_(1.0)
+    sync_shared_params(tp, group)
+
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    opt_tp = torch.optim.AdamW(tp.parameters(), lr=1e-2, weight_decay=0.01)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, vocab, (batch, seq + 1), generator=g).to(_DEVICE)  # one batch, memorised
+    tokens, targets = data[:, :-1], data[:, 1:]
+    losses_ref, losses_tp = [], []
+    for _ in range(steps):
+        loss_ref = ref(tokens, targets) / targets.numel()
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss_tp = tp(tokens, targets) / targets.numel()
+        loss_tp.backward()
+        allreduce_sequence_parallel_grad(tp, group)
+        opt_tp.step()
+        opt_tp.zero_grad()
+        total = loss_tp.detach().clone()
+        if sequence_parallel:  # each rank scored its rows only
+            dist.all_reduce(total, group=group)
+        losses_ref.append(loss_ref.item())
+        losses_tp.append(total.item())
+    tol = 10 * TOL[dtype]
+    for step, (a, b) in enumerate(zip(losses_tp, losses_ref)):
+        assert abs(a - b) <= tol * abs(b), f"rank {_RANK}: step {step}: TP loss {a} vs reference {b}"
+    assert losses_ref[-1] < losses_ref[0], f"training did not reduce the loss: {losses_ref}"
+    ref_modules = dict(ref.named_modules())
+    for name, m in tp.named_modules():
+        r = ref_modules[name]
+        if isinstance(m, ColumnParallelLinear):
+            _check(m.weight, r.weight[m.shard], dtype, f"{name}.weight after training")
+        elif isinstance(m, RowParallelLinear):
+            _check(m.weight, r.weight[:, m.shard], dtype, f"{name}.weight after training")
+            if m.bias is not None:
+                _check(m.bias, r.bias, dtype, f"{name}.bias after training")
+        elif isinstance(m, (nn.LayerNorm, nn.Embedding)) or type(m) is nn.Linear:
+            for (pn, p), rp in zip(m.named_parameters(), r.parameters()):
+                _check(p, rp, dtype, f"{name}.{pn} after training")
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_training_matches_single_process(backend, world_size, sequence_parallel):
+    dtype = torch.float32
+    run_distributed(backend, world_size, "_w_gpt", sequence_parallel=sequence_parallel, steps=5, dtype=dtype)
+
+
+# ---- the tensor-parallel GPT example under torchrun
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt_tp.py")
+
+
+def _run_example(nproc, *args, timeout=240):
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(EXAMPLE))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", EXAMPLE,
+           *args]
+    try:
+        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout}s:\n{e.stdout}\n{e.stderr}", pytrace=False)
+
+
+def test_example_torchrun_cpu():
+    proc = _run_example(2, "--device", "cpu", "--steps", "5", "--d-model", "48", "--heads", "6", "--batch", "4",
+                        "--seq", "16")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 rank(s), gloo on cpu" in proc.stdout
+    assert "OK: TP=2 matches one process" in proc.stdout, proc.stdout + proc.stderr
+    assert "5/5" in proc.stderr  # the progress bar
+
+
+@pytest.mark.cuda
+def test_example_torchrun_cuda():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} present")
+    proc = _run_example(2, "--device", "cuda", "--steps", "100")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 rank(s), nccl on cuda" in proc.stdout
+    assert "OK: TP=2 matches one process" in proc.stdout, proc.stdout + proc.stderr
