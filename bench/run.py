@@ -1,0 +1,1124 @@
+#!/usr/bin/env python
+"""fused_dense benchmark suite: one command, one run, everything side by side.
+
+    python bench/run.py --out DIR [--quick] [--shapes 8192x1024 16384x8192 ...] [--budget S]
+    python bench/run.py --out DIR --device cpu --quick        # smoke test without a GPU
+
+Writes DIR/bench.json (raw figures + environment), DIR/bench.md (tables, issue-5 targets) and
+DIR/bench.png (TF/s per shape per variant; skipped with a warning if matplotlib is missing, make
+it later with `python bench/plot.py DIR/bench.json`). bench/README.md describes the method.
+
+Sections, in the order they run (the most important first, so a time budget cut loses the least):
+  env       GPU, driver, torch, CUDA, cuBLASLt versions
+  ceiling   8192^3 bf16 torch.mm (the card's sustained matmul rate)
+  mlp       MLP forward + backward, Linear(d, 4d) -> act -> Linear(4d, d), bf16 gelu_approx, all
+            variants (FusedMLP auto at checkpoint_lvl 0/1/2, fixed heuristics -1/0/1/2, eager,
+            torch.compile, the six-GEMM floor), activation memory and accuracy per variant
+  ops       linear_act / act_linear_dgrad / linear_bias_wgrad against torch.mm at the MLP's GEMMs
+  host      host CPU time per forward + backward at M=512, d=512: FusedMLP against eager
+  reduced   fp16 gelu_approx, bf16 relu, fp16 relu at M=8192: FusedMLP auto, eager, compile, floor
+"""
+import argparse
+import ctypes
+import datetime
+import faulthandler
+import gc
+import glob
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+T0 = time.time()  # replaced by --t0-epoch in a worker, so the budget and the log clock span restarts
+MIB = 1024 * 1024
+EXIT_CUDA_BROKEN = 3  # worker exit code: the CUDA context is unusable after an error; restart
+
+
+def log(msg):
+    print(f"[{time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def _load_sibling(name):
+    spec = importlib.util.spec_from_file_location(f"_fd_bench_{name}", os.path.join(HERE, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report = _load_sibling("report")
+plot = _load_sibling("plot")
+
+# ----------------------------------------------------------------------------------------------
+# fused_dense imports (guarded: the bench still measures the baselines without them)
+
+FD_IMPORT_ERROR = None
+fd_ops = None
+FusedMLP = None
+try:
+    import fused_dense
+    from fused_dense import ops as fd_ops
+except Exception as exc:  # noqa: BLE001
+    FD_IMPORT_ERROR = f"import fused_dense failed: {type(exc).__name__}: {exc}"
+if fd_ops is not None:
+    try:
+        FusedMLP = getattr(fused_dense, "FusedMLP", None)
+        if FusedMLP is None:
+            from fused_dense.modules import FusedMLP  # noqa: F811
+    except Exception as exc:  # noqa: BLE001
+        FD_IMPORT_ERROR = f"FusedMLP not available: {type(exc).__name__}: {exc}"
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Variant sets. Keys are stable (bench.json / plot / report use them).
+FULL_VARIANTS = ["floor", "eager", "compile", "auto_l0", "auto_l1", "auto_l2", "h-1_l0", "h0_l0", "h1_l0", "h2_l0"]
+REDUCED_VARIANTS = ["floor", "eager", "compile", "auto_l0"]
+
+
+def fused_spec(key):
+    """'auto_l1' -> ('auto', 1); 'h-1_l0' -> (-1, 0)."""
+    h, lvl = key.split("_l")
+    return ("auto" if h == "auto" else int(h[1:])), int(lvl)
+
+
+def errstr(exc, limit=400):
+    s = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+class Bench:
+    """Median time of fn() in ms after warm-up; cold L2 for every repetition on CUDA."""
+
+    def __init__(self, device, warmup_ms=50.0, rep_ms=200.0, min_reps=8, cpu_reps=5, timer="auto"):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.warmup_ms = warmup_ms
+        self.rep_ms = rep_ms
+        self.min_reps = min_reps
+        self.cpu_reps = cpu_reps
+        self.do_bench = None
+        self.method = "cpu perf_counter median"
+        if self.cuda and timer == "events":
+            self.method = "CUDA events median (cold L2 each rep), --timer events"
+            self._flush = None
+        elif self.cuda:
+            try:
+                from triton.testing import do_bench
+                self.do_bench = do_bench
+                self.method = "triton.testing.do_bench median (cold L2 each rep)"
+            except Exception as exc:  # noqa: BLE001
+                self.method = f"CUDA events median (cold L2 each rep); triton unavailable: {errstr(exc, 120)}"
+            self._flush = None
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _estimate_ms(self, fn, grad_to_none):
+        """One more call (warm), then the mean of 2 calls, synchronized."""
+        def call():
+            if grad_to_none:
+                for t in grad_to_none:
+                    t.grad = None
+            fn()
+        call()
+        self.sync()
+        t = time.perf_counter()
+        for _ in range(2):
+            call()
+        self.sync()
+        return max((time.perf_counter() - t) * 1e3 / 2, 1e-3)
+
+    def __call__(self, fn, grad_to_none=None):
+        est = self._estimate_ms(fn, grad_to_none)
+        if not self.cuda:
+            times = []
+            for _ in range(self.cpu_reps):
+                if grad_to_none:
+                    for t in grad_to_none:
+                        t.grad = None
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return self._summary(times, len(times))
+        rep = max(self.rep_ms, self.min_reps * est)
+        warm = max(self.warmup_ms, 2 * est)
+        n = max(1, int(rep / est))
+        if self.do_bench is not None:
+            q = self.do_bench(fn, warmup=warm, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
+            if isinstance(q, (list, tuple)):
+                return {"ms": float(q[0]), "p20": float(q[1]), "p80": float(q[2]), "reps": n}
+            return {"ms": float(q), "p20": None, "p80": None, "reps": n}
+        return self._events(fn, grad_to_none, warm, n, est)
+
+    def _events(self, fn, grad_to_none, warm_ms, n, est):
+        if self._flush is None:
+            self._flush = torch.empty(256 * MIB, dtype=torch.int8, device=self.device)
+        for _ in range(max(1, int(warm_ms / est))):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            if grad_to_none:
+                for t in grad_to_none:
+                    t.grad = None
+            self._flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        self.sync()
+        return self._summary([s.elapsed_time(e) for s, e in zip(starts, ends)], n)
+
+    @staticmethod
+    def _summary(times, n):
+        times = sorted(times)
+
+        def q(p):
+            return times[min(len(times) - 1, int(round(p * (len(times) - 1))))]
+        return {"ms": statistics.median(times), "p20": q(0.2), "p80": q(0.8), "reps": n}
+
+
+# ----------------------------------------------------------------------------------------------
+# environment
+
+
+def _run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def cublaslt_version():
+    """cublasLtGetVersion() of the libcublasLt this process uses (read from /proc/self/maps)."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.split()[-1] if line.strip() else ""
+                if "libcublasLt" in p and p not in paths:
+                    paths.append(p)
+    except OSError:
+        pass
+    loaded = bool(paths)
+    if not paths:
+        tl = os.path.join(os.path.dirname(torch.__file__), "lib")
+        paths += glob.glob(os.path.join(tl, "libcublasLt.so*"))
+        for sp in sys.path:
+            paths += glob.glob(os.path.join(sp, "nvidia", "cu*", "lib", "libcublasLt.so*"))
+            paths += glob.glob(os.path.join(sp, "nvidia", "cublas", "lib", "libcublasLt.so*"))
+        paths += ["libcublasLt.so"]
+    for p in paths:
+        try:
+            lib = ctypes.CDLL(p)
+            lib.cublasLtGetVersion.restype = ctypes.c_size_t
+            v = int(lib.cublasLtGetVersion())
+            return {"cublasLt_version": v,
+                    "cublasLt_version_str": f"{v // 10000}.{(v % 10000) // 100}.{v % 100}",
+                    "cublasLt_path": p, "cublasLt_loaded_by_process": loaded}
+        except Exception:  # noqa: BLE001
+            continue
+    return {"cublasLt_version": None, "cublasLt_version_str": None}
+
+
+def environment(args, device):
+    env = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device": str(device),
+        "fused_dense_import_error": FD_IMPORT_ERROR,
+    }
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001
+        env["triton"] = None
+    try:
+        env["fused_dense"] = getattr(fused_dense, "__version__", None)
+        env["fused_dense_cuda_kernels"] = bool(fused_dense.has_cuda_kernels())
+    except Exception:  # noqa: BLE001
+        pass
+    commit = args.commit or _run(["git", "-C", ROOT, "rev-parse", "HEAD"]) or ""
+    commit = commit.strip().lower()
+    env["git_commit"] = commit if 7 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit) else None
+    st = _run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"]) if env["git_commit"] else None
+    env["git_dirty"] = None if st is None else bool(st)
+    if args.commit:
+        env["git_commit_from"] = "--commit"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update({
+            "gpu": p.name, "capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count,
+            "gpu_memory_gib": round(p.total_memory / 1024 ** 3, 1),
+            "cudnn": torch.backends.cudnn.version(),
+        })
+        try:
+            env["cuda_driver_api"] = int(torch._C._cuda_getDriverVersion())
+        except Exception:  # noqa: BLE001
+            pass
+        q = _run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit,"
+                  "temperature.gpu,pstate", "--format=csv,noheader", f"--id={device.index or 0}"])
+        if q:
+            keys = ["driver", "clock_sm_mhz", "clock_max_sm_mhz", "clock_mem_mhz", "power_limit", "temp_c", "pstate"]
+            env.update({k: v.strip() for k, v in zip(keys, q.split(","))})
+    else:
+        env["cpu_threads"] = torch.get_num_threads()
+    env.update(cublaslt_version())
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# models
+
+
+class EagerMLP(nn.Module):
+    """The PyTorch reference: nn.Linear -> F.gelu(tanh) or F.relu -> nn.Linear (names as FusedMLP)."""
+
+    def __init__(self, d, h, activation, device, dtype):
+        super().__init__()
+        self.fc1 = nn.Linear(d, h, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(h, d, device=device, dtype=dtype)
+        self.activation = activation
+
+    def forward(self, x):
+        y = self.fc1(x)
+        y = F.gelu(y, approximate="tanh") if self.activation == "gelu_approx" else F.relu(y)
+        return self.fc2(y)
+
+
+def copy_weights(dst, src):
+    try:
+        dst.load_state_dict(src.state_dict())
+        return
+    except Exception:  # noqa: BLE001
+        pass
+    dp = [p for p in dst.parameters()]
+    sp = [p for p in src.parameters()]
+    if len(dp) != len(sp) or any(a.shape != b.shape for a, b in zip(dp, sp)):
+        raise RuntimeError("cannot copy eager weights into FusedMLP: parameter shapes differ")
+    with torch.no_grad():
+        for a, b in zip(dp, sp):
+            a.copy_(b)
+
+
+def first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def rel_err(a, ref):
+    a = a.float()
+    ref = ref.float()
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------------------------
+# context: results, resume after a crash, time budget
+
+FINAL = ("ok", "unavailable", "error", "skipped", "crashed")
+BASELINE_KEYS = ("floor", "eager", "compile")
+
+
+class Ctx:
+    def __init__(self, args, device, results=None):
+        self.args = args
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.bench = Bench(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, timer=args.timer)
+        self.deadline = T0 + args.budget
+        self.results = results or {"schema": 1, "env": {}, "method": {}, "ceiling": None, "mlp": [], "ops": [],
+                                   "host": None, "done": [], "skipped": [], "crashed": [], "in_progress": None}
+        self.crashed = {(c["item"], c["variant"]): c for c in self.results.get("crashed", [])}
+
+    def time_left(self):
+        return self.deadline - time.time()
+
+    def seed(self, item_id):
+        """Deterministic data per item, so an item resumed after a restart sees the same tensors."""
+        torch.manual_seed(zlib.crc32(item_id.encode()) & 0x7FFFFFFF)
+
+    def randn(self, *shape, dtype, scale=1.0):
+        return (torch.randn(*shape, device=self.device, dtype=torch.float32) * scale).to(dtype)
+
+    def sync(self):
+        self.bench.sync()
+
+    def free(self):
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def find(self, section, item_id):
+        for r in self.results[section]:
+            if r.get("id") == item_id:
+                return r
+        return None
+
+    def fused_crashes(self):
+        return sum(1 for c in self.results.get("crashed", []) if c.get("fused"))
+
+    def precheck(self, item_id, variant, fused):
+        """A final record to store instead of measuring, or None to measure.
+
+        fused: None for a baseline, else the fused_dense code path it exercises ('FusedMLP heuristic=auto',
+        'linear_act h=0', ...): after a crash in one path, that path is skipped for the rest of the run,
+        and after --max-fused-crashes crashes all fused_dense measurements are.
+        """
+        c = self.crashed.get((item_id, variant))
+        if c:
+            return {"status": "crashed", "error": f"the process died (exit {c.get('rc')}) during this "
+                                                  "measurement; the bench restarted and went on without it"}
+        same = [c for c in self.results.get("crashed", []) if fused and c.get("fused") == fused]
+        if same:
+            return {"status": "skipped", "error": f"not run: '{fused}' crashed the process earlier in this run "
+                                                  f"(at {same[0]['item']} / {same[0]['variant']})"}
+        n = self.fused_crashes()
+        if fused and n >= self.args.max_fused_crashes:
+            return {"status": "skipped", "error": f"not run: fused_dense crashed the process {n} times earlier "
+                                                  "in this run (see 'crashed')"}
+        if self.time_left() < 0:
+            return {"status": "skipped", "error": "time budget exhausted"}
+        return None
+
+    def begin(self, item_id, variant, fused):
+        """Mark what is being measured, on disk, so the supervisor can tell what crashed the process."""
+        self.results["in_progress"] = {"item": item_id, "variant": variant, "fused": fused}
+        self.save(markdown=False)
+        hook = os.environ.get("FD_BENCH_TEST_CRASH")  # test hook: "ITEM_SUBSTRING:VARIANT" segfaults there
+        if hook and (item_id, variant) not in self.crashed:
+            it, _, var = hook.rpartition(":")
+            if it in item_id and var == variant:
+                log(f"FD_BENCH_TEST_CRASH: crashing on purpose at {item_id} {variant}")
+                ctypes.string_at(0)
+
+    def end(self):
+        self.results["in_progress"] = None
+
+    def check_cuda(self, exc):
+        """After an exception: when the CUDA context is unusable, save and exit so the supervisor restarts."""
+        if not self.cuda:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.ones(1, device=self.device).add_(1).item()
+        except Exception as exc2:  # noqa: BLE001
+            log(f"CUDA context unusable after '{errstr(exc, 160)}' ({errstr(exc2, 160)}); exiting for a restart")
+            self.results["in_progress"] = None
+            self.save(markdown=False)
+            sys.stdout.flush()
+            os._exit(EXIT_CUDA_BROKEN)
+
+    def save(self, markdown=True):
+        save_results(self.results, self.args.out, markdown)
+
+
+def save_results(results, out, markdown=True):
+    os.makedirs(out, exist_ok=True)
+    results["elapsed_s"] = round(time.time() - T0, 1)
+    tmp = os.path.join(out, "bench.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(tmp, os.path.join(out, "bench.json"))
+    if markdown:
+        try:
+            with open(os.path.join(out, "bench.md"), "w") as f:
+                f.write(report.markdown(results))
+        except Exception as exc:  # noqa: BLE001
+            log(f"WARNING: bench.md not written: {errstr(exc)}")
+            traceback.print_exc()
+
+
+def finalize(results, out):
+    """bench.md, bench.png and the console summary from whatever results there are."""
+    save_results(results, out)
+    png = os.path.join(out, "bench.png")
+    try:
+        plot.make_png(results, png)
+        log(f"wrote {png}")
+    except ImportError as exc:
+        log(f"WARNING: no PNG ({exc}); make it with: python bench/plot.py {os.path.join(out, 'bench.json')}")
+    except Exception as exc:  # noqa: BLE001
+        log(f"WARNING: PNG failed: {errstr(exc)}")
+    print(report.summary(results), flush=True)
+    log(f"done: {os.path.join(out, 'bench.json')}, bench.md")
+
+
+# ----------------------------------------------------------------------------------------------
+# sections
+
+
+def run_ceiling(ctx, item_id, key="ceiling"):
+    """8192^3 torch.mm; run first and again last ('ceiling_end') to show drift in clocks over the run."""
+    n = ctx.args.ceiling_n
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    pre = ctx.precheck(item_id, "mm", None)
+    if pre:
+        ctx.results[key] = pre
+        return
+    ctx.seed(item_id)
+    a = ctx.randn(n, n, dtype=dtype)
+    b = ctx.randn(n, n, dtype=dtype)
+    ctx.begin(item_id, "mm", None)
+    t = ctx.bench(lambda: torch.mm(a, b))
+    ctx.end()
+    tf = 2 * n ** 3 / t["ms"] / 1e9
+    ctx.results[key] = {"status": "ok", "n": n, "dtype": str(dtype).replace("torch.", ""), **t, "tflops": tf}
+    log(f"{key} {n}^3 {dtype}: {t['ms']:.3f} ms, {tf:.0f} TF/s")
+    a = b = None  # noqa: F841
+    ctx.free()
+
+
+def measure_pass(ctx, mod, x, dy, params, use_hooks=True):
+    """One forward + backward: memory kept for backward, and the outputs for the accuracy check.
+
+    saved_bytes: unique non-parameter storages packed by saved_tensors_hooks during the forward.
+    Not used for torch.compile (hooks active at call time make Dynamo recompile, and what runs then
+    is not the graph that was timed): there only the allocator figures are taken.
+    """
+    for t in params + [x]:
+        t.grad = None
+    ctx.free()
+    param_ptrs = set()
+    for p in params:
+        try:
+            param_ptrs.add(p.untyped_storage().data_ptr())
+        except Exception:  # noqa: BLE001
+            pass
+    saved = {}
+    counts = {"n": 0}
+
+    def pack(t):
+        counts["n"] += 1
+        try:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in param_ptrs and ptr not in saved:
+                saved[ptr] = s.nbytes()
+        except Exception:  # noqa: BLE001
+            pass
+        return t
+
+    def unpack(t):
+        return t
+
+    base = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
+    if ctx.cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    if use_hooks:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = first(mod(x))
+    else:
+        out = first(mod(x))
+    if ctx.cuda:
+        ctx.sync()
+        after_fwd = torch.cuda.memory_allocated(ctx.device) - base
+    out_bytes = out.numel() * out.element_size()
+    out.backward(dy)
+    ctx.sync()
+    res = {}
+    if use_hooks:
+        res.update(saved_bytes=sum(saved.values()), saved_storages=len(saved), saved_calls=counts["n"])
+    if ctx.cuda:
+        res["alloc_kept_bytes"] = after_fwd - out_bytes  # allocated after forward, output excluded
+        res["peak_delta_bytes"] = torch.cuda.max_memory_allocated(ctx.device) - base
+    grads = {"out": out.detach(), "dx": x.grad.detach() if x.grad is not None else None}
+    for name, p in zip(["w1", "b1", "w2", "b2"], params):
+        grads["d" + name] = p.grad.detach() if p.grad is not None else None
+    return res, grads
+
+
+def reference(ctx, eager, x, dy):
+    """float32 reference (no tf32) of out, dx, dW1, dW2."""
+    ref = EagerMLP(eager.fc1.in_features, eager.fc1.out_features, eager.activation, ctx.device, torch.float32)
+    ref.load_state_dict({k: v.float() for k, v in eager.state_dict().items()})
+    xr = x.detach().float().requires_grad_(True)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        out = ref(xr)
+        out.backward(dy.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    r = {"out": out.detach(), "dx": xr.grad, "dw1": ref.fc1.weight.grad, "dw2": ref.fc2.weight.grad}
+    del ref, xr, out
+    return r
+
+
+def ratios(variants):
+    def ms(k):
+        v = variants.get(k) or {}
+        return v.get("ms") if v.get("status") == "ok" else None
+    for v in variants.values():
+        if v.get("status") != "ok":
+            continue
+        for name, base, inv in (("x_floor", "floor", False), ("speedup_vs_eager", "eager", True),
+                                ("speedup_vs_compile", "compile", True)):
+            b = ms(base)
+            if b:
+                v[name] = (b / v["ms"]) if inv else (v["ms"] / b)
+
+
+def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
+    dtype = DTYPES[dtype_name]
+    h = 4 * d
+    flops = 12 * M * d * h
+    rec = ctx.find("mlp", item_id)
+    if rec is None:
+        rec = {"id": item_id, "dtype": dtype_name, "activation": act, "M": M, "d": d, "h": h, "flops": flops,
+               "variants": {}}
+        ctx.results["mlp"].append(rec)
+    tag = f"mlp {dtype_name} {act} M={M} d={d}"
+    todo = [k for k in variants if rec["variants"].get(k, {}).get("status") not in FINAL]
+    log(f"{tag}: start ({len(todo)} of {len(variants)} variants to run)")
+    ctx.seed(item_id)
+    dev = ctx.device
+    eager = EagerMLP(d, h, act, dev, dtype)
+    x = ctx.randn(M, d, dtype=dtype).requires_grad_(True)
+    dy = ctx.randn(M, d, dtype=dtype)
+    ref = None
+    if not ctx.args.no_accuracy and any(k != "floor" for k in todo):
+        try:
+            ref = reference(ctx, eager, x, dy)
+            x.grad = None
+        except Exception as exc:  # noqa: BLE001
+            log(f"{tag}: reference failed: {errstr(exc)}")
+
+    for key in todo:
+        fused = None if key in BASELINE_KEYS else f"FusedMLP heuristic={fused_spec(key)[0]}"
+        pre = ctx.precheck(item_id, key, fused)
+        if pre is None and key == "compile" and ctx.args.no_compile:
+            pre = {"status": "skipped", "error": "--no-compile"}
+        if pre is None and fused and FusedMLP is None:
+            pre = {"status": "unavailable", "error": FD_IMPORT_ERROR or "FusedMLP not found"}
+        if pre is not None:
+            rec["variants"][key] = pre
+            log(f"{tag} {key}: {pre['status']} ({pre['error']})")
+            continue
+        ctx.begin(item_id, key, fused)
+        v = {"status": "ok"}
+        mod = None
+        try:
+            if key == "floor":
+                v.update(time_floor(ctx, M, d, h, dtype, parts=(variants == FULL_VARIANTS)))
+            else:
+                if key == "eager":
+                    mod = eager
+                elif key == "compile":
+                    torch._dynamo.reset()
+                    mod = torch.compile(eager, dynamic=False)
+                else:
+                    heur, lvl = fused_spec(key)
+                    v.update(heuristic=heur, checkpoint_lvl=lvl)
+                    try:
+                        mod = FusedMLP(d, h, d, activation=act, checkpoint_lvl=lvl, heuristic=heur,
+                                       device=dev, dtype=dtype)
+                        copy_weights(mod, eager)
+                    except Exception as exc:  # noqa: BLE001
+                        raise _Unavailable(exc) from exc
+                params = list(mod.parameters())
+
+                def step(mod=mod):
+                    first(mod(x)).backward(dy)
+
+                # first call: compilation / tuning / plan creation; timed once, kept out of the figures
+                for t in params + [x]:
+                    t.grad = None
+                t0 = time.perf_counter()
+                try:
+                    step()
+                    ctx.sync()
+                except Exception as exc:  # noqa: BLE001
+                    raise (_Unavailable(exc) if fused else exc) from exc
+                v["first_call_s"] = round(time.perf_counter() - t0, 3)
+                v.update(ctx.bench(step, grad_to_none=params + [x]))
+                mem, outs = measure_pass(ctx, mod, x, dy, params, use_hooks=(key != "compile"))
+                v["memory"] = mem
+                if ref is not None:
+                    v["rel_err"] = {k: rel_err(outs[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")
+                                    if outs.get(k) is not None}
+                del outs
+            v["tflops"] = flops / v["ms"] / 1e9
+            extra = ""
+            if "saved_bytes" in v.get("memory", {}):
+                extra = f", saved {v['memory']['saved_bytes'] / MIB:.1f} MiB"
+            elif "alloc_kept_bytes" in v.get("memory", {}):
+                extra = f", kept {v['memory']['alloc_kept_bytes'] / MIB:.1f} MiB"
+            if "rel_err" in v:
+                extra += f", err out {v['rel_err'].get('out', float('nan')):.1e}"
+            if "first_call_s" in v:
+                extra += f", first call {v['first_call_s']:.2f} s"
+            log(f"{tag} {key}: {v['ms']:.3f} ms, {v['tflops']:.0f} TF/s{extra}")
+            rec["variants"][key] = v
+        except Exception as exc:  # noqa: BLE001
+            real = exc.exc if isinstance(exc, _Unavailable) else exc
+            v = {k: v[k] for k in ("heuristic", "checkpoint_lvl") if k in v}
+            v.update(status="unavailable" if isinstance(exc, _Unavailable) else "error", error=errstr(real))
+            rec["variants"][key] = v
+            log(f"{tag} {key}: {v['status'].upper()} {v['error']}")
+            if not isinstance(exc, _Unavailable):
+                traceback.print_exception(real)
+            ctx.check_cuda(real)
+        finally:
+            ctx.end()
+            for t in [x] + list(eager.parameters()):
+                t.grad = None
+            mod = step = None  # noqa: F841  (drop the variant's module before the next one)
+            ctx.free()
+        ratios(rec["variants"])
+        ctx.save()
+
+    ratios(rec["variants"])
+    torch._dynamo.reset()
+    eager = x = dy = ref = None  # noqa: F841
+    ctx.free()
+
+
+class _Unavailable(Exception):
+    """A FusedMLP variant that cannot run (e.g. a heuristic index past cuBLASLt's list)."""
+
+    def __init__(self, exc):
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def time_floor(ctx, M, d, h, dtype, parts=True):
+    """The six plain GEMMs of one MLP step, no bias, no activation, on pre-made tensors."""
+    x = ctx.randn(M, d, dtype=dtype)
+    w1 = ctx.randn(h, d, dtype=dtype, scale=d ** -0.5)
+    w2 = ctx.randn(d, h, dtype=dtype, scale=h ** -0.5)
+    hh = ctx.randn(M, h, dtype=dtype)
+    dy = ctx.randn(M, d, dtype=dtype)
+    dh = ctx.randn(M, h, dtype=dtype)
+
+    def six():
+        torch.mm(x, w1.t())      # fwd 1: [M,d] @ [d,h]
+        torch.mm(hh, w2.t())     # fwd 2: [M,h] @ [h,d]
+        torch.mm(dy, w2)         # dgrad 2: [M,d] @ [d,h]
+        torch.mm(dy.t(), hh)     # wgrad 2: [d,M] @ [M,h]
+        torch.mm(dh, w1)         # dgrad 1: [M,h] @ [h,d]
+        torch.mm(dh.t(), x)      # wgrad 1: [h,M] @ [M,d]
+    six()
+    r = ctx.bench(six)
+    if parts and not ctx.args.quick:
+        r["parts_ms"] = {}
+        for name, fn in (("fwd1", lambda: torch.mm(x, w1.t())), ("fwd2", lambda: torch.mm(hh, w2.t())),
+                         ("dgrad2", lambda: torch.mm(dy, w2)), ("wgrad2", lambda: torch.mm(dy.t(), hh)),
+                         ("dgrad1", lambda: torch.mm(dh, w1)), ("wgrad1", lambda: torch.mm(dh.t(), x))):
+            r["parts_ms"][name] = ctx.bench(fn)["ms"]
+    x = w1 = w2 = hh = dy = dh = None  # noqa: F841
+    return r
+
+
+OPS_HEURISTICS = ["auto", 0, -1, 1, 2]
+
+
+def run_ops(ctx, item_id, M, K, N, dtype_name="bf16"):
+    """Each op at x[M,K] @ W[N,K]^T against torch.mm (and the eager unfused composition)."""
+    dtype = DTYPES[dtype_name]
+    flops = 2 * M * N * K
+    rec = ctx.find("ops", item_id)
+    if rec is None:
+        rec = {"id": item_id, "dtype": dtype_name, "M": M, "K": K, "N": N, "flops": flops,
+               "fwd": {}, "dgrad": {}, "wgrad": {}}
+        ctx.results["ops"].append(rec)
+    tag = f"ops {dtype_name} M={M} K={K} N={N}"
+    ctx.seed(item_id)
+    x = ctx.randn(M, K, dtype=dtype)
+    w = ctx.randn(N, K, dtype=dtype, scale=K ** -0.5)
+    b = ctx.randn(N, dtype=dtype)
+    dout = ctx.randn(M, N, dtype=dtype)
+    pre = ctx.randn(M, K, dtype=dtype)   # pre-activation saved by the previous layer's forward
+
+    def add(group, name, fn, fused=None):
+        if rec[group].get(name, {}).get("status") in FINAL:
+            return
+        r = ctx.precheck(item_id, f"{group}/{name}", fused)
+        if r is None:
+            ctx.begin(item_id, f"{group}/{name}", fused)
+            try:
+                fn()
+                ctx.sync()
+                r = ctx.bench(fn)
+                r["status"] = "ok"
+                r["tflops"] = flops / r["ms"] / 1e9
+            except Exception as exc:  # noqa: BLE001
+                r = {"status": "unavailable" if fused else "error", "error": errstr(exc)}
+                rec[group][name] = r
+                ctx.check_cuda(exc)
+            ctx.end()
+        rec[group][name] = r
+
+    # forward: out = gelu(x @ W^T + b), pre-activation saved
+    add("fwd", "mm", lambda: torch.mm(x, w.t()))
+    add("fwd", "linear_bias", lambda: F.linear(x, w, b))
+    add("fwd", "eager_linear_gelu", lambda: F.gelu(F.linear(x, w, b), approximate="tanh"))
+    if ctx.cuda:
+        add("fwd", "addmm_activation", lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))
+    # dgrad: d_in = (dout @ W) * gelu'(pre), d_bias = d_in.sum(0)
+    add("dgrad", "mm", lambda: torch.mm(dout, w))
+
+    def eager_dgrad():
+        g = torch.ops.aten.gelu_backward(torch.mm(dout, w), pre, approximate="tanh")
+        return g, g.sum(0)
+    add("dgrad", "eager_mm_gelu_bgrad", eager_dgrad)
+    # wgrad: dW = dout^T @ x, db = dout.sum(0)
+    add("wgrad", "mm", lambda: torch.mm(dout.t(), x))
+    add("wgrad", "eager_mm_bgrad", lambda: (torch.mm(dout.t(), x), dout.sum(0)))
+    if fd_ops is None:
+        for g in ("fwd", "dgrad", "wgrad"):
+            rec[g]["fused_dense"] = {"status": "unavailable", "error": FD_IMPORT_ERROR}
+    else:
+        for hh in OPS_HEURISTICS:
+            add("fwd", f"linear_act h={hh}",
+                lambda hh=hh: fd_ops.linear_act(x, w, b, "gelu_approx", True, hh), fused=f"linear_act h={hh}")
+        for hh in OPS_HEURISTICS:
+            add("dgrad", f"act_linear_dgrad h={hh}",
+                lambda hh=hh: fd_ops.act_linear_dgrad(w, dout, pre, "gelu_approx", True, hh),
+                fused=f"act_linear_dgrad h={hh}")
+        add("wgrad", "linear_bias_wgrad", lambda: fd_ops.linear_bias_wgrad(x, dout, True),
+            fused="linear_bias_wgrad")
+    for g in ("fwd", "dgrad", "wgrad"):
+        base = rec[g].get("mm", {}).get("ms") if rec[g].get("mm", {}).get("status") == "ok" else None
+        for r in rec[g].values():
+            if r.get("status") == "ok" and base:
+                r["x_mm"] = r["ms"] / base
+    line = "; ".join(f"{g} " + " ".join(f"{k.split(' ')[-1]}={r['ms']:.3f}" for k, r in rec[g].items()
+                                         if r.get("status") == "ok") for g in ("fwd", "dgrad", "wgrad"))
+    log(f"{tag}: {line}")
+    x = w = b = dout = pre = None  # noqa: F841
+    ctx.free()
+
+
+def run_host(ctx, item_id):
+    """Host CPU time per forward + backward at a small shape where the host dominates."""
+    M, d = (ctx.args.host_m, ctx.args.host_d)
+    dtype = torch.bfloat16
+    h = 4 * d
+    n_iter = ctx.args.host_iters
+    reps = 5
+    rec = ctx.results.get("host")
+    if not rec or rec.get("id") != item_id:
+        rec = {"id": item_id, "M": M, "d": d, "h": h, "dtype": "bf16", "iters": n_iter, "reps": reps,
+               "method": "time.process_time() (all host threads) over N forward + backward iterations issued "
+                         "without synchronization, read before the closing synchronize; median of reps",
+               "variants": {}}
+        ctx.results["host"] = rec
+    ctx.seed(item_id)
+    eager = EagerMLP(d, h, "gelu_approx", ctx.device, dtype)
+    x = ctx.randn(M, d, dtype=dtype).requires_grad_(True)
+    dy = ctx.randn(M, d, dtype=dtype)
+    variants = [("eager", None), ("compile", None), ("auto_l0", ("auto", 0)), ("h0_l0", (0, 0)),
+                ("h-1_l0", (-1, 0))]
+    for key, spec in variants:
+        if rec["variants"].get(key, {}).get("status") in FINAL:
+            continue
+        fused = None if spec is None else f"FusedMLP heuristic={spec[0]}"
+        v = ctx.precheck(item_id, key, fused)
+        if v is None and key == "compile" and ctx.args.no_compile:
+            v = {"status": "skipped", "error": "--no-compile"}
+        if v is None and fused and FusedMLP is None:
+            v = {"status": "unavailable", "error": FD_IMPORT_ERROR or "FusedMLP not found"}
+        if v is not None:
+            rec["variants"][key] = v
+            continue
+        ctx.begin(item_id, key, fused)
+        v = {"status": "ok"}
+        mod = None
+        try:
+            if key == "eager":
+                mod = eager
+            elif key == "compile":
+                torch._dynamo.reset()
+                mod = torch.compile(eager, dynamic=False)
+            else:
+                mod = FusedMLP(d, h, d, activation="gelu_approx", checkpoint_lvl=spec[1], heuristic=spec[0],
+                               device=ctx.device, dtype=dtype)
+                copy_weights(mod, eager)
+            params = list(mod.parameters())
+
+            def step():
+                for t in params:
+                    t.grad = None
+                x.grad = None
+                first(mod(x)).backward(dy)
+            for _ in range(20):
+                step()
+            ctx.sync()
+            cpu, issue, wall = [], [], []
+            for _ in range(reps):
+                ctx.sync()
+                c0, w0 = time.process_time(), time.perf_counter()
+                for _ in range(n_iter):
+                    step()
+                c1, w1 = time.process_time(), time.perf_counter()
+                ctx.sync()
+                w2 = time.perf_counter()
+                cpu.append((c1 - c0) / n_iter * 1e6)
+                issue.append((w1 - w0) / n_iter * 1e6)
+                wall.append((w2 - w0) / n_iter * 1e6)
+            v.update(cpu_us=statistics.median(cpu), issue_wall_us=statistics.median(issue),
+                     wall_us=statistics.median(wall), cpu_us_all=cpu)
+            log(f"host M={M} d={d} {key}: cpu {v['cpu_us']:.1f} us/iter, issue wall {v['issue_wall_us']:.1f} us, "
+                f"wall incl. sync {v['wall_us']:.1f} us")
+        except Exception as exc:  # noqa: BLE001
+            v = {"status": "unavailable" if fused else "error", "error": errstr(exc)}
+            log(f"host {key}: {v['status']} ({v['error']})")
+            rec["variants"][key] = v
+            ctx.check_cuda(exc)
+        finally:
+            ctx.end()
+            mod = None  # noqa: F841
+        rec["variants"][key] = v
+        ctx.save()
+    e = rec["variants"].get("eager", {}).get("cpu_us")
+    for v in rec["variants"].values():
+        if e and v.get("cpu_us"):
+            v["x_eager"] = v["cpu_us"] / e
+    torch._dynamo.reset()
+    eager = x = dy = None  # noqa: F841
+    ctx.free()
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+
+
+def parse_shape(s):
+    try:
+        m, d = s.lower().split("x")
+        return int(m), int(d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape must be MxD, e.g. 8192x1024; got {s!r}") from None
+
+
+def build_plan(args):
+    """[(item_id, section, payload)] in run order."""
+    if args.device == "cpu":
+        shapes, big = (args.shapes or [(256, 64)]), []
+    elif args.shapes:
+        shapes, big = args.shapes, []
+    elif args.quick:
+        shapes, big = [(8192, 1024)], []
+    else:
+        shapes, big = [(8192, 1024), (8192, 2048), (8192, 4096)], [(16384, 8192)]
+    full_shapes = shapes + big
+    # the reduced configs skip d >= 8192 (each step there is ~80 ms; bf16 gelu covers that shape)
+    red_shapes = [s for s in shapes if s[1] < 8192]
+    reduced = [("fp16", "relu")] if args.quick else [("fp16", "gelu_approx"), ("bf16", "relu"), ("fp16", "relu")]
+    sections = set(args.sections.split(","))
+    plan = []
+    if "ceiling" in sections:
+        plan.append(("ceiling", "ceiling", ()))
+    if "mlp" in sections:
+        for (M, d) in full_shapes:
+            plan.append((f"mlp:bf16:gelu_approx:{M}x{d}", "mlp", ("bf16", "gelu_approx", M, d, FULL_VARIANTS)))
+    if "ops" in sections:
+        mkns = []
+        for (M, d) in full_shapes:
+            for mkn in ((M, d, 4 * d), (M, 4 * d, d)):
+                if mkn not in mkns:
+                    mkns.append(mkn)
+        for (M, K, N) in (mkns[:1] if args.quick else mkns):
+            plan.append((f"ops:bf16:{M},{K},{N}", "ops", (M, K, N)))
+    if "host" in sections:
+        plan.append(("host", "host", ()))
+    if "reduced" in sections:
+        for dt, act in reduced:
+            for (M, d) in red_shapes:
+                plan.append((f"mlp:{dt}:{act}:{M}x{d}", "mlp", (dt, act, M, d, REDUCED_VARIANTS)))
+    if "ceiling" in sections:
+        plan.append(("ceiling_end", "ceiling", ("ceiling_end",)))
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# main: a supervisor process runs the measurements in a worker process and, if the worker dies
+# (a segfault in a kernel under test, an unusable CUDA context), records what it was measuring
+# as 'crashed' and starts a new worker that resumes after it.
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory (bench.json, bench.md, bench.png)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke subset: one shape (8192x1024 on GPU), bf16 gelu full + fp16 relu reduced, one op shape")
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, metavar="MxD",
+                    help="MLP shapes (M tokens x d) instead of the default 8192x{1024,2048,4096} + 16384x8192")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test at tiny sizes)")
+    ap.add_argument("--sections", default="ceiling,mlp,ops,host,reduced",
+                    help="comma list of sections to run (default all: ceiling,mlp,ops,host,reduced)")
+    ap.add_argument("--budget", type=float, default=330.0,
+                    help="seconds after which measurements not yet started are recorded as skipped (default 330)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    ap.add_argument("--no-accuracy", action="store_true", help="skip the float32 reference / error figures")
+    ap.add_argument("--warmup-ms", type=float, default=50.0, help="do_bench warm-up (ms, at least 2 calls)")
+    ap.add_argument("--rep-ms", type=float, default=200.0, help="do_bench measuring time (ms, at least 8 calls)")
+    ap.add_argument("--timer", choices=["auto", "events"], default="auto",
+                    help="auto: triton do_bench when importable, else CUDA events; events: CUDA events always")
+    ap.add_argument("--commit", default=os.environ.get("FUSED_DENSE_COMMIT"),
+                    help="fused_dense commit to record when the tree has no .git (default: $FUSED_DENSE_COMMIT "
+                         "or git rev-parse HEAD)")
+    ap.add_argument("--max-restarts", type=int, default=10, help="worker restarts after crashes (default 10)")
+    ap.add_argument("--max-fused-crashes", type=int, default=6,
+                    help="after this many crashes inside fused_dense, skip the remaining fused_dense variants")
+    ap.add_argument("--no-supervise", action="store_true", help="measure in this process (no crash recovery)")
+    ap.add_argument("--resume", action="store_true", help="continue the run whose bench.json is in --out")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--t0-epoch", type=float, default=None, help=argparse.SUPPRESS)
+    return ap, ap.parse_args(argv)
+
+
+def load_results(out):
+    try:
+        with open(os.path.join(out, "bench.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def supervise(args, argv):
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench.json")
+    if not args.resume and os.path.exists(path):
+        os.remove(path)
+    resume = args.resume
+    restarts = 0
+    while True:
+        cmd = [sys.executable, os.path.abspath(__file__)] + argv + ["--worker", "--t0-epoch", repr(T0)]
+        if resume and "--resume" not in argv:
+            cmd.append("--resume")
+        rc = subprocess.call(cmd)
+        if rc == 0:
+            return 0
+        res = load_results(args.out)
+        ip = res.get("in_progress") if res else None
+        if res is None or (ip is None and rc != EXIT_CUDA_BROKEN):
+            log(f"worker failed (exit {rc}) outside any measurement; not restarting")
+            if res:
+                finalize(res, args.out)
+            return rc if rc > 0 else 1
+        if ip:
+            res.setdefault("crashed", []).append({**ip, "rc": rc, "at_s": round(time.time() - T0, 1)})
+            res["in_progress"] = None
+            save_results(res, args.out, markdown=False)
+        if restarts >= args.max_restarts:
+            log(f"worker died (exit {rc}) during {ip}; {restarts} restarts already, giving up")
+            finalize(res, args.out)
+            return 1
+        restarts += 1
+        resume = True
+        log(f"worker died (exit {rc}) during {ip}; restart {restarts}/{args.max_restarts}, resuming")
+
+
+def worker(ap, args):
+    global T0
+    faulthandler.enable()  # a segfault in a kernel under test prints the Python stack that led there
+    if args.t0_epoch is not None:
+        T0 = args.t0_epoch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("CUDA is not available; use --device cpu --quick for a smoke test")
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # create the context and the cuBLAS handle on this thread before autograd's device thread does
+        torch.mm(torch.ones(8, 8, device=device), torch.ones(8, 8, device=device)).sum().item()
+        args.ceiling_n, args.host_m, args.host_d, args.host_iters = 8192, 512, 512, 200
+    else:
+        args.ceiling_n, args.host_m, args.host_d, args.host_iters = 256, 64, 64, 20
+
+    prev = load_results(args.out) if args.resume else None
+    ctx = Ctx(args, device, prev)
+    if FD_IMPORT_ERROR:
+        log(f"WARNING: {FD_IMPORT_ERROR}")
+    if prev is None:
+        ctx.results["env"] = environment(args, device)
+        ctx.results["method"] = {
+            "timer": ctx.bench.method, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+            "min_reps": ctx.bench.min_reps, "budget_s": args.budget,
+            "mlp": "fwd + bwd of Linear(d,4d) -> act -> Linear(4d,d) on x[M,d] (requires grad) with a random "
+                   "dY; param and input grads reset to None before every rep; TF/s = 12*M*d*h/time",
+            "floor": "the six plain torch.mm of the step (x@W1^T, h@W2^T, dY@W2, dY^T@h, dH@W1, dH^T@x) on "
+                     "pre-made tensors, no bias, no activation",
+            "memory": "saved_bytes: unique non-parameter storages packed by saved_tensors_hooks in one forward "
+                      "(x included; not for torch.compile); alloc_kept_bytes: memory_allocated after forward "
+                      "minus before, output excluded; peak_delta_bytes: max_memory_allocated over fwd+bwd "
+                      "minus before",
+            "accuracy": "rel. error ||v - ref|| / ||ref|| against a float32 (no tf32) eager reference",
+        }
+        env = ctx.results["env"]
+        log(f"env: {env.get('gpu', 'cpu')}, driver {env.get('driver')}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, cuBLASLt {env.get('cublasLt_version_str')}")
+    else:
+        ctx.results["restarts"] = ctx.results.get("restarts", 0) + 1
+        log(f"resuming: {len(ctx.results.get('done', []))} items done, crashed so far: "
+            f"{[(c['item'], c['variant']) for c in ctx.results.get('crashed', [])]}")
+    plan = build_plan(args)
+    ctx.results["plan"] = [item_id for item_id, _, _ in plan]
+    log(f"plan: {len(plan)} items, budget {args.budget:.0f} s ({ctx.time_left():.0f} s left)")
+    ctx.save()
+    for item_id, section, payload in plan:
+        if item_id in ctx.results["done"]:
+            continue
+        if ctx.time_left() < 0:
+            if item_id not in ctx.results["skipped"]:
+                ctx.results["skipped"].append(item_id)
+            log(f"skipped (time budget): {item_id}")
+            continue
+        try:
+            if section == "ceiling":
+                run_ceiling(ctx, item_id, *payload)
+            elif section == "mlp":
+                run_mlp(ctx, item_id, *payload)
+            elif section == "ops":
+                run_ops(ctx, item_id, *payload)
+            elif section == "host":
+                run_host(ctx, item_id)
+            ctx.results["done"].append(item_id)
+        except Exception as exc:  # noqa: BLE001
+            log(f"{item_id}: ERROR {errstr(exc)}")
+            traceback.print_exc()
+            ctx.results.setdefault("errors", []).append([item_id, errstr(exc)])
+            ctx.end()
+            ctx.check_cuda(exc)
+            ctx.results["done"].append(item_id)
+            ctx.free()
+        ctx.save()
+    ctx.results["complete"] = True
+    finalize(ctx.results, args.out)
+    return 0
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap, args = parse_args(argv)
+    if args.worker or args.no_supervise:
+        return worker(ap, args)
+    return supervise(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

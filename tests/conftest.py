@@ -1,0 +1,98 @@
+"""Shared pytest setup for fused_dense.
+
+Marker `cuda`: the test needs a GPU. Such tests skip (never pass) when
+torch.cuda.is_available() is False, so CPU-only CI lists them as skipped (`-ra`).
+On a machine with a GPU they also fail loudly if the extension was built without its
+CUDA kernels, instead of silently testing the reference.
+
+Helpers (import with `from conftest import rel_err, TOL, ...`):
+    TOL                    relative-error tolerance per dtype (DESIGN.md)
+    rel_err(out, ref)      ||out - ref|| / ||ref|| computed in float64
+    assert_close_rel(...)  rel_err <= TOL[dtype], with a readable message
+    poison(t)              fill a tensor with NaN (floats) or 0xFF bytes (integers)
+    poison_cuda_cache(...) fill the CUDA caching allocator's free blocks with 0xFF bytes so
+                           outputs an op allocates start as NaN (float) / all-ones (uint8)
+"""
+import math
+
+import pytest
+import torch
+
+TOL = {
+    torch.bfloat16: 1e-2,
+    torch.float16: 2e-3,
+    torch.float32: 1e-4,
+    torch.float64: 1e-10,
+}
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref|| in float64. Empty tensors give 0; a zero reference gives ||out||."""
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}"
+    if out.numel() == 0:
+        return 0.0
+    o = out.detach().to(torch.float64)
+    r = ref.detach().to(device=o.device, dtype=torch.float64)
+    if not torch.isfinite(o).all():
+        return math.inf
+    denom = torch.linalg.vector_norm(r).item()
+    num = torch.linalg.vector_norm(o - r).item()
+    return num if denom == 0.0 else num / denom
+
+
+def assert_close_rel(out, ref, dtype=None, what="output", tol=None):
+    """Asserts rel_err(out, ref) <= tol (default TOL[dtype or out.dtype])."""
+    dtype = dtype if dtype is not None else out.dtype
+    tol = TOL[dtype] if tol is None else tol
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (dtype {dtype}, shape {tuple(out.shape)})"
+
+
+def poison(t):
+    """Fills t in place with NaN (floating) or all-ones bytes (integer / bool); returns t."""
+    with torch.no_grad():
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.bool:
+            t.fill_(True)
+        else:
+            t.view(torch.uint8).fill_(0xFF)
+    return t
+
+
+def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
+    """Makes the next CUDA allocations on `device` (current stream) land on 0xFF-filled memory.
+
+    The ops allocate their outputs themselves, so they cannot be poisoned directly. Instead:
+    release every cached block, allocate one large block and many small-pool blocks (the caching
+    allocator serves requests <= 1 MiB from 2 MiB segments), fill them with 0xFF bytes (NaN in
+    fp16 / bf16 / fp32, all bits set in a uint8 mask) and free them again. Freed blocks stay in
+    the cache, tied to the current stream, and the next allocations are carved out of them
+    (smaller sizes soak up free fragments of partly used segments too). An
+    output element the op never writes then reads back as NaN (or a set padding bit).
+    Call it right before the op, on the stream the op will run on.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    blocks = [torch.full((large_bytes,), 0xFF, dtype=torch.uint8, device=device)]
+    for size in (1_000_000, 65_536, 4_096, 512):  # small pool: requests <= 1 MiB
+        blocks += [torch.full((size,), 0xFF, dtype=torch.uint8, device=device) for _ in range(small_blocks)]
+    del blocks
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when torch.cuda.is_available() is False")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("cuda") is None:
+        return
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    import fused_dense
+
+    if not fused_dense.has_cuda_kernels():
+        pytest.fail("a GPU is present but fused_dense was built without CUDA kernels "
+                    "(FUSED_DENSE_CPU_ONLY build, or no nvcc at build time); rebuild with "
+                    "`pip install --no-build-isolation -e .`")
