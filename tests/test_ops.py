@@ -1110,3 +1110,32 @@ _CUDA_OPCHECK_IDS = [c[0] for c in _opcheck_cases("meta")]
 def test_cuda_opcheck(index):
     _, op, args = _opcheck_cases("cuda")[index]
     torch.library.opcheck(op, args)
+
+
+# ------------------------------------------------------------------------------------------------
+# The raw ops are not differentiable: a clear error instead of a silently different graph.
+
+
+@pytest.mark.parametrize("which", ["input", "weight", "bias"])
+def test_cpu_raw_op_refuses_requires_grad(which):
+    x, w, b = torch.randn(3, 5), torch.randn(7, 5), torch.randn(7)
+    dict(input=x, weight=w, bias=b)[which].requires_grad_()
+    with pytest.raises(RuntimeError, match=rf"argument '{which}' requires grad.*no derivative"):
+        torch.ops.fused_dense.linear_act(x, w, b, 1, True, -2)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        torch.ops.fused_dense.linear_act_forward(x, w, b, True, True, 0)
+    with torch.no_grad():  # below autograd the op runs as usual
+        out = torch.ops.fused_dense.linear_act(x, w, b, 1, True, -2)[0]
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x.detach().double(), w.detach().double(),
+                                                             b.detach().double()), approximate="tanh")
+    assert rel_err(out, ref) <= 1e-4
+
+
+def test_cpu_raw_backward_ops_refuse_requires_grad():
+    x, g, w = torch.randn(4, 6), torch.randn(4, 3, requires_grad=True), torch.randn(3, 6)
+    with pytest.raises(RuntimeError, match="argument 'd_output' requires grad"):
+        torch.ops.fused_dense.linear_bias_wgrad(x, g, True)
+    with pytest.raises(RuntimeError, match="argument 'd_output' requires grad"):
+        torch.ops.fused_dense.act_linear_dgrad(w, g, None, 0, False, -1)
+    with pytest.raises(RuntimeError, match="argument 'pre_act' requires grad"):
+        torch.ops.fused_dense.act_forward(torch.randn(2, 3, requires_grad=True), 1)
