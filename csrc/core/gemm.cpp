@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "key_hash.h"
 
 namespace fused_dense::core {
 
@@ -103,11 +104,7 @@ struct CacheKey {
   bool operator==(const CacheKey& o) const { return v == o.v; }
 };
 struct CacheKeyHash {
-  std::size_t operator()(const CacheKey& k) const {
-    std::size_t h = 1469598103934665603ull;
-    for (int64_t x : k.v) h = (h ^ static_cast<std::size_t>(x)) * 1099511628211ull;
-    return h;
-  }
+  std::size_t operator()(const CacheKey& k) const { return IntArrayHash{}(k.v); }
 };
 
 // Everything about a problem that does not depend on the call's pointers: the operand

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "key_hash.h"
 
 namespace fused_dense::core {
 namespace {
@@ -27,11 +28,7 @@ constexpr int kTimedRuns = 3;
 constexpr double kBudgetMs = 1500.0;
 
 struct TuningKeyHash {
-  std::size_t operator()(const TuningKey& k) const {
-    std::size_t h = 1469598103934665603ull;
-    for (int64_t x : k.v) h = (h ^ static_cast<std::size_t>(x)) * 1099511628211ull;
-    return h;
-  }
+  std::size_t operator()(const TuningKey& k) const { return IntArrayHash{}(k.v); }
 };
 
 struct EventDeleter {
