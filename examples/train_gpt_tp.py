@@ -234,9 +234,7 @@ def train_single(model, args, device):
 
 def largest_gap(a, b, window):
     """Largest relative gap between the two curves after a moving average over `window` steps."""
-    def smooth(xs):
-        return [sum(xs[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))]
-    return max((abs(x - y) / max(abs(y), 1e-8) for x, y in zip(smooth(a), smooth(b))), default=0.0)
+    return max(train_gpt.relative_gaps(a, b, window), default=0.0)
 
 
 def main(argv=None):
