@@ -226,6 +226,16 @@ std::string describe(const GemmProblem& p) {
   return s.str();
 }
 
+// The matmul descriptor of a plan, built once per thread: everything in it but the operand
+// pointers is fixed by the plan, and the pointers are set on each call, which is why it is not
+// shared between threads. Plans are never destroyed, so their addresses are stable keys.
+cublasLtMatmulDesc_t thread_matmul_desc(const PlannedGemm& planned, const GemmProblem& p) {
+  thread_local std::unordered_map<const PlannedGemm*, MatmulDesc> descs;
+  auto it = descs.find(&planned);
+  if (it == descs.end()) it = descs.emplace(&planned, make_matmul_desc(p)).first;
+  return it->second.get();
+}
+
 enum class Outcome { kDone, kRefused };
 
 Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const Workspace& ws,
@@ -241,16 +251,16 @@ Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const
         << count - 1 << "] (or -1 for the unfused path)";
     throw HeuristicOutOfRange(msg.str());
   }
-  MatmulDesc desc = make_matmul_desc(p);
+  cublasLtMatmulDesc_t desc = thread_matmul_desc(planned, p);
   if (uses_bias_pointer(p)) {
     const void* bias = (p.with_bias_grad || p.epilogue == Epilogue::kBGradB) ? ptrs.bias_grad : ptrs.bias;
-    set_attr(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+    set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
-  if (uses_aux(p.epilogue)) set_attr(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
+  if (uses_aux(p.epilogue)) set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
   const float alpha = 1.0f;
   const float beta = p.accumulate ? 1.0f : 0.0f;
   cublasStatus_t status = cublasLtMatmul(
-      handle_for(p.device), desc.get(), &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
+      handle_for(p.device), desc, &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
       &beta, ptrs.d, planned.d.get(), ptrs.d, planned.d.get(), &planned.algorithms[heuristic].algo,
       ws.ptr, ws.bytes, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return Outcome::kRefused;

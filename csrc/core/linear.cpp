@@ -54,10 +54,10 @@ std::string describe(const char* op, const LinearContext& ctx, int64_t B, int64_
 // Resolves the heuristic argument into runs of `run_choice`: an explicit index tries the fused
 // epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the plain
 // list; 'auto' measures (tuner.h).
-template <typename RunChoice>
+template <typename RunChoice, typename Describe>
 void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_problem,
               const GemmProblem& plain_problem, const Choice& rule, const LinearContext& ctx,
-              const TuningKey& key, const std::string& description, RunChoice&& run_choice) {
+              const TuningKey& key, Describe&& describe_problem, RunChoice&& run_choice) {
   if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !fused_possible)) {
     run_choice(Choice{false, std::max(heuristic, 0)});
     return;
@@ -66,12 +66,16 @@ void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_probl
     if (!run_choice(Choice{true, heuristic})) run_choice(Choice{false, heuristic});
     return;
   }
-  const int fused_count = fused_possible ? gemm_algorithm_count(fused_problem) : 0;
-  const int plain_count = gemm_algorithm_count(plain_problem);
-  Choice fallback = rule;
-  if (fallback.fused && fused_count == 0) fallback = Choice{false, 0};
-  const Choice choice = tuned_choice(ctx.device, key, description, fused_count, plain_count, fallback,
-                                     run_choice, ctx.stream);
+  // Once tuned, the per-call cost of 'auto' is this one lookup; the algorithm counts and the
+  // description are only needed to tune.
+  Choice choice;
+  if (!cached_choice(ctx.device, key, &choice)) {
+    const int fused_count = fused_possible ? gemm_algorithm_count(fused_problem) : 0;
+    const int plain_count = gemm_algorithm_count(plain_problem);
+    Choice fallback = rule;
+    if (fallback.fused && fused_count == 0) fallback = Choice{false, 0};
+    choice = tune(ctx.device, key, describe_problem(), fused_count, plain_count, fallback, run_choice, ctx.stream);
+  }
   // A choice tuned on aligned operands may not exist in the list of a less aligned call.
   bool done = false;
   try {
@@ -159,7 +163,7 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice.
   dispatch(a.heuristic, fused_possible, fused, plain, Choice{true, 0}, ctx,
            tuning_key(OpKind::kForward, ctx, B, K, N, a.activation, a.bias != nullptr, a.pre_act != nullptr),
-           describe("forward", ctx, B, K, N, a.activation), run_choice);
+           [&] { return describe("forward", ctx, B, K, N, a.activation); }, run_choice);
 }
 
 void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
@@ -202,7 +206,7 @@ void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
   // The seed's wgrad op takes no heuristic: it is always 'auto'; the rule fuses BGRADB.
   dispatch(kHeuristicAuto, a.d_bias != nullptr, fused, plain, Choice{a.d_bias != nullptr, 0}, ctx,
            tuning_key(OpKind::kWgrad, ctx, B, K, N, Activation::kNone, a.d_bias != nullptr, false),
-           describe("wgrad", ctx, B, K, N, Activation::kNone), run_choice);
+           [&] { return describe("wgrad", ctx, B, K, N, Activation::kNone); }, run_choice);
 }
 
 void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
@@ -248,7 +252,7 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
   // elementwise pass at every shape of ../shared/BASELINES.md (0.158 vs 0.124 ms at 8192x1024x4096).
   dispatch(a.heuristic, fused_possible, fused, plain, Choice{false, 0}, ctx,
            tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
-           describe("dgrad", ctx, B, K, N, a.activation), run_choice);
+           [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
 }
 
 }  // namespace fused_dense::core

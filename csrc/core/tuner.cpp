@@ -137,11 +137,12 @@ void announce_first_tuning() {
 
 }  // namespace
 
-Choice tuned_choice(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
-                    int plain_algorithms, const Choice& fallback, const CandidateRunner& run,
-                    cudaStream_t stream) {
-  Choice cached;
-  if (choice_cache().lookup(device, key, &cached)) return cached;
+bool cached_choice(int device, const TuningKey& key, Choice* choice) {
+  return choice_cache().lookup(device, key, choice);
+}
+
+Choice tune(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
+            int plain_algorithms, const Choice& fallback, const CandidateRunner& run, cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone || !env_flag("FUSED_DENSE_TUNING", true)) return fallback;

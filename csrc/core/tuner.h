@@ -28,11 +28,14 @@ struct TuningKey {
 // Candidate runner: enqueue one run of `choice` on the stream; false when cuBLASLt refuses it.
 using CandidateRunner = std::function<bool(const Choice&)>;
 
-// Returns the measured best choice for key, tuning now if needed and allowed. When the stream
-// is being captured into a CUDA graph, or tuning is disabled, returns `fallback` without
-// measuring (and without caching it, so a later eager call still tunes).
-Choice tuned_choice(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
-                    int plain_algorithms, const Choice& fallback, const CandidateRunner& run,
-                    cudaStream_t stream);
+// The per-call path: true (and *choice set) when key was tuned already, in this process or in
+// the persisted cache.
+bool cached_choice(int device, const TuningKey& key, Choice* choice);
+
+// Measures the candidates and caches the best for key. When the stream is being captured into a
+// CUDA graph, or tuning is disabled, returns `fallback` without measuring (and without caching
+// it, so a later eager call still tunes).
+Choice tune(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
+            int plain_algorithms, const Choice& fallback, const CandidateRunner& run, cudaStream_t stream);
 
 }  // namespace fused_dense::core
