@@ -57,7 +57,6 @@ cudaDataType_t cuda_type(DType dtype) {
 cublasLtEpilogue_t lt_epilogue(const GemmProblem& p) {
   switch (p.epilogue) {
     case Epilogue::kNone: return p.with_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-    case Epilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
     case Epilogue::kGelu: return p.with_bias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
     case Epilogue::kGeluAux:
       return p.with_bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
@@ -76,7 +75,7 @@ bool uses_aux(Epilogue e) {
          e == Epilogue::kDRelu;
 }
 bool uses_bias_pointer(const GemmProblem& p) {
-  return p.with_bias || p.with_bias_grad || p.epilogue == Epilogue::kBias ||
+  return p.with_bias || p.with_bias_grad ||
          p.epilogue == Epilogue::kBGradB;
 }
 

@@ -16,8 +16,7 @@
 namespace fused_dense::core {
 
 enum class Epilogue : int {
-  kNone = 0,
-  kBias,         // D += bias (length m)
+  kNone = 0,     // with_bias: D += bias (length m)
   kGelu,         // D = gelu(AB [+ bias]); see with_bias
   kGeluAux,      // as kGelu, and aux = AB [+ bias] (the pre-activation)
   kRelu,

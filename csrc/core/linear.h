@@ -15,10 +15,6 @@
 
 namespace fused_dense::core {
 
-// heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
-constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel
-constexpr int kHeuristicAuto = -2;     // the library decides (see choose_fused in linear.cpp)
-
 struct LinearContext {
   int device = 0;
   DType dtype = DType::kBFloat16;

@@ -13,6 +13,10 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 // Integer codes are part of the op schema (the `activation` argument), keep them stable.
 enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3 };
 
+// The heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
+constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel
+constexpr int kHeuristicAuto = -2;     // measured choice (tuner.h), or the fixed rule
+
 const char* dtype_name(DType dtype);
 const char* activation_name(Activation act);
 std::size_t dtype_size(DType dtype);

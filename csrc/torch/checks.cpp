@@ -60,8 +60,6 @@ const char* activation_name(int64_t activation) {
   }
 }
 
-int64_t relu_mask_row_bytes(int64_t cols) { return (cols + 7) / 8; }
-
 ActivationCode check_linear_act(const at::Tensor& input, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, int64_t activation,
                                 bool save_pre_act, int64_t heuristic) {

@@ -84,7 +84,7 @@ std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tenso
   args.input = input.data_ptr();
   args.weight = weight.data_ptr();
   args.bias = maybe_ptr(bias);
-  args.activation = static_cast<core::Activation>(act);
+  args.activation = act;
   args.out = out.data_ptr();
   args.pre_act = save_pre_act ? pre_act.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
@@ -143,7 +143,7 @@ std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at
   args.weight = weight.data_ptr();
   args.d_output = d_output.data_ptr();
   args.pre_act = maybe_ptr(pre_act);
-  args.activation = static_cast<core::Activation>(act);
+  args.activation = act;
   args.d_input = d_input.data_ptr();
   args.d_bias = has_d_bias ? d_bias.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
@@ -164,7 +164,7 @@ at::Tensor act_forward_cuda(const at::Tensor& pre_act, int64_t activation) {
   const int64_t cols = pre_act.dim() == 0 ? 1 : pre_act.size(-1);
   const int64_t rows = cols == 0 ? 0 : pre_act.numel() / cols;
   run_core([&] {
-    core::bias_act_forward(core_dtype(pre_act.scalar_type()), static_cast<core::Activation>(act),
+    core::bias_act_forward(core_dtype(pre_act.scalar_type()), act,
                            pre_act.data_ptr(), nullptr, out.data_ptr(), nullptr, rows, cols,
                            at::cuda::getCurrentCUDAStream(pre_act.get_device()).stream());
   });

@@ -7,15 +7,17 @@
 #include <optional>
 #include <vector>
 
+#include "../core/types.h"  // plain C++, no CUDA: also usable in the CPU-only build
+
 namespace fused_dense {
 
-// Mirrors core::Activation (csrc/core/types.h); the torch layer must not include the core's
-// CUDA headers when built without CUDA.
-enum class ActivationCode : int64_t { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3 };
-constexpr int64_t kHeuristicAuto = -2;
+// The op schema's integer activation codes are core::Activation's values.
+using ActivationCode = core::Activation;
+using core::kHeuristicAuto;
+using core::relu_mask_row_bytes;
 
+// Name of an activation code, "unknown" for a code outside the schema (for error messages).
 const char* activation_name(int64_t activation);
-int64_t relu_mask_row_bytes(int64_t cols);
 
 // Checks: each TORCH_CHECK names the argument, the expected and the actual value.
 // Return the validated activation.
