@@ -2,7 +2,13 @@
 # One call on the GPU machine: install (or reuse a prebuilt extension), run the CUDA tests, the
 # native elementwise test, and optionally the benchmark. Logs and JSON land in $OUT.
 #
-#   bash scripts/gpu_run.sh [tests] [native] [bench] [sanitize]     (default: tests native)
+#   bash scripts/gpu_run.sh [tests] [native] [bench] [parallel] [sanitize]   (default: tests native)
+#
+# parallel (needs >= 2 GPUs): the tensor-parallel tests with NCCL, bench/parallel_mlp.py and the
+# torchrun GPT example, on every visible GPU. sanitize: compute-sanitizer memcheck / racecheck /
+# initcheck / synccheck over the bf16 + fp32 CUDA op tests and a short FusedMLP training run, each
+# tool under a time limit (SANITIZE_LIMIT seconds, default 150); memcheck and initcheck run with
+# PyTorch's caching allocator off so every allocation has its exact size.
 #
 # A prebuilt fused_dense/_C*.so may be carried in .prebuilt/ (built here with the same torch);
 # when it fails to load, the extension is built: MAX_JOBS=16 pip install -e . --no-build-isolation
@@ -53,12 +59,39 @@ if want bench; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 
+if want parallel; then
+  # NVLink multicast stays off on shared hosts (KINDS.md)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+  stamp "tensor-parallel tests with NCCL on $ngpu GPUs"
+  python -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_parallel.py 2>&1 | tee "$OUT/nccl_tests.log" | tail -15
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  stamp "ParallelFusedMLP benchmark on $ngpu GPUs"
+  torchrun --standalone --nproc_per_node="$ngpu" bench/parallel_mlp.py --out "$OUT" ${PARALLEL_BENCH_ARGS:-} 2>&1 \
+    | grep -v "^W1\|OMP_NUM_THREADS\|\*\*\*\*" | tee "$OUT/parallel_bench.log" | tail -30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  stamp "GPT example with torchrun on $ngpu GPUs (loss checked against one process)"
+  torchrun --standalone --nproc_per_node="$ngpu" examples/train_gpt_tp.py ${GPT_TP_ARGS:-} 2>&1 \
+    | grep -v "^W1\|OMP_NUM_THREADS\|\*\*\*\*" | tee "$OUT/train_gpt_tp.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
 if want sanitize; then
+  limit=${SANITIZE_LIMIT:-150}
+  tests=${SANITIZE_TESTS:-tests/test_ops.py}
+  select=${SANITIZE_SELECT:-not float16 and not opcheck}
   for tool in memcheck racecheck initcheck synccheck; do
-    stamp "compute-sanitizer --tool $tool"
-    compute-sanitizer --tool "$tool" --error-exitcode 99 python -m pytest -m cuda -q -x -p no:cacheprovider \
-      ${SANITIZE_TESTS:-tests/test_ops.py} 2>&1 | tail -15 | tee "$OUT/sanitize_$tool.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    caching=0; case $tool in memcheck|initcheck) caching=1;; esac
+    stamp "compute-sanitizer --tool $tool: pytest -m cuda $tests -k '$select' (limit ${limit}s)"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      python -m pytest -m cuda -q -p no:cacheprovider -k "$select" $tests 2>&1 | tail -12 | tee "$OUT/sanitize_$tool.log"
+    st=${PIPESTATUS[0]}; echo "exit status $st (124 = time limit)" | tee -a "$OUT/sanitize_$tool.log"
+    [ "$st" -eq 0 ] || rc=1
+    stamp "compute-sanitizer --tool $tool: examples/train_gpt.py --steps 4 --tol 1"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      python examples/train_gpt.py --steps 4 --tol 1 2>&1 | tail -6 | tee -a "$OUT/sanitize_$tool.log"
+    st=${PIPESTATUS[0]}; echo "exit status $st" | tee -a "$OUT/sanitize_$tool.log"
+    [ "$st" -eq 0 ] || rc=1
   done
 fi
 stamp "done, rc=$rc"

@@ -1,0 +1,341 @@
+#!/usr/bin/env python
+"""Tensor-parallel MLP benchmark: ParallelFusedMLP against the same MLP built from nn.Linear
+shards and plain torch.distributed collectives, forward + backward, one process per GPU.
+
+    torchrun --standalone --nproc_per_node=2 bench/parallel_mlp.py --out DIR
+    torchrun --standalone --nproc_per_node=2 bench/parallel_mlp.py --device cpu --dims 256 --tokens 64
+
+Per (d, sequence_parallel) it times, in one run (CUDA events, median of --reps after warm-up,
+the slowest rank's median reported, fresh random data, bf16, gelu_approx, hidden = 4d,
+--tokens rows in total):
+
+  fused        ParallelFusedMLP forward + backward (fc1 column-, fc2 row-parallel; the input
+               gather and the input-gradient reduction are asynchronous and overlap GEMMs in
+               backward)
+  plain        nn.Linear shards + F.gelu(tanh), with synchronous collectives at the same places
+               (the way one writes it from torch.distributed directly)
+  fused_local  the fused MLP math on this rank's shards with no collectives (full rows as input)
+  plain_local  the same for the nn.Linear MLP
+  comm         the collectives one fused step issues, alone, back to back: with
+               sequence_parallel all-gather(x), reduce-scatter(out), all-gather(grad_out),
+               all-gather(x) again, reduce-scatter(grad_x); without it all-reduce(out) and
+               all-reduce(grad_x)
+
+hidden = (fused_local + comm - fused) / comm is the share of the communication time the
+overlap hides (0: none, 1: all); the same for plain tells the noise level (it cannot overlap).
+Writes DIR/parallel_mlp.json and DIR/parallel_mlp.md (rank 0).
+Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 on shared hosts.
+"""
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import fused_dense  # noqa: E402
+from fused_dense.functional import fused_mlp_func  # noqa: E402
+from fused_dense.parallel import ParallelFusedMLP, shard_range  # noqa: E402
+
+
+def log(msg):
+    if dist.get_rank() == 0:
+        print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+# ---- the plain baseline: synchronous collectives as autograd functions ---------------------------------
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce_scatter(g, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.new_empty((g.shape[0] * dist.get_world_size(ctx.group), *g.shape[1:]))
+        dist.all_gather_into_tensor(out, g.contiguous(), group=ctx.group)
+        return out, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Identity(torch.autograd.Function):
+    """Forward identity, backward all-reduce: the input of a column-parallel layer without SP."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def _reduce_scatter(x, group):
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class PlainParallelMLP(nn.Module):
+    def __init__(self, fc1_w, fc1_b, fc2_w, fc2_b, group, sequence_parallel):
+        super().__init__()
+        self.fc1 = nn.Linear(fc1_w.shape[1], fc1_w.shape[0], device=fc1_w.device, dtype=fc1_w.dtype)
+        self.fc2 = nn.Linear(fc2_w.shape[1], fc2_w.shape[0], bias=fc2_b is not None,
+                             device=fc2_w.device, dtype=fc2_w.dtype)
+        with torch.no_grad():
+            self.fc1.weight.copy_(fc1_w)
+            self.fc1.bias.copy_(fc1_b)
+            self.fc2.weight.copy_(fc2_w)
+            if fc2_b is not None:
+                self.fc2.bias.copy_(fc2_b)
+        self.group, self.sp = group, sequence_parallel
+
+    def forward(self, x):
+        x = _Gather.apply(x, self.group) if self.sp else _Identity.apply(x, self.group)
+        y = self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return _ReduceScatter.apply(y, self.group) if self.sp else _AllReduce.apply(y, self.group)
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+
+class Timer:
+    def __init__(self, device, warmup, reps):
+        self.cuda = device.type == "cuda"
+        self.warmup, self.reps = warmup, reps
+
+    def __call__(self, fn):
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            if self.cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+        med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
+        return med.item()
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+def bench_case(args, device, group, d, sp, timer):
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    h, rows = 4 * d, args.tokens
+    assert rows % ws == 0 and h % ws == 0
+    local_rows = rows // ws if sp else rows
+    gen = torch.Generator(device="cpu").manual_seed(1234 + d)  # same full weights on every rank
+    w1 = (torch.randn(h, d, generator=gen) / d ** 0.5).to(device, dtype)
+    b1 = (torch.randn(h, generator=gen) * 0.1).to(device, dtype)
+    w2 = (torch.randn(d, h, generator=gen) / h ** 0.5).to(device, dtype)
+    b2 = (torch.randn(d, generator=gen) * 0.1).to(device, dtype)
+    cols = shard_range(h, ws, rank)
+
+    fused = ParallelFusedMLP(d, h, process_group=group, sequence_parallel=sp, device=device, dtype=dtype)
+    with torch.no_grad():
+        fused.fc1.weight.copy_(w1[cols])
+        fused.fc1.bias.copy_(b1[cols])
+        fused.fc2.weight.copy_(w2[:, cols])
+        if fused.fc2.bias is not None:
+            fused.fc2.bias.copy_(b2)
+    plain = PlainParallelMLP(w1[cols], b1[cols], w2[:, cols], b2 if rank == 0 else None, group, sp)
+
+    torch.manual_seed(99 + rank if sp else 99)  # without SP the input is replicated
+    x = torch.randn(local_rows, d, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(local_rows, d, device=device, dtype=dtype)
+    total_x = torch.randn(rows, d, device=device, dtype=dtype, requires_grad=True)
+    total_g = torch.randn(rows, d, device=device, dtype=dtype)
+
+    # correctness first: the two MLPs agree on output and input gradient
+    out_f = fused(x)
+    out_f.backward(g)
+    gx_f = x.grad.clone()
+    x.grad = None
+    out_p = plain(x)
+    out_p.backward(g)
+    check = {"out": rel_err(out_f, out_p), "grad_x": rel_err(gx_f, x.grad),
+             "grad_w1": rel_err(fused.fc1.weight.grad, plain.fc1.weight.grad)}
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    bad = {k: v for k, v in check.items() if not v <= tol}
+    if bad:
+        raise RuntimeError(f"d={d} sp={sp}: fused and plain disagree beyond {tol}: {bad}")
+
+    def zero(*mods):
+        x.grad = None
+        total_x.grad = None
+        for m in mods:
+            for p in m.parameters():
+                p.grad = None
+
+    def step_fused():
+        zero(fused)
+        fused(x).backward(g)
+
+    def step_plain():
+        zero(plain)
+        plain(x).backward(g)
+
+    def step_fused_local():  # same shards, full rows in, no collectives
+        zero(fused)
+        fused_mlp_func(total_x, fused.fc1.weight, fused.fc2.weight, fused.fc1.bias, fused.fc2.bias,
+                       activation="gelu_approx", heuristic="auto").backward(total_g)
+
+    def step_plain_local():
+        zero(plain)
+        plain.fc2(F.gelu(plain.fc1(total_x), approximate="tanh")).backward(total_g)
+
+    full = torch.empty(rows, d, device=device, dtype=dtype)
+    part = torch.empty(rows // ws, d, device=device, dtype=dtype)
+    src_full = torch.randn(rows, d, device=device, dtype=dtype)
+    src_part = torch.randn(rows // ws, d, device=device, dtype=dtype)
+
+    def step_comm():
+        if sp:
+            dist.all_gather_into_tensor(full, src_part, group=group)   # x
+            dist.reduce_scatter_tensor(part, src_full, group=group)    # out
+            dist.all_gather_into_tensor(full, src_part, group=group)   # grad_out
+            dist.all_gather_into_tensor(full, src_part, group=group)   # x again (backward)
+            dist.reduce_scatter_tensor(part, src_full, group=group)    # grad_x
+        else:
+            dist.all_reduce(src_full, group=group)                     # out
+            dist.all_reduce(src_full, group=group)                     # grad_x
+
+    res = {"d": d, "hidden": h, "tokens": rows, "sequence_parallel": sp, "dtype": str(dtype).split(".")[-1],
+           "check_rel_err": check}
+    for name, fn in (("fused", step_fused), ("plain", step_plain), ("fused_local", step_fused_local),
+                     ("plain_local", step_plain_local), ("comm", step_comm)):
+        res[f"{name}_ms"] = timer(fn)
+    comm = res["comm_ms"]
+    res["hidden_fused"] = (res["fused_local_ms"] + comm - res["fused_ms"]) / comm
+    res["hidden_plain"] = (res["plain_local_ms"] + comm - res["plain_ms"]) / comm
+    res["plain_over_fused"] = res["plain_ms"] / res["fused_ms"]
+    flops = 6 * 2 * rows * d * h / ws  # six GEMMs per rank
+    res["fused_tflops_per_gpu"] = flops / (res["fused_ms"] * 1e-3) / 1e12
+    return res
+
+
+def markdown(env, results):
+    lines = [f"# ParallelFusedMLP benchmark ({env['world_size']} x {env['gpu']})", "",
+             f"torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, driver {env['driver']}, "
+             f"{env['date']}. {results[0]['dtype'] if results else ''}, gelu_approx, hidden 4d, forward + backward, slowest rank's median.", "",
+             "| d | tokens | SP | fused ms | plain ms | plain ÷ fused | fused local ms | comm ms | "
+             "hidden by overlap (fused) | (plain) | TF/s per GPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['d']} | {r['tokens']} | {'on' if r['sequence_parallel'] else 'off'} | "
+                     f"{r['fused_ms']:.3f} | {r['plain_ms']:.3f} | {r['plain_over_fused']:.3f} | "
+                     f"{r['fused_local_ms']:.3f} | {r['comm_ms']:.3f} | {r['hidden_fused']:.0%} | "
+                     f"{r['hidden_plain']:.0%} | {r['fused_tflops_per_gpu']:.0f} |")
+    lines += ["", "hidden = (local compute + communication alone − step) ÷ communication alone. "
+              "Fused and plain outputs and gradients agree (relative error in the JSON)."]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--dims", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--tokens", type=int, default=8192, help="rows over all ranks")
+    ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    group = dist.group.WORLD
+    env = {"world_size": dist.get_world_size(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
+           "gpu": torch.cuda.get_device_name(device) if use_cuda else "CPU",
+           "driver": None, "date": datetime.date.today().isoformat(),
+           "fused_dense_cuda": fused_dense.has_cuda_kernels()}
+    if use_cuda:
+        try:
+            import subprocess
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True).stdout.split("\n")[0].strip()
+        except OSError:
+            pass
+    timer = Timer(device, args.warmup, args.reps)
+    results = []
+    for d in args.dims:
+        for sp in (True, False):
+            log(f"d={d} sequence_parallel={sp} tokens={args.tokens} world_size={env['world_size']}")
+            r = bench_case(args, device, group, d, sp, timer)
+            results.append(r)
+            log(f"  fused {r['fused_ms']:.3f} ms  plain {r['plain_ms']:.3f} ms  (plain/fused {r['plain_over_fused']:.3f})"
+                f"  local {r['fused_local_ms']:.3f}  comm {r['comm_ms']:.3f}  hidden {r['hidden_fused']:.0%}"
+                f" (plain {r['hidden_plain']:.0%})")
+            if use_cuda:
+                torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "parallel_mlp.json"), "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=1)
+        md = markdown(env, results)
+        with open(os.path.join(args.out, "parallel_mlp.md"), "w") as f:
+            f.write(md)
+        print(md)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
