@@ -139,6 +139,7 @@ class PlainParallelMLP(nn.Module):
 class Timer:
     def __init__(self, device, warmup, reps):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.warmup, self.reps = warmup, reps
 
     def __call__(self, fn):
@@ -160,7 +161,7 @@ class Timer:
                 t = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t) * 1e3)
-        med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=self.device)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the step time
         return med.item()
 

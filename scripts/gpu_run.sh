@@ -40,7 +40,7 @@ rc=0
 
 if want tests; then
   stamp "CUDA tests: pytest -m cuda"
-  python -m pytest -m cuda -q -rfEs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" ${PYTEST_ARGS:-} 2>&1 \
+  python -m pytest -m cuda -q -rfEs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/cuda_tests.log" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

@@ -145,19 +145,27 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
     ptrs.d = gemm_target;
     ptrs.bias = a.bias;
     // cuBLASLt refuses the BIAS epilogue for some operand alignments (seen on the H200 for bf16
-    // at a 2-byte offset); then the kernel adds the bias, after the 16-bit rounding.
-    const void* kernel_bias = nullptr;
-    if (!try_gemm(plain, ptrs, c.algorithm, ws, ctx.stream)) {
-      GemmProblem no_bias = plain;
-      no_bias.with_bias = false;
-      gemm(no_bias, ptrs, c.algorithm, ws, ctx.stream);
-      kernel_bias = a.bias;
+    // at a 2-byte offset). Then the bias still joins the sum before the 16-bit rounding: the
+    // target is filled with bias rows and the GEMM accumulates onto it (beta = 1, fp32 math).
+    // Adding it after the rounding instead loses |x.w| * 2^-11 absolutely, which is a large
+    // relative error wherever x.w ~= -b (seen by the fuzz test: 1.2e-2 on a single fp16 row).
+    if (a.bias == nullptr) {
+      gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
+    } else if (!try_gemm(plain, ptrs, c.algorithm, ws, ctx.stream)) {
+      GemmProblem onto_bias = plain;
+      onto_bias.with_bias = false;
+      onto_bias.accumulate = true;
+      zero(gemm_target, B * N, ctx.dtype, ctx.stream);
+      bias_act_forward(ctx.dtype, Activation::kNone, gemm_target, a.bias, gemm_target, nullptr, B, N, ctx.stream);
+      // the index chose among the BIAS-epilogue algorithms, which cuBLASLt just refused: take
+      // its first choice for the accumulating problem
+      gemm(onto_bias, ptrs, 0, ws, ctx.stream);
     }
-    // A saved GELU / squared-ReLU pre-activation is already in place unless the bias is still to
-    // be added; the ReLU mask is always left to the kernel.
-    if (a.activation != Activation::kNone || kernel_bias != nullptr)
-      bias_act_forward(ctx.dtype, a.activation, gemm_target, kernel_bias, a.out,
-                       (mask || kernel_bias != nullptr) ? a.pre_act : nullptr, B, N, ctx.stream);
+    // A saved GELU / squared-ReLU pre-activation is already in place; the ReLU mask is always
+    // left to the kernel.
+    if (a.activation != Activation::kNone)
+      bias_act_forward(ctx.dtype, a.activation, gemm_target, nullptr, a.out, mask ? a.pre_act : nullptr, B, N,
+                       ctx.stream);
     return true;
   };
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice.
