@@ -6,14 +6,17 @@ so the host is the bottleneck), plus torch.profiler's CPU totals of one forward 
     python bench/host_profile.py [--m 512] [--d 512] [--iters 300]
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-import fused_dense
-from fused_dense import FusedMLP, ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fused_dense  # noqa: E402
+from fused_dense import FusedMLP, ops  # noqa: E402
 
 
 def per_call_us(fn, iters, reps=5):

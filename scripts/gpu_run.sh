@@ -83,14 +83,21 @@ if want sanitize; then
   for tool in memcheck racecheck initcheck synccheck; do
     caching=0; case $tool in memcheck|initcheck) caching=1;; esac
     stamp "compute-sanitizer --tool $tool: pytest -m cuda $tests -k '$select' (limit ${limit}s)"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      python -m pytest -m cuda -q -p no:cacheprovider -k "$select" $tests 2>&1 | tail -12 | tee "$OUT/sanitize_$tool.log"
-    st=${PIPESTATUS[0]}; echo "exit status $st (124 = time limit)" | tee -a "$OUT/sanitize_$tool.log"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "$limit" compute-sanitizer --tool "$tool" \
+      --error-exitcode 99 python -m pytest -m cuda -v -p no:cacheprovider -k "$select" $tests \
+      >"$OUT/sanitize_$tool.log" 2>&1
+    st=$?
+    { echo "exit status $st (124 = time limit; tests run before it are listed in the log)";
+      echo "tests passed under $tool: $(grep -c ' PASSED' "$OUT/sanitize_$tool.log"), failed: $(grep -c ' FAILED' "$OUT/sanitize_$tool.log")";
+      grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninitialized|Barrier|Program hit)" "$OUT/sanitize_$tool.log" | sort | uniq -c | head -8; } \
+      | tee -a "$OUT/sanitize_$tool.summary"
     [ "$st" -eq 0 ] || rc=1
-    stamp "compute-sanitizer --tool $tool: examples/train_gpt.py --steps 4 --tol 1"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      python examples/train_gpt.py --steps 4 --tol 1 2>&1 | tail -6 | tee -a "$OUT/sanitize_$tool.log"
-    st=${PIPESTATUS[0]}; echo "exit status $st" | tee -a "$OUT/sanitize_$tool.log"
+    stamp "compute-sanitizer --tool $tool: examples/train_gpt.py --steps 3 --layers 1 --tol 1"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT ${SANITIZE_TRAIN_LIMIT:-60} compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      python examples/train_gpt.py --steps 3 --layers 1 --tol 1 >"$OUT/sanitize_train_$tool.log" 2>&1
+    st=$?
+    { echo "training run exit status $st"; grep -E "ERROR SUMMARY|OK:|FAIL" "$OUT/sanitize_train_$tool.log"; } \
+      | tee -a "$OUT/sanitize_$tool.summary"
     [ "$st" -eq 0 ] || rc=1
   done
 fi
