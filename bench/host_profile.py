@@ -47,6 +47,7 @@ def main():
     b1 = torch.randn(h, device=dev, dtype=dt)
     g = torch.randn(M, h, device=dev, dtype=dt)
     pre = torch.randn(M, h, device=dev, dtype=dt)
+    pre_in = torch.randn(M, d, device=dev, dtype=dt)  # dgrad of fc1: pre-activation of its input
     raw = torch.ops.fused_dense
     rows = []
     with torch.no_grad():
@@ -63,7 +64,7 @@ def main():
         rows.append(("python ops.linear_act gelu save 'auto'",
                      per_call_us(lambda: ops.linear_act(x, w1, b1, "gelu_approx", True, "auto"), args.iters)))
         rows.append(("raw act_linear_dgrad gelu d_bias h=-2",
-                     per_call_us(lambda: raw.act_linear_dgrad(w1, g, pre, 1, True, -2), args.iters)))
+                     per_call_us(lambda: raw.act_linear_dgrad(w1, g, pre_in, 1, True, -2), args.iters)))
         rows.append(("raw linear_bias_wgrad d_bias", per_call_us(lambda: raw.linear_bias_wgrad(x, g, True),
                                                                  args.iters)))
         rows.append(("torch.mm (g.t() @ x)", per_call_us(lambda: g.t() @ x, args.iters)))

@@ -37,7 +37,7 @@ def main():
                 errs = []
                 for h in (-1, *range(64)):
                     try:
-                        out, pre = ops.linear_act(x, w, b, act, act != "relu", h)
+                        out, pre = ops.linear_act(x, w, b, act, act == "gelu_approx", h)
                     except ValueError:
                         break
                     errs.append(f"{h}:{rel(out if act != 'gelu_approx' else pre, ref if act != 'relu' else F.relu(ref)):.0e}")
