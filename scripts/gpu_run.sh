@@ -6,8 +6,8 @@
 #
 # parallel (needs >= 2 GPUs): the tensor-parallel tests with NCCL, bench/parallel_mlp.py and the
 # torchrun GPT example, on every visible GPU. sanitize: compute-sanitizer memcheck / racecheck /
-# initcheck / synccheck over the bf16 + fp32 CUDA op tests and a short FusedMLP training run, each
-# tool under a time limit (SANITIZE_LIMIT seconds, default 150); memcheck and initcheck run with
+# initcheck / synccheck over the native kernel test, the selected CUDA op tests and a short
+# training run, each under a time limit (see the step below); memcheck and initcheck run with
 # PyTorch's caching allocator off so every allocation has its exact size.
 #
 # A prebuilt fused_dense/_C*.so may be carried in .prebuilt/ (built here with the same torch);
@@ -77,29 +77,52 @@ if want parallel; then
 fi
 
 if want sanitize; then
+  # Per tool: (1) the native elementwise test binary -- every fused_dense kernel over all dtypes,
+  # activations and shapes, no cuBLASLt and no PyTorch, so it is quick to instrument; (2) the
+  # selected CUDA op tests and (3) a 3-step GPT training run. (2) and (3) instrument only kernels
+  # whose name contains "fused_dense" when this compute-sanitizer has --kernel-name (cuBLASLt's,
+  # cuDNN's and PyTorch's kernels then run unchecked and fast; racecheck's reports inside NVIDIA's
+  # Hopper GEMM and attention kernels are outside this project), except for initcheck, which must
+  # see every write to know what is initialized. Limits: SANITIZE_LIMIT (default 150 s) for (2),
+  # SANITIZE_NATIVE_LIMIT (120 s) for (1), SANITIZE_TRAIN_LIMIT (60 s) for (3).
   limit=${SANITIZE_LIMIT:-150}
   tests=${SANITIZE_TESTS:-tests/test_ops.py}
   select=${SANITIZE_SELECT:-not float16 and not opcheck}
+  filter=()
+  compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=fused_dense)
+  [ -x /tmp/test_elementwise ] || nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
+    tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp -o /tmp/test_elementwise
   for tool in memcheck racecheck initcheck synccheck; do
     caching=0; case $tool in memcheck|initcheck) caching=1;; esac
-    stamp "compute-sanitizer --tool $tool: pytest -m cuda $tests -k '$select' (limit ${limit}s)"
+    tool_filter=("${filter[@]}"); [ "$tool" = initcheck ] && tool_filter=()
+    summary="$OUT/sanitize_$tool.summary"
+    stamp "compute-sanitizer --tool $tool: native elementwise test (limit ${SANITIZE_NATIVE_LIMIT:-120}s)"
+    timeout -s INT "${SANITIZE_NATIVE_LIMIT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+      /tmp/test_elementwise --quick >"$OUT/sanitize_native_$tool.log" 2>&1
+    st=$?
+    { echo "native test under $tool: exit status $st (124 = time limit)"; tail -3 "$OUT/sanitize_native_$tool.log"; } \
+      | tee -a "$summary"
+    [ "$st" -eq 0 ] || rc=1
+    stamp "compute-sanitizer --tool $tool ${tool_filter[*]}: pytest -m cuda $tests -k '$select' (limit ${limit}s)"
     PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "$limit" compute-sanitizer --tool "$tool" \
-      --error-exitcode 99 python -m pytest -m cuda -v -p no:cacheprovider -k "$select" $tests \
+      "${tool_filter[@]}" --error-exitcode 99 python -m pytest -m cuda -v -p no:cacheprovider -k "$select" $tests \
       >"$OUT/sanitize_$tool.log" 2>&1
     st=$?
-    { echo "exit status $st (124 = time limit; tests run before it are listed in the log)";
-      echo "tests passed under $tool: $(grep -c ' PASSED' "$OUT/sanitize_$tool.log"), failed: $(grep -c ' FAILED' "$OUT/sanitize_$tool.log")";
+    { echo "op tests under $tool ${tool_filter[*]}: exit status $st (124 = time limit; tests run before it are listed in the log)";
+      echo "tests passed: $(grep -c ' PASSED' "$OUT/sanitize_$tool.log"), failed: $(grep -c ' FAILED' "$OUT/sanitize_$tool.log")";
       grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninitialized|Barrier|Program hit)" "$OUT/sanitize_$tool.log" | sort | uniq -c | head -8; } \
-      | tee -a "$OUT/sanitize_$tool.summary"
+      | tee -a "$summary"
     [ "$st" -eq 0 ] || rc=1
-    stamp "compute-sanitizer --tool $tool: examples/train_gpt.py --steps 3 --layers 1 --tol 1"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT ${SANITIZE_TRAIN_LIMIT:-60} compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      python examples/train_gpt.py --steps 3 --layers 1 --tol 1 >"$OUT/sanitize_train_$tool.log" 2>&1
+    stamp "compute-sanitizer --tool $tool ${tool_filter[*]}: examples/train_gpt.py --steps 3 --layers 1 --tol 1"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "${SANITIZE_TRAIN_LIMIT:-60}" compute-sanitizer --tool "$tool" \
+      "${tool_filter[@]}" --error-exitcode 99 python examples/train_gpt.py --steps 3 --layers 1 --tol 1 \
+      >"$OUT/sanitize_train_$tool.log" 2>&1
     st=$?
-    { echo "training run exit status $st"; grep -E "ERROR SUMMARY|OK:|FAIL" "$OUT/sanitize_train_$tool.log"; } \
-      | tee -a "$OUT/sanitize_$tool.summary"
+    { echo "training run under $tool: exit status $st"; grep -E "ERROR SUMMARY|OK:|FAIL" "$OUT/sanitize_train_$tool.log"; } \
+      | tee -a "$summary"
     [ "$st" -eq 0 ] || rc=1
   done
 fi
+
 stamp "done, rc=$rc"
 exit $rc
