@@ -23,6 +23,9 @@ the slowest rank's median reported, fresh random data, bf16, gelu_approx, hidden
 
 hidden = (fused_local + comm - fused) / comm is the share of the communication time the
 overlap hides (0: none, 1: all); the same for plain tells the noise level (it cannot overlap).
+On CUDA the timeline measure is taken as well, which needs no differences of separate timings:
+torch.profiler records five steps of each MLP, and the share of NCCL kernel time during which
+other kernels ran on the same GPU is reported (for plain it should be near 0).
 Writes DIR/parallel_mlp.json and DIR/parallel_mlp.md (rank 0).
 Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 on shared hosts.
 """
@@ -171,6 +174,62 @@ def rel_err(a, b):
     return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
+# ---- overlap from the kernel timeline ----------------------------------------------------------------
+
+def merge_intervals(intervals):
+    """Sorted, non-overlapping union of (start, end) intervals."""
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(iv) for iv in merged]
+
+
+def total_length(intervals):
+    return sum(end - start for start, end in intervals)
+
+
+def intersection_length(a, b):
+    """Length of (union a) & (union b); both already merged."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def timeline_overlap(step, steps=5):
+    """Runs `step` under torch.profiler and measures, from the GPU kernel timeline, how long NCCL
+    kernels ran and how much of that time other kernels (GEMMs, elementwise, copies) ran at the
+    same time on this GPU. Returns per-step milliseconds and the overlapped share."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    comm, compute = [], []
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        (comm if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end))
+    comm, compute = merge_intervals(comm), merge_intervals(compute)
+    comm_us = total_length(comm)
+    both_us = intersection_length(comm, compute)
+    return {"comm_kernel_ms": comm_us / steps / 1e3, "overlapped_ms": both_us / steps / 1e3,
+            "overlapped_share": both_us / comm_us if comm_us > 0 else float("nan")}
+
+
 def bench_case(args, device, group, d, sp, timer):
     ws, rank = dist.get_world_size(), dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -262,6 +321,10 @@ def bench_case(args, device, group, d, sp, timer):
     res["hidden_fused"] = (res["fused_local_ms"] + comm - res["fused_ms"]) / comm
     res["hidden_plain"] = (res["plain_local_ms"] + comm - res["plain_ms"]) / comm
     res["plain_over_fused"] = res["plain_ms"] / res["fused_ms"]
+    if device.type == "cuda":
+        # the direct measure: NCCL kernel time that other kernels ran alongside
+        res["timeline_fused"] = timeline_overlap(step_fused)
+        res["timeline_plain"] = timeline_overlap(step_plain)
     flops = 6 * 2 * rows * d * h / ws  # six GEMMs per rank
     res["fused_tflops_per_gpu"] = flops / (res["fused_ms"] * 1e-3) / 1e12
     return res
@@ -281,6 +344,16 @@ def markdown(env, results):
                      f"{r['hidden_plain']:.0%} | {r['fused_tflops_per_gpu']:.0f} |")
     lines += ["", "hidden = (local compute + communication alone − step) ÷ communication alone. "
               "Fused and plain outputs and gradients agree (relative error in the JSON)."]
+    timed = [r for r in results if "timeline_fused" in r]
+    if timed:
+        lines += ["", "From the kernel timeline (torch.profiler, 5 steps): NCCL kernel time per step and the share "
+                  "of it during which other kernels ran on the same GPU.", "",
+                  "| d | SP | fused: NCCL ms | fused: overlapped | plain: NCCL ms | plain: overlapped |",
+                  "|---|---|---|---|---|---|"]
+        for r in timed:
+            f, p = r["timeline_fused"], r["timeline_plain"]
+            lines.append(f"| {r['d']} | {'on' if r['sequence_parallel'] else 'off'} | {f['comm_kernel_ms']:.3f} | "
+                         f"{f['overlapped_share']:.0%} | {p['comm_kernel_ms']:.3f} | {p['overlapped_share']:.0%} |")
     return "\n".join(lines) + "\n"
 
 

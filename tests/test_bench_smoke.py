@@ -42,3 +42,17 @@ def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
         for k in ("fused_ms", "plain_ms", "fused_local_ms", "plain_local_ms", "comm_ms"):
             assert r[k] > 0, (k, r)
     assert "| 64 | 32 | on |" in (tmp_path / "parallel_mlp.md").read_text()
+
+
+def test_parallel_bench_interval_arithmetic():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import parallel_mlp as pm
+    finally:
+        sys.path.pop(0)
+    a = pm.merge_intervals([(5, 7), (0, 2), (1, 3), (10, 12)])
+    assert a == [(0, 3), (5, 7), (10, 12)]
+    assert pm.total_length(a) == 7
+    b = pm.merge_intervals([(2, 6), (11, 20)])
+    assert pm.intersection_length(a, b) == 1 + 1 + 1  # [2,3] + [5,6] + [11,12]
+    assert pm.intersection_length(a, []) == 0
