@@ -4,7 +4,7 @@ Signature-compatible with ``flash_attn.ops.fused_dense``: ``fused_dense_func`` c
 ``x @ weight.T + bias``; ``fused_mlp_func`` computes ``fc2(act(fc1(x)))`` with the activation
 fused into the first GEMM's epilogue and its derivative fused into the second GEMM's dgrad.
 
-Both autograd Functions call only ``torch.ops.fused_dense.*`` (the default overloads, with the codes of :mod:`fused_dense.ops`)
+Both autograd Functions call only ``torch.ops.fused_dense.*`` (through :mod:`fused_dense.ops`)
 for the float16 / bfloat16 / float32 / float64 tensors on the devices the extension has kernels
 for (CPU, Meta, and CUDA when built with it). Anything else that ``nn.Linear`` accepts (another
 device, a complex or integer dtype) runs the same Functions on plain PyTorch operators, so every
@@ -157,24 +157,10 @@ def _plain_act(pre: Tensor, activation: str) -> Tensor:
     return pre
 
 
-_OP_OVERLOADS = {}
-
-
-def _op(name: str):
-    """The op's default overload, looked up once: calling it skips the overload-packet resolution
-    and the argument conversion of ``fused_dense.ops`` on the per-call path (the Functions check
-    their arguments once, up front)."""
-    overload = _OP_OVERLOADS.get(name)
-    if overload is None:
-        overload = _OP_OVERLOADS[name] = getattr(torch.ops.fused_dense, name).default
-    return overload
-
-
 def _linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, save_pre_act: bool,
                 heuristic: int, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    if use_ops:  # straight to the op: codes are already checked, heuristic is already a code
-        res = _op("linear_act")(x, weight, bias, ops.ACTIVATIONS[activation], save_pre_act, heuristic)
-        return res[0], (res[1] if save_pre_act else None)
+    if use_ops:  # activation and heuristic were checked up front
+        return ops.linear_act_coded(x, weight, bias, ops.ACTIVATIONS[activation], save_pre_act, heuristic)
     pre = F.linear(x, weight, bias)
     out = _plain_act(pre, activation)
     if not save_pre_act:
@@ -184,15 +170,15 @@ def _linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: s
 
 def _act_forward(pre_act: Tensor, activation: str, use_ops: bool) -> Tensor:
     if use_ops:
-        return _op("act_forward")(pre_act, ops.ACTIVATIONS[activation])
+        return ops.act_forward_coded(pre_act, ops.ACTIVATIONS[activation])
     return _plain_act(pre_act, activation)
 
 
 def _act_dgrad(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], activation: str, has_d_bias: bool,
                heuristic: int, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
     if use_ops:
-        res = _op("act_linear_dgrad")(weight, d_output, pre_act, ops.ACTIVATIONS[activation], has_d_bias, heuristic)
-        return res[0], (res[1] if has_d_bias else None)
+        return ops.act_linear_dgrad_coded(weight, d_output, pre_act, ops.ACTIVATIONS[activation], has_d_bias,
+                                          heuristic)
     d = d_output @ weight.conj()
     if activation == "gelu_approx":
         d = torch.ops.aten.gelu_backward(d, pre_act, approximate="tanh")
@@ -205,8 +191,7 @@ def _act_dgrad(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], acti
 
 def _wgrad(x: Tensor, d_output: Tensor, has_d_bias: bool, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
     if use_ops:
-        res = _op("linear_bias_wgrad")(x, d_output, has_d_bias)
-        return res[0], (res[1] if has_d_bias else None)
+        return ops.linear_bias_wgrad(x, d_output, has_d_bias)
     return d_output.t() @ x.conj(), (d_output.sum(0) if has_d_bias else None)
 
 

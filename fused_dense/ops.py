@@ -50,6 +50,37 @@ def relu_mask_row_bytes(cols: int) -> int:
     return (cols + 7) // 8
 
 
+_OVERLOADS = {}
+
+
+def _op(name: str):
+    """The op's default overload, looked up once (calling it skips the overload-packet resolution)."""
+    overload = _OVERLOADS.get(name)
+    if overload is None:
+        overload = _OVERLOADS[name] = getattr(torch.ops.fused_dense, name).default
+    return overload
+
+
+# Entry points taking checked integer codes: the autograd Functions resolve activation and
+# heuristic once per call and use these on the per-call path; the named wrappers below convert
+# and check their arguments first.
+
+def linear_act_coded(input: Tensor, weight: Tensor, bias: Optional[Tensor], activation: int,
+                     save_pre_act: bool, heuristic: int) -> Tuple[Tensor, Optional[Tensor]]:
+    res = _op("linear_act")(input, weight, bias, activation, save_pre_act, heuristic)
+    return res[0], (res[1] if save_pre_act else None)
+
+
+def act_linear_dgrad_coded(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], activation: int,
+                           has_d_bias: bool, heuristic: int) -> Tuple[Tensor, Optional[Tensor]]:
+    res = _op("act_linear_dgrad")(weight, d_output, pre_act, activation, has_d_bias, heuristic)
+    return res[0], (res[1] if has_d_bias else None)
+
+
+def act_forward_coded(pre_act: Tensor, activation: int) -> Tensor:
+    return _op("act_forward")(pre_act, activation)
+
+
 def linear_act(input: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str = "none",
                save_pre_act: bool = False, heuristic: Heuristic = "auto") -> Tuple[Tensor, Optional[Tensor]]:
     """out = act(input @ weight.T + bias); returns (out, pre_act or None).
@@ -57,25 +88,23 @@ def linear_act(input: Tensor, weight: Tensor, bias: Optional[Tensor], activation
     pre_act is the pre-activation [B, N] in the input dtype, or for 'relu' the uint8 bit-mask
     [B, ceil(N/8)].
     """
-    res = torch.ops.fused_dense.linear_act(input, weight, bias, activation_code(activation), save_pre_act,
-                                           heuristic_code(heuristic))
-    return res[0], (res[1] if save_pre_act else None)
+    return linear_act_coded(input, weight, bias, activation_code(activation), save_pre_act,
+                            heuristic_code(heuristic))
 
 
 def act_linear_dgrad(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], activation: str = "none",
                      has_d_bias: bool = False, heuristic: Heuristic = "auto") -> Tuple[Tensor, Optional[Tensor]]:
     """d_input = (d_output @ weight) * act'(pre_act); returns (d_input, d_bias = d_input.sum(0) or None)."""
-    res = torch.ops.fused_dense.act_linear_dgrad(weight, d_output, pre_act, activation_code(activation),
-                                                 has_d_bias, heuristic_code(heuristic))
-    return res[0], (res[1] if has_d_bias else None)
+    return act_linear_dgrad_coded(weight, d_output, pre_act, activation_code(activation), has_d_bias,
+                                  heuristic_code(heuristic))
 
 
 def linear_bias_wgrad(input: Tensor, d_output: Tensor, has_d_bias: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """(d_weight = d_output.T @ input, d_bias = d_output.sum(0) or None)."""
-    res = torch.ops.fused_dense.linear_bias_wgrad(input, d_output, has_d_bias)
+    res = _op("linear_bias_wgrad")(input, d_output, has_d_bias)
     return res[0], (res[1] if has_d_bias else None)
 
 
 def act_forward(pre_act: Tensor, activation: str) -> Tensor:
     """act(pre_act), elementwise; used to recompute activations for checkpointing."""
-    return torch.ops.fused_dense.act_forward(pre_act, activation_code(activation))
+    return act_forward_coded(pre_act, activation_code(activation))
