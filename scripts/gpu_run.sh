@@ -96,35 +96,30 @@ if want sanitize; then
   fi
   [ -x /tmp/test_elementwise ] || nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
     tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp -o /tmp/test_elementwise
+  # sanitized TOOL NAME LIMIT CACHING FILTER... -- CMD...: CMD under the tool, its whole output in
+  # $OUT/sanitize_NAME_TOOL.log, exit status, pytest counts and the tool's findings in the summary.
+  sanitized() {
+    local tool=$1 name=$2 lim=$3 caching=$4; shift 4
+    local flt=(); while [ "$1" != "--" ]; do flt+=("$1"); shift; done; shift
+    local log="$OUT/sanitize_${name}_$tool.log"
+    stamp "compute-sanitizer --tool $tool ${flt[*]}: $name: $* (limit ${lim}s)"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "$lim" compute-sanitizer --tool "$tool" "${flt[@]}" \
+      --error-exitcode 99 "$@" >"$log" 2>&1
+    local st=$?
+    { echo "$name under $tool ${flt[*]}: exit status $st (124 = time limit)"
+      grep -q " PASSED\| FAILED" "$log" && echo "tests passed: $(grep -c ' PASSED' "$log"), failed: $(grep -c ' FAILED' "$log")"
+      grep -E "ERROR SUMMARY|OK:|FAIL:|========= (Invalid|Race|Uninitialized|Barrier|Program hit|Internal)" "$log" \
+        | sed 's/^tests\/[^ ]* //' | sort | uniq -c | head -8; } | tee -a "$OUT/sanitize_$tool.summary"
+    [ "$st" -eq 0 ] || rc=1
+  }
   for tool in memcheck racecheck initcheck synccheck; do
     caching=0; case $tool in memcheck|initcheck) caching=1;; esac
     tool_filter=("${filter[@]}"); [ "$tool" = initcheck ] && tool_filter=()
-    summary="$OUT/sanitize_$tool.summary"
-    stamp "compute-sanitizer --tool $tool: native elementwise test (limit ${SANITIZE_NATIVE_LIMIT:-120}s)"
-    timeout -s INT "${SANITIZE_NATIVE_LIMIT:-120}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-      /tmp/test_elementwise --quick >"$OUT/sanitize_native_$tool.log" 2>&1
-    st=$?
-    { echo "native test under $tool: exit status $st (124 = time limit)"; tail -3 "$OUT/sanitize_native_$tool.log"; } \
-      | tee -a "$summary"
-    [ "$st" -eq 0 ] || rc=1
-    stamp "compute-sanitizer --tool $tool ${tool_filter[*]}: pytest -m cuda $tests -k '$select' (limit ${limit}s)"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "$limit" compute-sanitizer --tool "$tool" \
-      "${tool_filter[@]}" --error-exitcode 99 python -m pytest -m cuda -v -p no:cacheprovider -k "$select" $tests \
-      >"$OUT/sanitize_$tool.log" 2>&1
-    st=$?
-    { echo "op tests under $tool ${tool_filter[*]}: exit status $st (124 = time limit; tests run before it are listed in the log)";
-      echo "tests passed: $(grep -c ' PASSED' "$OUT/sanitize_$tool.log"), failed: $(grep -c ' FAILED' "$OUT/sanitize_$tool.log")";
-      grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninitialized|Barrier|Program hit)" "$OUT/sanitize_$tool.log" | sort | uniq -c | head -8; } \
-      | tee -a "$summary"
-    [ "$st" -eq 0 ] || rc=1
-    stamp "compute-sanitizer --tool $tool ${tool_filter[*]}: examples/train_gpt.py --steps 3 --layers 1 --tol 1"
-    PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "${SANITIZE_TRAIN_LIMIT:-60}" compute-sanitizer --tool "$tool" \
-      "${tool_filter[@]}" --error-exitcode 99 python examples/train_gpt.py --steps 3 --layers 1 --tol 1 \
-      >"$OUT/sanitize_train_$tool.log" 2>&1
-    st=$?
-    { echo "training run under $tool: exit status $st"; grep -E "ERROR SUMMARY|OK:|FAIL" "$OUT/sanitize_train_$tool.log"; } \
-      | tee -a "$summary"
-    [ "$st" -eq 0 ] || rc=1
+    sanitized "$tool" native "${SANITIZE_NATIVE_LIMIT:-120}" "$caching" -- /tmp/test_elementwise --quick
+    sanitized "$tool" ops "$limit" "$caching" "${tool_filter[@]}" -- \
+      python -m pytest -m cuda -v -p no:cacheprovider -k "$select" $tests
+    sanitized "$tool" train "${SANITIZE_TRAIN_LIMIT:-60}" "$caching" "${tool_filter[@]}" -- \
+      python examples/train_gpt.py --steps 3 --layers 1 --tol 1
   done
 fi
 
