@@ -14,6 +14,7 @@ Helpers (import with `from conftest import rel_err, TOL, ...`):
                            outputs an op allocates start as NaN (float) / all-ones (uint8)
 """
 import math
+import os
 
 import pytest
 import torch
@@ -83,6 +84,33 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when torch.cuda.is_available() is False")
+
+
+def _shard_spec():
+    """FUSED_DENSE_TEST_SHARD="i/n" (0 <= i < n): run every n-th collected test starting at i, so n
+    processes (e.g. one compute-sanitizer each) split a suite between them with no test run twice."""
+    spec = os.environ.get("FUSED_DENSE_TEST_SHARD", "")
+    if not spec:
+        return None
+    try:
+        index, count = (int(v) for v in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"FUSED_DENSE_TEST_SHARD must look like 'i/n', got {spec!r}") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"FUSED_DENSE_TEST_SHARD={spec!r}: need 0 <= i < n")
+    return index, count
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = _shard_spec()
+    if shard is None:
+        return
+    index, count = shard
+    keep = [item for k, item in enumerate(items) if k % count == index]
+    drop = [item for k, item in enumerate(items) if k % count != index]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 def pytest_runtest_setup(item):

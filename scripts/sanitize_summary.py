@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Summarizes compute-sanitizer logs: per log, the exit status, the pytest outcome counts, the
+tool's ERROR SUMMARY and every reported error attributed to the kernel it was found in, split
+into fused_dense's own kernels and everyone else's (cuBLASLt, cuDNN, PyTorch).
+
+    python scripts/sanitize_summary.py LOG... [--json out.json]
+
+A log's first line may be "exit status N" (gpu_run.sh writes it); 124 means the time limit cut
+the run, and the tests listed before that point are what ran.
+"""
+import argparse
+import collections
+import json
+import re
+import sys
+
+PYTEST_OUTCOME = re.compile(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+PYTEST_ITEM = re.compile(r"^(tests/\S+::\S+)")
+KERNEL_AT = re.compile(r"\bat (?:0x[0-9a-f]+ in )?(.+?)\+0x[0-9a-f]+")
+SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+PREFIX = "========= "
+NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "Target application returned", "LEAK SUMMARY",
+              "Process did not terminate", "Error: process didn't terminate successfully")
+
+
+def ours(kernel):
+    return "fused_dense" in kernel
+
+
+def short(kernel, width=90):
+    kernel = kernel.strip()
+    if kernel.endswith(")"):  # drop the argument list of a demangled name, nothing before it
+        depth = 0
+        for i in range(len(kernel) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(kernel[i], 0)
+            if depth == 0:
+                kernel = kernel[:i].strip()
+                break
+    return kernel if len(kernel) <= width else kernel[: width - 3] + "..."
+
+
+def parse(text):
+    """Returns a dict: status, tests (outcome -> count), error_summary, errors: list of
+    (kind, kernel or '', ours)."""
+    status = None
+    first = text.split("\n", 1)[0]
+    m = re.match(r"exit status (-?\d+)", first)
+    if m:
+        status = int(m.group(1))
+    tests = collections.Counter()
+    seen = set()
+    errors = []
+    summary = None
+    # The tool's lines can land in the middle of pytest's "item ... PASSED" line: split them off.
+    lines = []
+    for raw in text.splitlines():
+        at = raw.find(PREFIX.strip())
+        if at > 0:
+            lines += [raw[:at], raw[at:]]
+        else:
+            lines.append(raw)
+    pending = None  # a test item whose outcome is still to come
+    for i, line in enumerate(lines):
+        item = PYTEST_ITEM.match(line)
+        rest = line[item.end():] if item else (line if pending and not line.startswith(PREFIX.strip()) else "")
+        if item:
+            pending = item.group(1)
+        outcome = PYTEST_OUTCOME.search(rest) if pending else None
+        if outcome:
+            if pending not in seen:
+                seen.add(pending)
+                tests[outcome.group(1)] += 1
+            pending = None
+        s = SUMMARY.search(line)
+        if s:
+            summary = (summary or 0) + int(s.group(1))
+        if not line.startswith(PREFIX) or line.startswith(PREFIX + " "):
+            continue
+        header = line[len(PREFIX):].strip()
+        if not header or any(header.startswith(n) for n in NOT_ERRORS):
+            continue
+        kind = re.sub(r"\s+at\s.*", "", header)
+        kind = re.sub(r" of size \d+ bytes?", "", kind)
+        kernel = ""
+        k = KERNEL_AT.search(header)
+        if k is None:
+            for nxt in lines[i + 1:i + 4]:
+                if not nxt.startswith(PREFIX + " "):
+                    break
+                k = KERNEL_AT.search(nxt)
+                if k:
+                    break
+        if k is not None:
+            kernel = k.group(1).strip()
+        if header.startswith("Program hit"):
+            kind, kernel = re.sub(r" \(error \d+\).*", "", header), ""
+        errors.append((kind, kernel, ours(kernel)))
+    return {"status": status, "tests": dict(tests), "error_summary": summary, "errors": errors}
+
+
+def report(name, res, out=sys.stdout):
+    t = res["tests"]
+    tests = ", ".join(f"{k.lower()} {v}" for k, v in sorted(t.items())) or "no pytest items"
+    status = res["status"]
+    note = " (time limit)" if status == 124 else ""
+    print(f"{name}: exit status {status}{note}; tests: {tests}; ERROR SUMMARY: {res['error_summary']}", file=out)
+    mine = collections.Counter((k, short(n)) for k, n, o in res["errors"] if o)
+    other = collections.Counter((k, short(n)) for k, n, o in res["errors"] if not o)
+    print(f"  reports in fused_dense kernels: {sum(mine.values())}", file=out)
+    for (kind, kernel), c in mine.most_common(10):
+        print(f"    {c:6d}  {kind}  in  {kernel}", file=out)
+    print(f"  reports elsewhere (NVIDIA / PyTorch kernels, host API): {sum(other.values())}", file=out)
+    for (kind, kernel), c in other.most_common(8):
+        print(f"    {c:6d}  {kind}  in  {kernel or '-'}", file=out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("logs", nargs="+")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    results = {}
+    for path in args.logs:
+        with open(path, errors="replace") as f:
+            res = parse(f.read())
+        report(path, res)
+        res["errors_in_fused_dense"] = sum(1 for e in res["errors"] if e[2])
+        res["errors_elsewhere"] = sum(1 for e in res["errors"] if not e[2])
+        res["error_kinds"] = collections.Counter(f"{k} | {short(n)}" for k, n, _ in res["errors"]).most_common(30)
+        del res["errors"]
+        results[path] = res
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

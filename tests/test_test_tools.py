@@ -1,0 +1,71 @@
+"""The test tooling itself: FUSED_DENSE_TEST_SHARD splits a suite between processes (the
+sanitizer runs use it), so shards must be disjoint and together hold every test; and
+scripts/sanitize_summary.py must attribute the tool's reports to the right kernels."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def collected(shard=None, target="test_ops.py"):
+    env = dict(os.environ)
+    env.pop("FUSED_DENSE_TEST_SHARD", None)
+    if shard is not None:
+        env["FUSED_DENSE_TEST_SHARD"] = shard
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
+                         capture_output=True, text=True, timeout=300)
+    return res, [line for line in res.stdout.splitlines() if "::" in line]
+
+
+def test_shards_partition_the_suite():
+    res, full = collected()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(full) > 100
+    parts = [collected(f"{i}/3")[1] for i in range(3)]
+    assert all(parts), "a shard collected nothing"
+    assert sorted(sum(parts, [])) == sorted(full)
+    assert len(set(parts[0]) & set(parts[1])) == 0
+
+
+@pytest.mark.parametrize("spec", ["3/3", "x", "1/0", "-1/2"])
+def test_bad_shard_spec_is_a_usage_error(spec):
+    res, _ = collected(spec)
+    assert res.returncode != 0
+    assert "FUSED_DENSE_TEST_SHARD" in res.stdout + res.stderr
+
+
+def test_sanitize_summary_attributes_reports_to_kernels():
+    """The summarizer counts pytest outcomes even where the tool's lines split pytest's, and puts
+    each report under the kernel it names: fused_dense's own or someone else's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    import sanitize_summary
+
+    log = "\n".join([
+        "exit status 124",
+        "========= COMPUTE-SANITIZER",
+        "tests/test_ops.py::test_a[x] PASSED [  2%]",
+        "tests/test_ops.py::test_b[y] ========= Error: Race reported between Read access at nvjet_sm90_x_TNN+0xa50",
+        "=========     and Write access at nvjet_sm90_x_TNN+0x9180 [512 hazards]",
+        "PASSED [  4%]",
+        "========= Invalid __global__ read of size 4 bytes",
+        "=========     at void fused_dense::core::(anonymous namespace)::bias_kernel<float>(int, float*)+0x1d0",
+        "=========     by thread (0,0,0) in block (0,0,0)",
+        '========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to x.',
+        "tests/test_ops.py::test_c FAILED",
+        "========= ERROR SUMMARY: 3 errors",
+    ])
+    res = sanitize_summary.parse(log)
+    assert res["status"] == 124
+    assert res["tests"] == {"PASSED": 2, "FAILED": 1}
+    assert res["error_summary"] == 3
+    mine = [e for e in res["errors"] if e[2]]
+    other = [e for e in res["errors"] if not e[2]]
+    assert [(k, sanitize_summary.short(n)) for k, n, _ in mine] == [
+        ("Invalid __global__ read", "void fused_dense::core::(anonymous namespace)::bias_kernel<float>")]
+    assert sorted(k for k, _, _ in other) == ["Error: Race reported between Read access",
+                                              "Program hit cudaErrorInvalidValue"]
+    assert [n for k, n, _ in other if k.startswith("Error: Race")] == ["nvjet_sm90_x_TNN"]
