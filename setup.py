@@ -45,7 +45,7 @@ def _gencode_flags():
 
 
 torch_sources = ["csrc/torch/registration.cpp", "csrc/torch/checks.cpp", "csrc/torch/reference.cpp",
-                 "csrc/torch/meta.cpp", "csrc/torch/autograd_guard.cpp"]
+                 "csrc/torch/meta.cpp", "csrc/torch/autograd_guard.cpp", "csrc/torch/mlp_autograd.cpp"]
 cxx_flags = ["-O3", "-std=c++17"]
 
 if _want_cuda():

@@ -449,6 +449,31 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
     """
     _check_activation(activation)
     _check_checkpoint_lvl(checkpoint_lvl)
-    ops.heuristic_code(heuristic)
+    code = ops.heuristic_code(heuristic)
+    if process_group is None and _native_mlp_applies(x, weight1, bias1, weight2, bias2):
+        # The same computation with its derivative in C++ (csrc/torch/mlp_autograd.cpp): no Python
+        # runs between the GEMMs of a forward + backward.
+        out = _NATIVE_MLP(x.reshape(-1, x.shape[-1]), weight1, bias1, weight2, bias2, ops.ACTIVATIONS[activation],
+                          checkpoint_lvl if save_pre_act else 2, code)
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        return (out, x) if return_residual else out
     return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
                               checkpoint_lvl, heuristic, process_group, sequence_parallel)
+
+
+# The compiled op with the C++ derivative, when this build has it (None: FusedMLPFunc does all).
+_NATIVE_MLP = getattr(torch.ops.fused_dense, "fused_mlp").default \
+    if hasattr(torch.ops.fused_dense, "fused_mlp") else None
+
+
+def _native_mlp_applies(x: Tensor, weight1: Tensor, bias1: Optional[Tensor], weight2: Tensor,
+                        bias2: Optional[Tensor]) -> bool:
+    """True when fused_dense::fused_mlp computes exactly what FusedMLPFunc would: the ops serve the
+    tensors, which share one dtype and device and are already row-major (FusedMLPFunc would copy
+    them), and autocast has nothing to cast."""
+    if _NATIVE_MLP is None or x.dim() == 0 or not x.is_contiguous() or not _use_ops(x, weight1, bias1, weight2, bias2):
+        return False
+    if x.dtype in _AUTOCAST_ELIGIBLE and x.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
+        return False
+    return weight1.is_contiguous() and weight2.is_contiguous() and (bias1 is None or bias1.is_contiguous()) \
+        and (bias2 is None or bias2.is_contiguous())

@@ -78,31 +78,35 @@ fi
 
 if want sanitize; then
   # compute-sanitizer memcheck / racecheck / initcheck / synccheck, all four at once, each over:
-  #  (1) the native elementwise test binary (every fused_dense kernel, no cuBLASLt, no PyTorch);
+  #  (1) the native elementwise test binary in its --sanitize mode: 420 small cases (--quick's 15755
+  #      did not finish in 360 s under the tools) that still launch every fused_dense kernel, for
+  #      every dtype and activation, vector and scalar paths, in place, misaligned, edge widths,
+  #      multi-block grids and the multi-chunk bias-gradient workspace; no cuBLASLt, no PyTorch;
   #  (2) the CUDA test suite (tests/ without test_large.py, whose 2^32-element problems would take
-  #      hours instrumented, and test_parallel.py, which needs its own processes per rank), split
-  #      into SANITIZE_SHARDS processes per tool with FUSED_DENSE_TEST_SHARD, the fuzz test at
-  #      SANITIZE_FUZZ_EXAMPLES examples;
+  #      hours instrumented, test_parallel.py, which needs its own processes per rank, and
+  #      test_example.py, whose training subprocess (3) replaces), split into SANITIZE_SHARDS
+  #      processes per tool (SANITIZE_SHARDS_<tool> overrides it per tool) with
+  #      FUSED_DENSE_TEST_SHARD, optionally narrowed by pytest -k SANITIZE_SELECT_<tool>; the fuzz
+  #      test at SANITIZE_FUZZ_EXAMPLES examples;
   #  (3) a 3-step GPT training run (FusedMLP and nn.Linear models);
   #  (4) scripts/sanitizer_probe.py cases under initcheck and racecheck: plain torch.mm against a
   #      prefilled output and a positive control, to tell reports about NVIDIA's GEMMs apart.
-  # Tools are spread over the visible GPUs. Host backtraces are off (resolving them through
-  # libtorch and Python is what made racecheck and initcheck crawl in session 2); each report
-  # still names its kernel. memcheck and initcheck run with PyTorch's caching allocator off so
+  # Tools are spread over the visible GPUs in the order of SANITIZE_TOOLS. Host backtraces are off
+  # (a report still names its kernel, which is what the summary sorts by). memcheck and initcheck run with PyTorch's caching allocator off so
   # every allocation has its exact size. Every process has the same wall-clock limit,
   # SANITIZE_LIMIT (default 420 s); scripts/sanitize_summary.py sorts the reports by kernel.
   limit=${SANITIZE_LIMIT:-420}
   shards=${SANITIZE_SHARDS:-5}
   read -r -a tools <<<"${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
-  read -r -a suite <<<"${SANITIZE_TESTS:-tests --ignore=tests/test_large.py --ignore=tests/test_parallel.py}"
+  read -r -a suite <<<"${SANITIZE_TESTS:-tests --ignore=tests/test_large.py --ignore=tests/test_parallel.py --ignore=tests/test_example.py}"
   export FUSED_DENSE_FUZZ_CUDA_EXAMPLES=${SANITIZE_FUZZ_EXAMPLES:-25}
   ngpu=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
   common=(--error-exitcode 99)
   help=$(compute-sanitizer --help 2>&1)
   grep -q -- "--show-backtrace" <<<"$help" && common+=(--show-backtrace no)
   grep -q -- "--print-limit" <<<"$help" && common+=(--print-limit 100000)
-  [ -x /tmp/test_elementwise ] || nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
-    tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp -o /tmp/test_elementwise
+  nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
+    tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp -o /tmp/test_elementwise_sanitize
   mkdir -p "$OUT/sanitize"
   # sanitized TOOL GPU NAME -- CMD...: CMD under the tool in the background, its output (after an
   # "exit status N" line) in $OUT/sanitize/TOOL_NAME.log.
@@ -120,14 +124,16 @@ if want sanitize; then
   stamp "compute-sanitizer ${common[*]}: ${tools[*]} over native, ${shards} suite shards, training, probes; ${limit}s each, $ngpu GPU(s)"
   for i in "${!tools[@]}"; do
     tool=${tools[$i]}; gpu=$((i % ngpu))
-    sanitized "$tool" "$gpu" native -- /tmp/test_elementwise --quick
-    for ((s = 0; s < shards; s++)); do
-      FUSED_DENSE_TEST_SHARD="$s/$shards" sanitized "$tool" "$gpu" "suite$s" -- \
-        python -m pytest -m cuda -v -p no:cacheprovider ${SANITIZE_PYTEST_ARGS:-} "${suite[@]}"
+    sanitized "$tool" "$gpu" native -- /tmp/test_elementwise_sanitize --sanitize
+    n_var="SANITIZE_SHARDS_$tool"; n=${!n_var:-$shards}
+    k_var="SANITIZE_SELECT_$tool"; select=(); [ -n "${!k_var:-}" ] && select=(-k "${!k_var}")
+    for ((s = 0; s < n; s++)); do
+      FUSED_DENSE_TEST_SHARD="$s/$n" sanitized "$tool" "$gpu" "suite$s" -- \
+        python -m pytest -m cuda -v -p no:cacheprovider "${select[@]}" ${SANITIZE_PYTEST_ARGS:-} "${suite[@]}"
     done
     sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1
     case $tool in
-      initcheck) probes=(mm_fresh mm_prefilled fd_fresh empty_read);;
+      initcheck) probes=(mm_fresh mm_prefilled fd_fresh act_fresh_mm act_prefilled_mm empty_read);;
       racecheck) probes=(mm_fresh fd_fresh);;
       *) probes=();;
     esac

@@ -7,6 +7,9 @@ Cases (bf16, 1024 x 1024 x 1024, every result checked against an fp32 reference)
     mm_fresh        torch.mm into a fresh (never written) output, then a copy reads it
     mm_prefilled    the same, but the output is zero-filled by a memset before torch.mm(out=...)
     fd_fresh        fused_dense's linear_act (GELU, saved pre-activation), then a copy reads both
+    act_fresh_mm    fused_dense's act_forward (GELU) reads a fresh torch.mm output, as every
+                    unfused path of the library does with its own GEMM's output
+    act_prefilled_mm  the same on a zero-filled output written by torch.mm(out=...)
     empty_read      a copy reads a fresh torch.empty buffer that nothing wrote: the positive
                     control, initcheck must report it
 If initcheck reports mm_fresh but not mm_prefilled, the reads it flags are of bytes the GEMM did
@@ -48,6 +51,16 @@ def main(case):
         pre_ref = ref + bias.float()
         check(case + " pre_act", pre.clone(), pre_ref)
         check(case + " out", out.clone(), torch.nn.functional.gelu(pre_ref, approximate="tanh"))
+    elif case in ("act_fresh_mm", "act_prefilled_mm"):
+        sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+        import fused_dense  # noqa: F401
+        if case == "act_fresh_mm":
+            c = torch.mm(a, b)
+        else:
+            c = torch.zeros(n, n, device="cuda", dtype=torch.bfloat16)
+            torch.mm(a, b, out=c)
+        out = torch.ops.fused_dense.act_forward(c, 1)
+        check(case, out.clone(), torch.nn.functional.gelu(ref, approximate="tanh"))
     elif case == "empty_read":
         c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
         c.clone()

@@ -688,6 +688,7 @@ def _opcheck_cases(device="cpu"):
     f32, bf16 = torch.float32, torch.bfloat16
     r = lambda *s, dtype=f32: _t(*s, dtype=dtype, device=device)  # noqa: E731
     m = lambda rows, cols: _mask(rows, cols).to(device)  # noqa: E731
+    g = lambda t: t.requires_grad_()  # noqa: E731
     return [
         ("linear_act-gelu-save", OPS.linear_act.default, (r(3, 5), r(7, 5), r(7), 1, True, -2)),
         ("linear_act-relu-mask", OPS.linear_act.default, (r(4, 8), r(13, 8), None, 2, True, -1)),
@@ -715,6 +716,13 @@ def _opcheck_cases(device="cpu"):
          (r(7, 5), r(3, 7), r(3, 5), True, 0)),
         ("bias_act_linear_dgrad_bgrad-relu", OPS.bias_act_linear_dgrad_bgrad.default,
          (r(7, 9), r(3, 7), m(3, 9), False, -1)),
+        # fused_mlp has a C++ derivative: inputs that require grad exercise it
+        ("fused_mlp-gelu-lvl0", OPS.fused_mlp.default,
+         (g(r(3, 5)), g(r(8, 5)), g(r(8)), g(r(4, 8)), g(r(4)), 1, 0, -2)),
+        ("fused_mlp-relu-lvl1-nobias", OPS.fused_mlp.default, (g(r(6, 5)), r(16, 5), None, g(r(3, 16)), None, 2, 1, -1)),
+        ("fused_mlp-sqrelu-lvl2-bf16", OPS.fused_mlp.default,
+         (r(4, 16, dtype=bf16), g(r(8, 16, dtype=bf16)), g(r(8, dtype=bf16)), r(5, 8, dtype=bf16), None, 3, 2, 0)),
+        ("fused_mlp-nograd", OPS.fused_mlp.default, (r(3, 5), r(8, 5), r(8), r(4, 8), r(4), 1, 0, -2)),
     ]
 
 
@@ -730,8 +738,10 @@ def test_cpu_opcheck(index):
 def test_every_op_has_opcheck_and_kernels():
     names = {c[1]._schema.name.split("::")[1] for c in _opcheck_cases("meta")}
     expected = {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "linear_act_forward",
-                "bias_act_linear_dgrad_bgrad"}
+                "bias_act_linear_dgrad_bgrad", "fused_mlp"}
     assert names == expected
+    for key in ["CompositeExplicitAutograd", "Autograd"]:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_dense::fused_mlp", key), key
     for name in ["linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward"]:
         for key in ["CPU", "Meta"]:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_dense::{name}", key), (name, key)

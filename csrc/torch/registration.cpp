@@ -13,6 +13,11 @@ TORCH_LIBRARY(fused_dense, m) {
         "bool has_d_bias, int heuristic) -> Tensor[]");
   m.def("linear_bias_wgrad(Tensor input, Tensor d_output, bool has_d_bias) -> Tensor[]");
   m.def("act_forward(Tensor pre_act, int activation) -> Tensor");
+  // fc2(act(fc1(x))) for 2-D x with a C++ derivative (mlp_autograd.cpp); activation 1, 2 or 3;
+  // checkpoint_lvl 0 / 1 / 2 as in fused_dense.functional; heuristic applies to fc1's forward and
+  // the activation's backward.
+  m.def("fused_mlp(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
+        "int checkpoint_lvl, int heuristic) -> Tensor");
   // The seed's contract (flash-attn's fused_dense_lib): is_gelu picks GELU, else ReLU.
   m.def("linear_act_forward(Tensor input, Tensor weight, Tensor? bias, bool is_gelu, "
         "bool save_pre_act, int heuristic) -> Tensor[]");

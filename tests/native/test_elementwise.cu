@@ -4,8 +4,11 @@
 //   nvcc -std=c++17 -O2 -Icsrc/core -gencode arch=compute_90,code=sm_90
 //        tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp
 //        -o build/test_elementwise            (one line)
-// Run:  build/test_elementwise            correctness suite, prints "N passed, M failed"
+// Run:  build/test_elementwise            correctness suite, prints "N passed, M failed (full mode)"
 //       build/test_elementwise --quick    skip the large shapes
+//       build/test_elementwise --sanitize a few hundred small cases that still reach every kernel
+//                                         path, for compute-sanitizer (build with -lineinfo); see
+//                                         run_sanitize_cases
 //       build/test_elementwise --bench    also time large shapes and print effective GB/s
 //       build/test_elementwise --bench-only
 #include <cuda_bf16.h>
@@ -43,6 +46,9 @@ namespace {
 std::string g_current;
 int g_passed = 0;
 int g_failed = 0;
+// --sanitize: device buffers are allocated with their exact size (view offset included) instead
+// of 64 bytes of slack, so that compute-sanitizer memcheck sees any access past the end.
+bool g_exact_alloc = false;
 
 void record(bool ok, const std::string& name, const std::string& detail = "") {
   if (ok) {
@@ -187,7 +193,7 @@ struct DevBuf {
   size_t bytes = 0;
   DevBuf() = default;
   DevBuf(size_t n, size_t offset) : bytes(n) {
-    CK(cudaMalloc(&base, n + 64));
+    CK(cudaMalloc(&base, g_exact_alloc ? std::max<size_t>(n + offset, 1) : n + 64));
     ptr = base + offset;
   }
   DevBuf(const DevBuf&) = delete;
@@ -520,6 +526,105 @@ void test_errors() {
 }
 
 // ----------------------------------------------------------------------------------------------
+// --sanitize: far fewer cases than --quick (which took more than 360 s under compute-sanitizer),
+// chosen so that every kernel instantiation of elementwise.cu still runs (dtype x activation x
+// vector/scalar path x ReLU mask or not, flat backward and column-sum backward, finalize), with
+// and without bias / pre_act (mask) / bias_grad, in place and out of place, misaligned, at the
+// edge widths, and with the multi-block grids. Every case is a test_forward / test_backward call,
+// so it is checked against the host reference and its outputs are poisoned first.
+//
+// Forward variants (test_forward bias, pre, alias, misaligned):
+//   P  bias, pre_act, out of place, aligned
+//   N  no bias, no pre_act, out of place, aligned
+//   O  bias, no pre_act, x = out (in place), aligned
+//   A  bias, pre_act, in place: x = pre_act; ReLU (pre_act is the mask, which x may not alias): x = out
+//   M  bias, pre_act, out of place, misaligned (every pointer one element, the mask one byte,
+//      past 16-byte alignment: scalar paths)
+//   m  no bias, pre_act, x = out, misaligned
+// Backward variants (test_backward bias_grad, in place, misaligned, workspace):
+//   G  bias_grad, out of place, aligned, preferred workspace (run twice: determinism)
+//   g  no bias_grad, out of place, aligned
+//   I  bias_grad, grad_in = grad, aligned, minimal workspace (one row chunk)
+//   i  no bias_grad, grad_in = grad, aligned
+//   H  bias_grad, out of place, misaligned, half the preferred workspace (run twice)
+//   h  no bias_grad, out of place, misaligned
+//
+// Shapes (rows x cols). Vector widths: 8 elements for fp16/bf16, 4 for fp32; the ReLU mask
+// kernels vectorize at cols % 8 == 0. Thresholds in elementwise.cu: a flat kernel takes
+// ceil(items / 512) blocks; the bias gradient uses ceil(rows / 64) row chunks (kMinRowsPerChunk;
+// the other cap, ceil(1056 / column tiles), binds only past 22528 rows at 600 columns), column
+// tiles of at most 64 (scalar) or 256 (vector) columns, finalize blocks of 256 columns; the
+// 4-rows-in-flight loop of the column sum runs when a chunk has more than 3 * (256 / tile
+// threads) rows. So 257 and 300 rows already take the multi-chunk workspace path (5 chunks; 2
+// with half the workspace, 1 with the minimum) with several column tiles and finalize blocks:
+// no larger case is needed.
+//   0 x 13      no rows: forward is a no-op, bias_grad is set to 0
+//   5 x 0       no columns: both are no-ops
+//   3 x 1       width 1 (scalar, one mask bit per row)
+//   7 x 13      prime width, not a multiple of any vector width, partial mask byte (5 bits)
+//   9 x 12      fp32 vector path but 16-bit scalar path; ReLU mask scalar for every dtype
+//               (partial byte: 4 bits); fp32 column-sum tile wider than the matrix
+//   33 x 64     vector paths everywhere (mask vectorized), 2 blocks for fp32; warps partly past
+//               the end in the fp32 mask kernel (528 vectors)
+//   257 x 599   prime width, scalar paths, 301 blocks, 5 row chunks (last one shorter),
+//               10 column tiles (last partial), 3 finalize blocks, partial mask byte (7 bits)
+//   300 x 600   vector paths, 44-88 blocks, 5 / 2 / 1 row chunks (workspace preferred / half /
+//               minimal), 3 column tiles (last partial), misaligned scalar column sum
+// Per dtype x activation: 35 entry-point calls (13 forward, 22 backward, G and H counted twice),
+// each recorded as one case: 420 in all, plus the 11 host-side cases of test_errors.
+struct SanitizeShape {
+  int64_t rows, cols;
+  const char* fwd;
+  const char* bwd;
+};
+
+constexpr SanitizeShape kSanitizeShapes[] = {
+    {0, 13, "P", "G"},          {5, 0, "P", "I"},           {3, 1, "m", "H"},
+    {7, 13, "NA", "gI"},        {9, 12, "OP", "Gh"},        {33, 64, "NMA", "Gih"},
+    {257, 599, "P", "G"},       {300, 600, "PO", "GgIH"},
+};
+
+void run_sanitize_cases(uint64_t& seed) {
+  const DType dtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
+  const Activation acts[] = {Activation::kNone, Activation::kGeluTanh, Activation::kRelu, Activation::kSquaredRelu};
+  for (DType d : dtypes)
+    for (Activation a : acts)
+      for (const SanitizeShape& sh : kSanitizeShapes) {
+        const int64_t r = sh.rows, c = sh.cols;
+        for (const char* v = sh.fwd; *v; ++v) {
+          const int before = g_passed + g_failed;
+          switch (*v) {
+            case 'P': test_forward(d, a, r, c, true, true, Alias::kNone, false, ++seed); break;
+            case 'N': test_forward(d, a, r, c, false, false, Alias::kNone, false, ++seed); break;
+            case 'O': test_forward(d, a, r, c, true, false, Alias::kXisOut, false, ++seed); break;
+            case 'A':
+              test_forward(d, a, r, c, true, true, a == Activation::kRelu ? Alias::kXisOut : Alias::kXisPre, false,
+                           ++seed);
+              break;
+            case 'M': test_forward(d, a, r, c, true, true, Alias::kNone, true, ++seed); break;
+            case 'm': test_forward(d, a, r, c, false, true, Alias::kXisOut, true, ++seed); break;
+          }
+          // A variant test_forward skips (records nothing) would be a case that cannot fail.
+          if (g_passed + g_failed == before)
+            record(false, case_name("sanitize/forward", d, a, r, c, std::string(",variant=") + *v), "ran no case");
+        }
+        for (const char* v = sh.bwd; *v; ++v) {
+          const int before = g_passed + g_failed;
+          switch (*v) {
+            case 'G': test_backward(d, a, r, c, true, false, false, Ws::kPreferred, ++seed); break;
+            case 'g': test_backward(d, a, r, c, false, false, false, Ws::kPreferred, ++seed); break;
+            case 'I': test_backward(d, a, r, c, true, true, false, Ws::kMinimal, ++seed); break;
+            case 'i': test_backward(d, a, r, c, false, true, false, Ws::kPreferred, ++seed); break;
+            case 'H': test_backward(d, a, r, c, true, false, true, Ws::kHalf, ++seed); break;
+            case 'h': test_backward(d, a, r, c, false, false, true, Ws::kPreferred, ++seed); break;
+          }
+          if (g_passed + g_failed == before)
+            record(false, case_name("sanitize/backward", d, a, r, c, std::string(",variant=") + *v), "ran no case");
+        }
+      }
+}
+
+// ----------------------------------------------------------------------------------------------
 // Timing.
 
 void bench() {
@@ -591,9 +696,10 @@ void bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, do_bench = false, bench_only = false;
+  bool quick = false, sanitize = false, do_bench = false, bench_only = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
+    if (!std::strcmp(argv[i], "--sanitize")) sanitize = true;
     if (!std::strcmp(argv[i], "--bench")) do_bench = true;
     if (!std::strcmp(argv[i], "--bench-only")) do_bench = bench_only = true;
   }
@@ -614,41 +720,47 @@ int main(int argc, char** argv) {
   }
 
   uint64_t seed = 1;
-  for (DType d : dtypes)
-    for (Activation a : acts)
-      for (int64_t rows : rows_list)
-        for (int64_t cols : cols_list) {
-          for (int bias = 0; bias < 2; ++bias)
-            for (int pre = 0; pre < 2; ++pre)
-              for (Alias al : {Alias::kNone, Alias::kXisOut, Alias::kXisPre})
-                for (int mis = 0; mis < 2; ++mis) test_forward(d, a, rows, cols, bias, pre, al, mis, ++seed);
-          for (int bg = 0; bg < 2; ++bg)
-            for (int inplace = 0; inplace < 2; ++inplace)
-              for (int mis = 0; mis < 2; ++mis)
-                for (Ws ws : {Ws::kPreferred, Ws::kMinimal, Ws::kHalf}) {
-                  if (!bg && ws != Ws::kPreferred) continue;
-                  test_backward(d, a, rows, cols, bg, inplace, mis, ws, ++seed);
-                }
-        }
+  if (sanitize) {
+    g_exact_alloc = true;
+    run_sanitize_cases(seed);
+  } else {
+    for (DType d : dtypes)
+      for (Activation a : acts)
+        for (int64_t rows : rows_list)
+          for (int64_t cols : cols_list) {
+            for (int bias = 0; bias < 2; ++bias)
+              for (int pre = 0; pre < 2; ++pre)
+                for (Alias al : {Alias::kNone, Alias::kXisOut, Alias::kXisPre})
+                  for (int mis = 0; mis < 2; ++mis) test_forward(d, a, rows, cols, bias, pre, al, mis, ++seed);
+            for (int bg = 0; bg < 2; ++bg)
+              for (int inplace = 0; inplace < 2; ++inplace)
+                for (int mis = 0; mis < 2; ++mis)
+                  for (Ws ws : {Ws::kPreferred, Ws::kMinimal, Ws::kHalf}) {
+                    if (!bg && ws != Ws::kPreferred) continue;
+                    test_backward(d, a, rows, cols, bg, inplace, mis, ws, ++seed);
+                  }
+          }
 
-  if (!quick) {
-    // Large enough that every thread of the capped grids loops several times, so the
-    // incremental (row, col) bookkeeping and the row-chunking are exercised.
-    for (DType d : {DType::kFloat16, DType::kFloat32})
-      for (Activation a : {Activation::kGeluTanh, Activation::kRelu})
-        for (int mis = 0; mis < 2; ++mis) {
-          test_forward(d, a, 40009, 1000, true, true, Alias::kNone, mis, ++seed);
-          test_backward(d, a, 40009, 1000, true, false, mis, Ws::kPreferred, ++seed);
-          test_backward(d, a, 40009, 1000, false, false, mis, Ws::kPreferred, ++seed);
-        }
-    test_forward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, Alias::kXisOut, false, ++seed);
-    test_backward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, false, Ws::kHalf, ++seed);
+    if (!quick) {
+      // Large enough that every thread of the capped grids loops several times, so the
+      // incremental (row, col) bookkeeping and the row-chunking are exercised.
+      for (DType d : {DType::kFloat16, DType::kFloat32})
+        for (Activation a : {Activation::kGeluTanh, Activation::kRelu})
+          for (int mis = 0; mis < 2; ++mis) {
+            test_forward(d, a, 40009, 1000, true, true, Alias::kNone, mis, ++seed);
+            test_backward(d, a, 40009, 1000, true, false, mis, Ws::kPreferred, ++seed);
+            test_backward(d, a, 40009, 1000, false, false, mis, Ws::kPreferred, ++seed);
+          }
+      test_forward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, Alias::kXisOut, false, ++seed);
+      test_backward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, false, Ws::kHalf, ++seed);
+    }
   }
 
   test_errors();
 
   if (do_bench) bench();
 
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
+  std::printf("%d passed, %d failed (%s mode)\n", g_passed, g_failed,
+              sanitize ? "sanitize" : quick ? "quick" : "full");
   return g_failed == 0 ? 0 : 1;
 }
