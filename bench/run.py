@@ -896,9 +896,64 @@ def run_host(ctx, item_id):
     for v in rec["variants"].values():
         if e and v.get("cpu_us"):
             v["x_eager"] = v["cpu_us"] / e
+    if "interleaved" not in rec and rec["variants"].get("eager", {}).get("status") == "ok" \
+            and rec["variants"].get("auto_l0", {}).get("status") == "ok":
+        try:
+            rec["interleaved"] = host_interleaved(ctx, eager, x, dy, d, h, dtype)
+        except Exception as exc:  # noqa: BLE001
+            rec["interleaved"] = {"status": "error", "error": errstr(exc)}
+            ctx.check_cuda(exc)
+        ctx.save()
     torch._dynamo.reset()
     eager = x = dy = None  # noqa: F841
     ctx.free()
+
+
+def host_interleaved(ctx, eager, x, dy, d, h, dtype, rounds=15, n_iter=100):
+    """Eager and FusedMLP('auto') -- through the C++ autograd op and, for comparison, through the
+    Python autograd.Function -- timed in alternation, round after round, so that a change in the
+    shared host's speed hits all of them alike; the ratio is taken within each round."""
+    from fused_dense import functional as fd_functional
+
+    fused = FusedMLP(d, h, d, activation="gelu_approx", heuristic="auto", device=ctx.device, dtype=dtype)
+    copy_weights(fused, eager)
+    native = fd_functional._NATIVE_MLP
+
+    def stepper(mod, native_op):
+        params = list(mod.parameters())
+
+        def step():
+            fd_functional._NATIVE_MLP = native_op
+            try:
+                for t in params:
+                    t.grad = None
+                x.grad = None
+                first(mod(x)).backward(dy)
+            finally:
+                fd_functional._NATIVE_MLP = native
+        return step
+    steps = {"eager": stepper(eager, native), "auto_l0": stepper(fused, native),
+             "auto_l0_python_function": stepper(fused, None)}
+    times = {k: [] for k in steps}
+    for step in steps.values():
+        for _ in range(20):
+            step()
+    for _ in range(rounds):
+        for k, step in steps.items():
+            ctx.sync()
+            c0 = time.process_time()
+            for _ in range(n_iter):
+                step()
+            times[k].append((time.process_time() - c0) / n_iter * 1e6)
+            ctx.sync()
+    res = {"status": "ok", "rounds": rounds, "iters": n_iter, "native_op": native is not None,
+           "method": "time.process_time() per forward + backward; the variants alternate within each of the "
+                     "rounds; medians over rounds, and the median of the per-round ratios to eager",
+           "cpu_us": {k: statistics.median(v) for k, v in times.items()}, "cpu_us_all": times}
+    res["x_eager"] = {k: statistics.median(a / b for a, b in zip(v, times["eager"])) for k, v in times.items()}
+    log("host interleaved: " + ", ".join(f"{k} {res['cpu_us'][k]:.1f} us ({res['x_eager'][k]:.3f}x eager)"
+                                         for k in times))
+    return res
 
 
 # ----------------------------------------------------------------------------------------------
