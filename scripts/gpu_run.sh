@@ -86,8 +86,9 @@ if want sanitize; then
   #      hours instrumented, test_parallel.py, which needs its own processes per rank, and
   #      test_example.py, whose training subprocess (3) replaces), split into SANITIZE_SHARDS
   #      processes per tool (SANITIZE_SHARDS_<tool> overrides it per tool) with
-  #      FUSED_DENSE_TEST_SHARD, optionally narrowed by pytest -k SANITIZE_SELECT_<tool>; the fuzz
-  #      test at SANITIZE_FUZZ_EXAMPLES examples;
+  #      FUSED_DENSE_TEST_SHARD, optionally narrowed by pytest -k SANITIZE_SELECT_<tool> and to
+  #      SANITIZE_PER_FUNCTION parametrizations per test function; the fuzz test at
+  #      SANITIZE_FUZZ_EXAMPLES examples;
   #  (3) a 3-step GPT training run (FusedMLP and nn.Linear models);
   #  (4) scripts/sanitizer_probe.py cases under initcheck and racecheck: plain torch.mm against a
   #      prefilled output and a positive control, to tell reports about NVIDIA's GEMMs apart.
@@ -100,6 +101,8 @@ if want sanitize; then
   read -r -a tools <<<"${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
   read -r -a suite <<<"${SANITIZE_TESTS:-tests --ignore=tests/test_large.py --ignore=tests/test_parallel.py --ignore=tests/test_example.py}"
   export FUSED_DENSE_FUZZ_CUDA_EXAMPLES=${SANITIZE_FUZZ_EXAMPLES:-25}
+  # SANITIZE_PER_FUNCTION=N: N parametrizations of each test function (every test body, far fewer runs)
+  [ -n "${SANITIZE_PER_FUNCTION:-}" ] && export FUSED_DENSE_TEST_PER_FUNCTION=$SANITIZE_PER_FUNCTION
   ngpu=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
   common=(--error-exitcode 99)
   help=$(compute-sanitizer --help 2>&1)

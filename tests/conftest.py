@@ -101,7 +101,41 @@ def _shard_spec():
     return index, count
 
 
+def _per_function(config, items):
+    """FUSED_DENSE_TEST_PER_FUNCTION=N: of each test function's parametrizations only N run, spread
+    evenly over its list (the first and the last among them), so every test body runs and
+    dtypes / activations / paths still vary -- for runs where each test is expensive (sanitizers)."""
+    spec = os.environ.get("FUSED_DENSE_TEST_PER_FUNCTION", "")
+    if not spec:
+        return
+    try:
+        per = int(spec)
+    except ValueError:
+        per = 0
+    if per < 1:
+        raise pytest.UsageError(f"FUSED_DENSE_TEST_PER_FUNCTION must be an integer >= 1, got {spec!r}")
+    groups = {}
+    for item in items:
+        groups.setdefault((item.nodeid.split("::")[0], getattr(item, "originalname", item.name)), []).append(item)
+    chosen = set()
+    for group in groups.values():
+        n = len(group)
+        if per >= n:
+            picks = range(n)
+        elif per == 1:
+            picks = [0]
+        else:  # spacing (n - 1) / (per - 1) > 1, so the rounded indices stay distinct
+            picks = [round(i * (n - 1) / (per - 1)) for i in range(per)]
+        chosen.update(id(group[i]) for i in picks)
+    keep = [item for item in items if id(item) in chosen]
+    drop = [item for item in items if id(item) not in chosen]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
 def pytest_collection_modifyitems(config, items):
+    _per_function(config, items)
     shard = _shard_spec()
     if shard is None:
         return

@@ -10,11 +10,14 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def collected(shard=None, target="test_ops.py"):
+def collected(shard=None, target="test_ops.py", per_function=None):
     env = dict(os.environ)
     env.pop("FUSED_DENSE_TEST_SHARD", None)
+    env.pop("FUSED_DENSE_TEST_PER_FUNCTION", None)
     if shard is not None:
         env["FUSED_DENSE_TEST_SHARD"] = shard
+    if per_function is not None:
+        env["FUSED_DENSE_TEST_PER_FUNCTION"] = per_function
     res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                           os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
                          capture_output=True, text=True, timeout=300)
@@ -29,6 +32,26 @@ def test_shards_partition_the_suite():
     assert all(parts), "a shard collected nothing"
     assert sorted(sum(parts, [])) == sorted(full)
     assert len(set(parts[0]) & set(parts[1])) == 0
+
+
+def test_per_function_keeps_every_test_body():
+    _, full = collected()
+    functions = {line.split("[")[0] for line in full}
+    for per in ("1", "3"):
+        res, part = collected(per_function=per)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert set(part) <= set(full)
+        assert {line.split("[")[0] for line in part} == functions  # every function still runs
+        for fn in functions:
+            n_all = sum(1 for line in full if line.split("[")[0] == fn)
+            n_kept = sum(1 for line in part if line.split("[")[0] == fn)
+            assert n_kept == min(int(per), n_all), fn
+    # sharding applies after the selection: the shards partition the reduced list
+    _, reduced = collected(per_function="3")
+    shards = [collected("0/2", per_function="3")[1], collected("1/2", per_function="3")[1]]
+    assert sorted(shards[0] + shards[1]) == sorted(reduced)
+    res, _ = collected(per_function="0")
+    assert res.returncode != 0 and "FUSED_DENSE_TEST_PER_FUNCTION" in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("spec", ["3/3", "x", "1/0", "-1/2"])
