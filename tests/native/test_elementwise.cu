@@ -642,6 +642,7 @@ void bench() {
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
+    double copy_gbps = 0;  // the reference: a device-to-device copy of one matrix, bytes read + written
     auto timeit = [&](const char* label, double bytes, const std::function<void()>& f) {
       f();
       CK(cudaDeviceSynchronize());
@@ -653,9 +654,15 @@ void bench() {
       float ms = 0;
       CK(cudaEventElapsedTime(&ms, e0, e1));
       const double s = ms / 1e3 / iters;
-      std::printf("bench %-9s %-44s %8.1f us  %7.0f GB/s\n", dtype_name(d), label, s * 1e6, bytes / s / 1e9);
+      const double gbps = bytes / s / 1e9;
+      if (copy_gbps == 0) copy_gbps = gbps;
+      std::printf("bench %-9s %-48s %8.1f us  %7.0f GB/s  %5.1f%% of copy\n", dtype_name(d), label, s * 1e6, gbps,
+                  100.0 * gbps / copy_gbps);
     };
     const double m = static_cast<double>(n) * es;
+    timeit("copy: cudaMemcpyAsync device to device", 2 * m, [&] {
+      CK(cudaMemcpyAsync(out.ptr, x.ptr, n * es, cudaMemcpyDeviceToDevice));
+    });
     timeit("fwd gelu +bias +pre", 3 * m, [&] {
       bias_act_forward(d, Activation::kGeluTanh, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, nullptr);
     });
