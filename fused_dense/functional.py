@@ -4,6 +4,12 @@ Signature-compatible with ``flash_attn.ops.fused_dense``: ``fused_dense_func`` c
 ``x @ weight.T + bias``; ``fused_mlp_func`` computes ``fc2(act(fc1(x)))`` with the activation
 fused into the first GEMM's epilogue and its derivative fused into the second GEMM's dgrad.
 
+``fused_mlp_func`` runs as the single op ``torch.ops.fused_dense.fused_mlp``, whose derivative is a
+C++ autograd Function (csrc/torch/mlp_autograd.cpp: the same ops in the same order as
+``FusedMLPFunc``, bit-identical results, no Python between the GEMMs), whenever no process group is
+given, autocast has nothing to cast and the tensors are row-major of one dtype and device that
+the ops serve; otherwise it runs ``FusedMLPFunc``.
+
 Both autograd Functions call only ``torch.ops.fused_dense.*`` (through :mod:`fused_dense.ops`)
 for the float16 / bfloat16 / float32 / float64 tensors on the devices the extension has kernels
 for (CPU, Meta, and CUDA when built with it). Anything else that ``nn.Linear`` accepts (another
