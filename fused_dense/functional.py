@@ -272,7 +272,8 @@ class FusedDenseFunc(torch.autograd.Function):
         # Saved: the input only for the weight gradient (the local shard when it is re-gathered
         # in backward), the weight only for the input gradient.
         ctx.save_for_backward((x if gather else total_x) if need_w else None, weight if need_x else None)
-        out = out.reshape(*batch_shape, out.shape[-1])
+        if len(batch_shape) != 1:  # even a same-shape reshape would make the output a view (see _flat_call)
+            out = out.reshape(*batch_shape, out.shape[-1])
         return (out, x) if return_residual else out
 
     @staticmethod
@@ -316,7 +317,31 @@ class FusedDenseFunc(torch.autograd.Function):
 def fused_dense_func(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, return_residual: bool = False,
                      process_group=None, sequence_parallel: bool = True):
     """x @ weight.T + bias for x of shape [..., in_features]; (out, x) with return_residual."""
+    if process_group is None and x.dim() >= 1:
+        return _flat_call(lambda x2, rr: FusedDenseFunc.apply(x2, weight, bias, rr, None, sequence_parallel), x,
+                          return_residual)
     return FusedDenseFunc.apply(x, weight, bias, return_residual, process_group, sequence_parallel)
+
+
+def _flat_call(apply_2d, x: Tensor, return_residual: bool):
+    """Runs an autograd Function on x flattened to 2-D and reshapes its output back, both outside
+    the Function, and returns x itself as the residual where autocast leaves it as it is. A
+    reshape inside a Function (or an input it returns) makes that output a view created in a
+    custom Function, which PyTorch refuses to modify in place; done here, the outputs take in-place
+    ops (dropout(inplace=True), add_) as nn.Linear's do, and autograd adds the residual's gradient
+    to x's by itself. Under autocast the residual is the cast input, which the Function returns.
+
+    apply_2d(x2, return_residual) runs the Function on the 2-D x2."""
+    dtype, autocast = _compute_dtype(x)
+    residual_is_x = not autocast or x.dtype == dtype
+    res = apply_2d(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), return_residual and not residual_is_x)
+    out, residual = res if isinstance(res, tuple) else (res, None)
+    if x.dim() != 2:
+        out = out.reshape(*x.shape[:-1], out.shape[-1])
+        residual = None if residual is None else residual.reshape(x.shape)
+    if not return_residual:
+        return out
+    return out, (x if residual_is_x else residual)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,7 +415,8 @@ class FusedMLPFunc(torch.autograd.Function):
             pre_act,
             act_out if (keeps_act_out and need_act_out) else None,
         )
-        out = out.reshape(*batch_shape, out.shape[-1])
+        if len(batch_shape) != 1:  # even a same-shape reshape would make the output a view (see _flat_call)
+            out = out.reshape(*batch_shape, out.shape[-1])
         return (out, x) if return_residual else out
 
     @staticmethod
@@ -459,10 +485,15 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
     if process_group is None and _native_mlp_applies(x, weight1, bias1, weight2, bias2):
         # The same computation with its derivative in C++ (csrc/torch/mlp_autograd.cpp): no Python
         # runs between the GEMMs of a forward + backward.
-        out = _NATIVE_MLP(x.reshape(-1, x.shape[-1]), weight1, bias1, weight2, bias2, ops.ACTIVATIONS[activation],
-                          checkpoint_lvl if save_pre_act else 2, code)
-        out = out.reshape(*x.shape[:-1], out.shape[-1])
-        return (out, x) if return_residual else out
+        act_code, lvl = ops.ACTIVATIONS[activation], checkpoint_lvl if save_pre_act else 2
+        # no autocast here, so the residual is always x itself and rr is False
+        return _flat_call(lambda x2, rr: _NATIVE_MLP(x2, weight1, bias1, weight2, bias2, act_code, lvl, code), x,
+                          return_residual)
+    if process_group is None and x.dim() >= 1:
+        return _flat_call(lambda x2, rr: FusedMLPFunc.apply(x2, weight1, bias1, weight2, bias2, activation,
+                                                             save_pre_act, rr, checkpoint_lvl, heuristic, None,
+                                                             sequence_parallel),
+                          x, return_residual)
     return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
                               checkpoint_lvl, heuristic, process_group, sequence_parallel)
 

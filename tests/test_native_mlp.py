@@ -151,3 +151,48 @@ def test_double_backward_is_a_clear_error():
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(m(x).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (2, 3, 8)])
+@pytest.mark.parametrize("path", ["native", "python", "autocast"])
+@pytest.mark.parametrize("kind", ["mlp", "mlp-residual", "dense", "dense-residual"])
+def test_outputs_take_inplace_ops(shape, path, kind):
+    """Outputs are ordinary tensors, not views made inside an autograd Function: in-place ops on
+    them work as on nn.Linear's output, and the gradients are those of the same ops done out of
+    place. The residual is x itself (the cast x under autocast, as in flash-attn)."""
+    from fused_dense import FusedDense
+    torch.manual_seed(0)
+    residual = kind.endswith("residual")
+    mod = (FusedMLP(8, 16, 8, return_residual=residual) if kind.startswith("mlp")
+           else FusedDense(8, 8, return_residual=residual))
+    # float64 is never autocast: the autocast case runs float32 weights and input in bf16
+    mod = mod.float() if path == "autocast" else mod.double()
+    x = torch.randn(*shape, dtype=torch.float32 if path == "autocast" else torch.float64)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=path == "autocast")
+    saved = functional._NATIVE_MLP
+    if path == "python":
+        functional._NATIVE_MLP = None
+    try:
+        def run(inplace):
+            xg = x.clone().requires_grad_()
+            with autocast:
+                res = mod(xg)
+            out, res_x = res if residual else (res, None)
+            if res_x is not None:
+                # the residual is x itself, or under autocast the cast input (which the layer also
+                # saves for backward, so it is not one to modify in place: autograd would refuse)
+                assert (res_x is xg) == (path != "autocast")
+            if inplace:
+                out.mul_(2).add_(1)
+            else:
+                out = out * 2 + 1
+            loss = out.square().sum() + (0 if res_x is None else (3 * res_x).sum())
+            grads = torch.autograd.grad(loss, [xg] + list(mod.parameters()))
+            return out.detach(), grads
+        out_i, g_i = run(True)
+        out_o, g_o = run(False)
+    finally:
+        functional._NATIVE_MLP = saved
+    torch.testing.assert_close(out_i, out_o, rtol=0, atol=0)
+    for a, b in zip(g_i, g_o):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
