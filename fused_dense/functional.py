@@ -212,6 +212,15 @@ def _as_2d(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _function_outputs(out: Tensor, batch_shape, residual: Optional[Tensor]):
+    """What a Function's forward returns: out in x's batch shape, and the residual when asked.
+    2-D outputs are returned as they are: even a same-shape reshape would make the output a view
+    created inside the Function, which PyTorch then refuses to modify in place (see _flat_call)."""
+    if len(batch_shape) != 1:
+        out = out.reshape(*batch_shape, out.shape[-1])
+    return out if residual is None else (out, residual)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tensor-parallel helpers (fused_dense.distributed is only imported when a group is given).
 
@@ -272,9 +281,7 @@ class FusedDenseFunc(torch.autograd.Function):
         # Saved: the input only for the weight gradient (the local shard when it is re-gathered
         # in backward), the weight only for the input gradient.
         ctx.save_for_backward((x if gather else total_x) if need_w else None, weight if need_x else None)
-        if len(batch_shape) != 1:  # even a same-shape reshape would make the output a view (see _flat_call)
-            out = out.reshape(*batch_shape, out.shape[-1])
-        return (out, x) if return_residual else out
+        return _function_outputs(out, batch_shape, x if return_residual else None)
 
     @staticmethod
     def backward(ctx, grad_output, *grad_rest):
@@ -415,9 +422,7 @@ class FusedMLPFunc(torch.autograd.Function):
             pre_act,
             act_out if (keeps_act_out and need_act_out) else None,
         )
-        if len(batch_shape) != 1:  # even a same-shape reshape would make the output a view (see _flat_call)
-            out = out.reshape(*batch_shape, out.shape[-1])
-        return (out, x) if return_residual else out
+        return _function_outputs(out, batch_shape, x if return_residual else None)
 
     @staticmethod
     def backward(ctx, grad_output, *grad_rest):
