@@ -405,7 +405,8 @@ class Ctx:
 
         fused: None for a baseline, else the fused_dense code path it exercises ('FusedMLP heuristic=auto',
         'linear_act h=0', ...): after a crash in one path, that path is skipped for the rest of the run,
-        and after --max-fused-crashes crashes all fused_dense measurements are.
+        and after --max-fused-crashes crashes all fused_dense measurements are. Also skipped: the
+        torch.compile variant under --no-compile; unavailable: FusedMLP paths when it did not import.
         """
         c = self.crashed.get((item_id, variant))
         if c:
@@ -421,6 +422,10 @@ class Ctx:
                                                   "in this run (see 'crashed')"}
         if self.time_left() < 0:
             return {"status": "skipped", "error": "time budget exhausted"}
+        if variant == "compile" and self.args.no_compile:
+            return {"status": "skipped", "error": "--no-compile"}
+        if fused and fused.startswith("FusedMLP") and FusedMLP is None:
+            return {"status": "unavailable", "error": FD_IMPORT_ERROR or "FusedMLP not found"}
         return None
 
     def begin(self, item_id, variant, fused):
@@ -629,10 +634,6 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
     for key in todo:
         fused = None if key in BASELINE_KEYS else f"FusedMLP heuristic={fused_spec(key)[0]}"
         pre = ctx.precheck(item_id, key, fused)
-        if pre is None and key == "compile" and ctx.args.no_compile:
-            pre = {"status": "skipped", "error": "--no-compile"}
-        if pre is None and fused and FusedMLP is None:
-            pre = {"status": "unavailable", "error": FD_IMPORT_ERROR or "FusedMLP not found"}
         if pre is not None:
             rec["variants"][key] = pre
             log(f"{tag} {key}: {pre['status']} ({pre['error']})")
@@ -857,10 +858,6 @@ def run_host(ctx, item_id):
             continue
         fused = None if spec is None else f"FusedMLP heuristic={spec[0]}"
         v = ctx.precheck(item_id, key, fused)
-        if v is None and key == "compile" and ctx.args.no_compile:
-            v = {"status": "skipped", "error": "--no-compile"}
-        if v is None and fused and FusedMLP is None:
-            v = {"status": "unavailable", "error": FD_IMPORT_ERROR or "FusedMLP not found"}
         if v is not None:
             rec["variants"][key] = v
             continue
