@@ -4,12 +4,12 @@
 // and follows fused_dense/functional.py's FusedMLPFunc rule for rule: what is saved at each
 // checkpoint level, what is recomputed, which gradients are computed. The Python Function stays
 // the path for what this op does not take: autocast, tensor parallelism, non-contiguous inputs.
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "op_calls.h"
 #include "reference.h"
 
 namespace fused_dense {
@@ -24,35 +24,20 @@ constexpr int64_t kRelu = static_cast<int64_t>(ActivationCode::kRelu);
 using Opt = std::optional<at::Tensor>;
 Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
 
-// The general ops, looked up once; calls go through the dispatcher so each device's kernel runs.
+// The general ops, through the dispatcher; an undefined bias or pre-activation is passed as None.
 std::vector<at::Tensor> linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                                    int64_t activation, bool save_pre_act, int64_t heuristic) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::linear_act", "")
-                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const Opt&, int64_t,
-                                                      bool, int64_t)>();
-  return op.call(input, weight, opt(bias), activation, save_pre_act, heuristic);
+  return op_calls::linear_act(input, weight, opt(bias), activation, save_pre_act, heuristic);
 }
 
 std::vector<at::Tensor> act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
                                          const at::Tensor& pre_act, int64_t activation, bool has_d_bias,
                                          int64_t heuristic) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_linear_dgrad", "")
-                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const Opt&, int64_t,
-                                                      bool, int64_t)>();
-  return op.call(weight, d_output, opt(pre_act), activation, has_d_bias, heuristic);
+  return op_calls::act_linear_dgrad(weight, d_output, opt(pre_act), activation, has_d_bias, heuristic);
 }
 
-std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Tensor& d_output, bool has_d_bias) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::linear_bias_wgrad", "")
-                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>();
-  return op.call(input, d_output, has_d_bias);
-}
-
-at::Tensor act_forward(const at::Tensor& pre_act, int64_t activation) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_forward", "")
-                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
-  return op.call(pre_act, activation);
-}
+using op_calls::act_forward;
+using op_calls::linear_bias_wgrad;
 
 // d_output.sum(0) alone (fc2's weight needs no gradient), accumulated in fp32 for 16-bit types.
 at::Tensor bias_grad(const at::Tensor& d_output) {

@@ -2,6 +2,7 @@
 // three flash-attn-compatible entry points are thin composites over the two general ops.
 #include <torch/library.h>
 
+#include "op_calls.h"
 #include "reference.h"
 
 TORCH_LIBRARY(fused_dense, m) {
@@ -31,23 +32,15 @@ namespace {
 std::vector<at::Tensor> linear_act_forward(const at::Tensor& input, const at::Tensor& weight,
                                            const std::optional<at::Tensor>& bias, bool is_gelu,
                                            bool save_pre_act, int64_t heuristic) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::linear_act", "")
-                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                      const std::optional<at::Tensor>&, int64_t, bool,
-                                                      int64_t)>();
   const auto act = is_gelu ? ActivationCode::kGeluTanh : ActivationCode::kRelu;
-  return op.call(input, weight, bias, static_cast<int64_t>(act), save_pre_act, heuristic);
+  return op_calls::linear_act(input, weight, bias, static_cast<int64_t>(act), save_pre_act, heuristic);
 }
 
 std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, const at::Tensor& d_output,
                                                     const at::Tensor& pre_act, bool is_gelu,
                                                     int64_t heuristic) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_linear_dgrad", "")
-                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                      const std::optional<at::Tensor>&, int64_t, bool,
-                                                      int64_t)>();
   const auto act = is_gelu ? ActivationCode::kGeluTanh : ActivationCode::kRelu;
-  return op.call(weight, d_output, pre_act, static_cast<int64_t>(act), true, heuristic);
+  return op_calls::act_linear_dgrad(weight, d_output, pre_act, static_cast<int64_t>(act), true, heuristic);
 }
 
 }  // namespace

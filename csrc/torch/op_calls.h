@@ -1,0 +1,44 @@
+// Calls of the general ops through the dispatcher, for the kernels composed of them (the seed's
+// entry points, fused_mlp): each device's kernel runs, and each op's handle is looked up once.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <vector>
+
+namespace fused_dense::op_calls {
+
+using OptTensor = std::optional<at::Tensor>;
+
+inline std::vector<at::Tensor> linear_act(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
+                                          int64_t activation, bool save_pre_act, int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::linear_act", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                                                      bool, int64_t)>();
+  return op.call(input, weight, bias, activation, save_pre_act, heuristic);
+}
+
+inline std::vector<at::Tensor> act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
+                                                const OptTensor& pre_act, int64_t activation, bool has_d_bias,
+                                                int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_linear_dgrad", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
+                                                      bool, int64_t)>();
+  return op.call(weight, d_output, pre_act, activation, has_d_bias, heuristic);
+}
+
+inline std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Tensor& d_output,
+                                                 bool has_d_bias) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::linear_bias_wgrad", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>();
+  return op.call(input, d_output, has_d_bias);
+}
+
+inline at::Tensor act_forward(const at::Tensor& pre_act, int64_t activation) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_forward", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(pre_act, activation);
+}
+
+}  // namespace fused_dense::op_calls
