@@ -195,6 +195,17 @@ def _act_dgrad(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], acti
     return d, (d.sum(0) if has_d_bias else None)
 
 
+def _act_dgrad_act_out(weight: Tensor, d_output: Tensor, pre_act: Tensor, activation: str, has_d_bias: bool,
+                       heuristic: int, use_ops: bool) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """_act_dgrad plus act(pre_act), for gelu_approx / sqrelu: level 1 rebuilds the activation
+    output in the pass that reads pre_act anyway."""
+    if use_ops:
+        return ops.act_linear_dgrad_act_out_coded(weight, d_output, pre_act, ops.ACTIVATIONS[activation],
+                                                  has_d_bias, heuristic)
+    d_pre, d_bias = _act_dgrad(weight, d_output, pre_act, activation, has_d_bias, heuristic, use_ops)
+    return d_pre, d_bias, _plain_act(pre_act, activation)
+
+
 def _wgrad(x: Tensor, d_output: Tensor, has_d_bias: bool, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
     if use_ops:
         return ops.linear_bias_wgrad(x, d_output, has_d_bias)
@@ -439,7 +450,7 @@ class FusedMLPFunc(torch.autograd.Function):
         gather = process_group is not None and ctx.sequence_parallel
         grad_output = grad_output.contiguous()
         g = _as_2d(grad_output)
-        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = d_pre = None
 
         handle_x = None
         total_x = x
@@ -451,14 +462,19 @@ class FusedMLPFunc(torch.autograd.Function):
             act_out, pre_act = _linear_act(_as_2d(total_x), weight1, bias1, activation, need_d_pre, heuristic,
                                            use_ops)
         elif act_out is None and need_w2:  # level 1: rebuild act(pre_act)
-            act_out = _act_forward(pre_act, activation, use_ops)
+            if need_d_pre:  # in the activation-backward pass, which reads pre_act anyway
+                d_pre, grad_b1, act_out = _act_dgrad_act_out(weight2, g, pre_act, activation, need_b1, heuristic,
+                                                             use_ops)
+            else:
+                act_out = _act_forward(pre_act, activation, use_ops)
 
         if need_w2:
             grad_w2, grad_b2 = _wgrad(act_out, g, need_b2, use_ops)
         elif need_b2:
             grad_b2 = _bias_grad(g)
         if need_d_pre:
-            d_pre, grad_b1 = _act_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, use_ops)
+            if d_pre is None:
+                d_pre, grad_b1 = _act_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, use_ops)
             handle_dx = None
             if need_x:
                 grad_x, _ = _act_dgrad(weight1, d_pre, None, "none", False, ops.HEURISTIC_AUTO, use_ops)

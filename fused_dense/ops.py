@@ -77,6 +77,14 @@ def act_linear_dgrad_coded(weight: Tensor, d_output: Tensor, pre_act: Optional[T
     return res[0], (res[1] if has_d_bias else None)
 
 
+def act_linear_dgrad_act_out_coded(weight: Tensor, d_output: Tensor, pre_act: Tensor, activation: int,
+                                   has_d_bias: bool, heuristic: int) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """(d_input, d_bias or None, act(pre_act)); gelu_approx and sqrelu only. The activation
+    output comes from the pass that reads pre_act for the derivative (checkpoint level 1)."""
+    res = _op("act_linear_dgrad")(weight, d_output, pre_act, activation, has_d_bias, heuristic, True)
+    return res[0], (res[1] if has_d_bias else None), res[-1]
+
+
 def act_forward_coded(pre_act: Tensor, activation: int) -> Tensor:
     return _op("act_forward")(pre_act, activation)
 

@@ -296,6 +296,31 @@ def check_dgrad(device, dtype, act, has_d_bias, heuristic, shape, entry="op", po
     return True
 
 
+def check_dgrad_act_out(device, dtype, act, has_d_bias, heuristic, shape, poison=False):
+    """return_act_out=True: the same d_input / d_bias as without it, bit for bit, plus act(pre_act)
+    bit-identical to act_forward's (checkpoint level 1 must rebuild exactly what level 0 keeps)."""
+    B, K, N = shape
+    w, dout, pre, saved = make_dgrad_inputs(dtype, act, shape, device)
+    code = ACT_CODE[act]
+    base = run_heuristic(lambda: OPS.act_linear_dgrad(w, dout, saved, code, has_d_bias, heuristic), heuristic)
+    if base is None:
+        return False
+    if poison:
+        poison_cuda_cache(w.device)
+    res = OPS.act_linear_dgrad(w, dout, saved, code, has_d_bias, heuristic, True)
+    ctx = f"act_linear_dgrad return_act_out B={B} K={K} N={N} {dtype} {act} d_bias={has_d_bias} h={heuristic}"
+    assert len(res) == len(base) + 1, f"{ctx}: {len(res)} outputs"
+    for i, (a, b) in enumerate(zip(res, base)):
+        assert torch.equal(a, b), f"{ctx}: output {i} differs from the call without return_act_out"
+    act_out = res[-1]
+    assert tuple(act_out.shape) == (B, K) and act_out.dtype == dtype and act_out.device == w.device, \
+        f"{ctx}: act_out {tuple(act_out.shape)} {act_out.dtype} {act_out.device}"
+    assert torch.equal(act_out, OPS.act_forward(saved, code)), f"{ctx}: act_out differs from act_forward(pre_act)"
+    ref = F.gelu(pre.double(), approximate="tanh") if act == "gelu_approx" else F.relu(pre.double()).square()
+    assert_rel(act_out, ref, dtype, f"{ctx} act_out")
+    return True
+
+
 def check_wgrad(device, dtype, has_d_bias, shape, entry="op", poison=False):
     B, K, N = shape
     x = randn(B, K, dtype=dtype, device=device, scale=1.0 / math.sqrt(max(B, 1)))
@@ -368,6 +393,14 @@ def test_cpu_linear_act(dtype, act, has_bias, save):
 def test_cpu_act_linear_dgrad(dtype, act, has_d_bias):
     for shape in cpu_shapes():
         check_dgrad("cpu", dtype, act, has_d_bias, random.choice([-2, -1, 0, 3]), shape)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("act", ["gelu_approx", "sqrelu"])
+@pytest.mark.parametrize("has_d_bias", [False, True])
+def test_cpu_act_linear_dgrad_act_out(dtype, act, has_d_bias):
+    for shape in cpu_shapes():
+        assert check_dgrad_act_out("cpu", dtype, act, has_d_bias, random.choice([-2, -1, 0, 3]), shape)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -599,6 +632,10 @@ ERROR_CASES = [
      ["pre_act", "device", "cpu", "meta"]),
     ("ad-dout-device", lambda: AD(_t(*DW), _t(*DO, device="meta"), _t(3, 5), 1, True, -1), RuntimeError,
      ["d_output", "device", "cpu", "meta"]),
+    ("ad-act-out-relu", lambda: AD(_t(*DW), _t(*DO), _mask(3, 5), 2, True, -1, True), ValueError,
+     ["return_act_out", "got activation 2", "relu"]),
+    ("ad-act-out-none", lambda: AD(_t(*DW), _t(*DO), None, 0, False, -1, True), ValueError,
+     ["return_act_out", "got activation 0", "none"]),
     # --- linear_bias_wgrad
     ("wg-input-1d", lambda: WG(_t(5), _t(*DO), True), RuntimeError, ["input", "2-D", "1-D"]),
     ("wg-dout-1d", lambda: WG(_t(*X), _t(7), True), RuntimeError, ["d_output", "2-D", "1-D"]),
@@ -679,6 +716,11 @@ def test_meta_shapes():
     assert pre.shape == (6, 17) and pre.dtype == torch.bfloat16
     d_in, d_b = AD(_t(6, 5, device="meta"), _t(4, 6, device="meta"), _mask(4, 5).to("meta"), 2, True, 0)
     assert d_in.shape == (4, 5) and d_b.shape == (5,)
+    d_in, d_b, act_out = AD(_t(6, 5, device="meta"), _t(4, 6, device="meta"), _t(4, 5, device="meta"), 1, True, 0,
+                            True)
+    assert d_in.shape == act_out.shape == (4, 5) and d_b.shape == (5,)
+    d_in, act_out = AD(_t(6, 5, device="meta"), _t(4, 6, device="meta"), _t(4, 5, device="meta"), 3, False, 0, True)
+    assert d_in.shape == act_out.shape == (4, 5)
     d_w, = WG(_t(4, 5, device="meta"), _t(4, 6, device="meta"), False)
     assert d_w.shape == (6, 5)
     assert AF(_t(2, 3, 4, device="meta"), 1).shape == (2, 3, 4)
@@ -701,6 +743,9 @@ def _opcheck_cases(device="cpu"):
         ("act_linear_dgrad-none", OPS.act_linear_dgrad.default, (r(6, 11), r(4, 6), None, 0, True, 0)),
         ("act_linear_dgrad-sqrelu-bf16", OPS.act_linear_dgrad.default,
          (r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), r(2, 16, dtype=bf16), 3, True, -1)),
+        ("act_linear_dgrad-gelu-act-out", OPS.act_linear_dgrad.default, (r(7, 5), r(3, 7), r(3, 5), 1, True, -2, True)),
+        ("act_linear_dgrad-sqrelu-act-out-bf16", OPS.act_linear_dgrad.default,
+         (r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), r(2, 16, dtype=bf16), 3, False, -1, True)),
         ("linear_bias_wgrad-bias", OPS.linear_bias_wgrad.default, (r(5, 3), r(5, 4), True)),
         ("linear_bias_wgrad-nobias", OPS.linear_bias_wgrad.default, (r(5, 3), r(5, 4), False)),
         ("linear_bias_wgrad-empty", OPS.linear_bias_wgrad.default, (r(0, 3), r(0, 4), True)),
@@ -796,6 +841,17 @@ def test_cuda_linear_act(dtype, act, has_bias, save, heuristic):
 def test_cuda_act_linear_dgrad(dtype, act, has_d_bias, heuristic):
     for s in CUDA_SHAPES:
         check_dgrad("cuda", dtype, act, has_d_bias, heuristic, s, poison=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("heuristic", CUDA_HEURISTICS)
+@pytest.mark.parametrize("has_d_bias", [False, True])
+@pytest.mark.parametrize("act", ["gelu_approx", "sqrelu"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+def test_cuda_act_linear_dgrad_act_out(dtype, act, has_d_bias, heuristic):
+    ran = [check_dgrad_act_out("cuda", dtype, act, has_d_bias, heuristic, s, poison=True) for s in CUDA_SHAPES]
+    if heuristic <= 0:
+        assert all(ran)
 
 
 @pytest.mark.cuda

@@ -274,16 +274,18 @@ __global__ void __launch_bounds__(kThreads)
       if (c[k].idx < plan.total) {
         float p[V];
         pack_to_floats(p, xv[k]);
+        Pack<T, V> pv = xv[k], ov;
         if (bias != nullptr) {
           float b[V];
           pack_to_floats(b, bv[k]);
 #pragma unroll
           for (int j = 0; j < V; ++j) p[j] += b[j];
+          // Activate the rounded sum so a recompute from the stored pre_act is bit-identical.
+          // Without a bias x is that value already, and the 16-bit GELU kernels are bound by
+          // conversions: the round trip would cost a fifth of their issue slots.
+          floats_to_pack(pv, p);
+          pack_to_floats(p, pv);
         }
-        // Activate the rounded value so a recompute from the stored pre_act is bit-identical.
-        Pack<T, V> pv, ov;
-        floats_to_pack(pv, p);
-        pack_to_floats(p, pv);
 #pragma unroll
         for (int j = 0; j < V; ++j) p[j] = act_forward<A, kPaired<T>>(p[j]);
         floats_to_pack(ov, p);
@@ -449,12 +451,24 @@ struct PreLoad {
       pack_to_floats(vals, out);
     }
   }
+
+  // act(pre) for V elements, bit-identical to bias_act_kernel's output for the same pre (GELU,
+  // squared ReLU): checkpoint level 1 rebuilds the activation output in the backward pass that
+  // reads pre_act anyway. The compiler shares the sigmoid with apply's derivative.
+  __device__ __forceinline__ void activation(Pack<T, V>& out) const {
+    static_assert(A == Activation::kGeluTanh || A == Activation::kSquaredRelu, "act(pre) needs a dtype pre_act");
+    float p[V];
+    pack_to_floats(p, pre);
+#pragma unroll
+    for (int j = 0; j < V; ++j) p[j] = act_forward<A, kPaired<T>>(p[j]);
+    floats_to_pack(out, p);
+  }
 };
 
-// grad_in = grad * act'(pre); items are V-element vectors.
-template <typename T, Activation A, int V>
+// grad_in = grad * act'(pre), with kAct also act_out = act(pre); items are V-element vectors.
+template <typename T, Activation A, int V, bool kAct>
 __global__ void __launch_bounds__(kThreads)
-    act_backward_kernel(const T* grad, const void* pre_act, T* grad_in, int64_t rb, FlatPlan plan) {
+    act_backward_kernel(const T* grad, const void* pre_act, T* grad_in, T* act_out, int64_t rb, FlatPlan plan) {
   Cursor c[kUnroll];
   init_cursors(c, plan);
   while (c[0].idx < plan.total) {
@@ -474,6 +488,11 @@ __global__ void __launch_bounds__(kThreads)
         float vals[V];
         pl[k].apply(gv[k], ov, vals);
         store_pack<T, V>(grad_in + c[k].idx * V, ov);
+        if constexpr (kAct) {
+          Pack<T, V> av;
+          pl[k].activation(av);
+          store_pack<T, V>(act_out + c[k].idx * V, av);
+        }
       }
     }
     advance_all(c, plan);
@@ -483,10 +502,10 @@ __global__ void __launch_bounds__(kThreads)
 // grad_in as above (skipped when grad_in is null) plus fp32 column sums of the rounded grad_in
 // over one row chunk: partial[chunk * cols + col]. Block = (TX column-vectors) x (TY rows); a
 // tile covers TX * V columns. Summation order is fixed: rows ty, ty+TY, ... per thread, then
-// the TY partials in order of ty.
-template <typename T, Activation A, int V>
+// the TY partials in order of ty. kAct: also act_out = act(pre).
+template <typename T, Activation A, int V, bool kAct>
 __global__ void __launch_bounds__(kThreads)
-    act_backward_colsum_kernel(const T* grad, const void* pre_act, T* grad_in, float* partial, int64_t rows,
+    act_backward_colsum_kernel(const T* grad, const void* pre_act, T* grad_in, T* act_out, float* partial, int64_t rows,
                                int64_t cols, int64_t rb, int64_t rows_per_chunk, int64_t nchunks, int64_t ntiles) {
   // Rows in flight per thread. Bytes in flight are what keep HBM busy; 4 measured best on H200
   // for every activation (2 leaves bf16 ~15% short, 8 costs occupancy through registers).
@@ -526,7 +545,13 @@ __global__ void __launch_bounds__(kThreads)
             pl[k].apply(g[k], o, vals);
 #pragma unroll
             for (int j = 0; j < V; ++j) acc[j] += vals[j];
-            if (grad_in != nullptr) store_pack<T, V>(grad_in + (r + static_cast<int64_t>(k) * TY) * cols + col, o);
+            const int64_t off = (r + static_cast<int64_t>(k) * TY) * cols + col;
+            if (grad_in != nullptr) store_pack<T, V>(grad_in + off, o);
+            if constexpr (kAct) {
+              Pack<T, V> av;
+              pl[k].activation(av);
+              store_pack<T, V>(act_out + off, av);
+            }
           }
         }
         for (; r < r_end; r += TY) {
@@ -539,6 +564,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int j = 0; j < V; ++j) acc[j] += vals[j];
           if (grad_in != nullptr) store_pack<T, V>(grad_in + r * cols + col, o);
+          if constexpr (kAct) {
+            Pack<T, V> av;
+            pl.activation(av);
+            store_pack<T, V>(act_out + r * cols + col, av);
+          }
         }
       }
 
@@ -720,9 +750,9 @@ int pow2_ceil(int64_t v) {
   return p;
 }
 
-template <typename T, Activation A, int V>
-void launch_backward_colsum(const T* grad, const void* pre_act, T* grad_in, T* bias_grad, int64_t rows, int64_t cols,
-                            float* partial, int64_t nchunks, cudaStream_t stream) {
+template <typename T, Activation A, int V, bool kAct>
+void launch_backward_colsum(const T* grad, const void* pre_act, T* grad_in, T* act_out, T* bias_grad, int64_t rows,
+                            int64_t cols, float* partial, int64_t nchunks, cudaStream_t stream) {
   // Column-vector threads per block: up to 256 columns per tile, fewer for narrow matrices so
   // that the remaining threads work on more rows instead of idling.
   const int max_tx = V == 8 ? 32 : 64;  // tiles of 256 columns (vector paths) or 64 (scalar)
@@ -736,9 +766,9 @@ void launch_backward_colsum(const T* grad, const void* pre_act, T* grad_in, T* b
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(ntiles, INT_MAX)),
                   static_cast<unsigned>(std::min<int64_t>(nchunks, 65535)));
   const dim3 block(tx, ty);
-  act_backward_colsum_kernel<T, A, V><<<grid, block, 0, stream>>>(grad, pre_act, grad_in, partial, rows, cols,
-                                                                   relu_mask_row_bytes(cols), rows_per_chunk,
-                                                                   nchunks, ntiles);
+  act_backward_colsum_kernel<T, A, V, kAct><<<grid, block, 0, stream>>>(grad, pre_act, grad_in, act_out, partial,
+                                                                         rows, cols, relu_mask_row_bytes(cols),
+                                                                         rows_per_chunk, nchunks, ntiles);
   FD_CHECK_LAUNCH();
   const int64_t fblocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(cols, kThreads), 65535));
   colsum_finalize_kernel<T><<<static_cast<unsigned>(fblocks), kThreads, 0, stream>>>(partial, bias_grad, cols,
@@ -839,7 +869,7 @@ std::size_t reduction_workspace_bytes(int64_t rows, int64_t cols) {
 
 void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const void* pre_act, void* grad_in,
                             void* bias_grad, int64_t rows, int64_t cols, void* workspace,
-                            std::size_t workspace_bytes, cudaStream_t stream) {
+                            std::size_t workspace_bytes, cudaStream_t stream, void* act_out) {
   constexpr const char* fn = "act_backward_bias_grad";
   check_codes(fn, dtype, act);
   check_shape(fn, rows, cols);
@@ -856,6 +886,9 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
   // grad_in may be omitted only when it would be a copy of grad anyway.
   if (act != Activation::kNone && grad_in == nullptr)
     fail(fn, std::string("grad_in must be non-null for activation ") + activation_name(act));
+  if (act_out != nullptr && act != Activation::kGeluTanh && act != Activation::kSquaredRelu)
+    fail(fn, std::string("act_out needs a dtype pre-activation (gelu_approx or sqrelu), got activation ") +
+                 activation_name(act));
 
   const std::size_t mat_bytes = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * esize;
   const bool uses_pre = act != Activation::kNone;
@@ -873,7 +906,23 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
       require_same_or_disjoint(fn, "pre_act", pre_act, pre_bytes, "grad_in", grad_in, mat_bytes);
   }
 
+  if (act_out != nullptr) {
+    require_disjoint(fn, "act_out", act_out, mat_bytes, "grad", grad, mat_bytes);
+    require_disjoint(fn, "act_out", act_out, mat_bytes, "grad_in", grad_in, mat_bytes);
+    require_disjoint(fn, "act_out", act_out, mat_bytes, "pre_act", pre_act, pre_bytes);
+  }
   const bool write_grad_in = grad_in != nullptr && !(act == Activation::kNone && grad_in == grad);
+  // Instantiates the kernel with the act_out store only for the activations that can have one.
+  auto with_act_flag = [&](auto atag, auto&& f) {
+    constexpr Activation A = decltype(atag)::value;
+    if constexpr (A == Activation::kGeluTanh || A == Activation::kSquaredRelu) {
+      if (act_out != nullptr) {
+        f(std::true_type{});
+        return;
+      }
+    }
+    f(std::false_type{});
+  };
 
   if (bias_grad == nullptr) {
     if (act == Activation::kNone) {
@@ -884,22 +933,27 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
     dispatch_dtype(dtype, [&](auto ttag) {
       using T = typename decltype(ttag)::type;
       constexpr int VW = 16 / static_cast<int>(sizeof(T));
-      const bool vec = cols % VW == 0 && aligned16(grad) && aligned16(grad_in) && (mask_mode || aligned16(pre_act));
+      const bool vec = cols % VW == 0 && aligned16(grad) && aligned16(grad_in) && (mask_mode || aligned16(pre_act)) &&
+                       (act_out == nullptr || aligned16(act_out));
       dispatch_act(act, [&](auto atag) {
         constexpr Activation A = decltype(atag)::value;
         if constexpr (A != Activation::kNone) {
-          const T* gt = static_cast<const T*>(grad);
-          T* git = static_cast<T*>(grad_in);
-          const int64_t rb = relu_mask_row_bytes(cols);
-          unsigned grid = 0;
-          if (vec) {
-            const FlatPlan plan = make_plan(rows * (cols / VW), cols / VW, grid);
-            act_backward_kernel<T, A, VW><<<grid, kThreads, 0, stream>>>(gt, pre_act, git, rb, plan);
-          } else {
-            const FlatPlan plan = make_plan(rows * cols, cols, grid);
-            act_backward_kernel<T, A, 1><<<grid, kThreads, 0, stream>>>(gt, pre_act, git, rb, plan);
-          }
-          FD_CHECK_LAUNCH();
+          with_act_flag(atag, [&](auto act_flag) {
+            constexpr bool kAct = decltype(act_flag)::value;
+            const T* gt = static_cast<const T*>(grad);
+            T* git = static_cast<T*>(grad_in);
+            T* aot = static_cast<T*>(act_out);
+            const int64_t rb = relu_mask_row_bytes(cols);
+            unsigned grid = 0;
+            if (vec) {
+              const FlatPlan plan = make_plan(rows * (cols / VW), cols / VW, grid);
+              act_backward_kernel<T, A, VW, kAct><<<grid, kThreads, 0, stream>>>(gt, pre_act, git, aot, rb, plan);
+            } else {
+              const FlatPlan plan = make_plan(rows * cols, cols, grid);
+              act_backward_kernel<T, A, 1, kAct><<<grid, kThreads, 0, stream>>>(gt, pre_act, git, aot, rb, plan);
+            }
+            FD_CHECK_LAUNCH();
+          });
         }
       });
     });
@@ -929,6 +983,10 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
     require_disjoint(fn, "workspace", workspace, used_ws, "pre_act", pre_act, pre_bytes);
     require_disjoint(fn, "bias_grad", bias_grad, bias_bytes, "pre_act", pre_act, pre_bytes);
   }
+  if (act_out != nullptr) {
+    require_disjoint(fn, "workspace", workspace, used_ws, "act_out", act_out, mat_bytes);
+    require_disjoint(fn, "bias_grad", bias_grad, bias_bytes, "act_out", act_out, mat_bytes);
+  }
 
   dispatch_dtype(dtype, [&](auto ttag) {
     using T = typename decltype(ttag)::type;
@@ -937,14 +995,18 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
     T* git = write_grad_in ? static_cast<T*>(grad_in) : nullptr;
     T* bgt = static_cast<T*>(bias_grad);
     auto* ws = static_cast<float*>(workspace);
+    T* aot = static_cast<T*>(act_out);
     const bool vec = cols % VW == 0 && aligned16(grad) && (git == nullptr || aligned16(git)) &&
-                     (!uses_pre || mask_mode || aligned16(pre_act));
+                     (!uses_pre || mask_mode || aligned16(pre_act)) && (aot == nullptr || aligned16(aot));
     dispatch_act(act, [&](auto atag) {
       constexpr Activation A = decltype(atag)::value;
-      if (vec)
-        launch_backward_colsum<T, A, VW>(gt, pre_act, git, bgt, rows, cols, ws, nchunks, stream);
-      else
-        launch_backward_colsum<T, A, 1>(gt, pre_act, git, bgt, rows, cols, ws, nchunks, stream);
+      with_act_flag(atag, [&](auto act_flag) {
+        constexpr bool kAct = decltype(act_flag)::value;
+        if (vec)
+          launch_backward_colsum<T, A, VW, kAct>(gt, pre_act, git, aot, bgt, rows, cols, ws, nchunks, stream);
+        else
+          launch_backward_colsum<T, A, 1, kAct>(gt, pre_act, git, aot, bgt, rows, cols, ws, nchunks, stream);
+      });
     });
   });
 }

@@ -22,11 +22,15 @@ void bias_act_forward(DType dtype, Activation act, const void* x, const void* bi
 // grad_in = grad * act'(pre_act); bias_grad[j] = sum_i grad_in[i, j] when bias_grad is non-null.
 // For kNone pre_act is ignored (grad_in = grad, which may then be the same buffer).
 // For ReLU pre_act is the bit-mask. grad_in may alias grad.
+// act_out, when non-null (gelu_approx and sqrelu only), also receives act(pre_act) in the same
+// pass, bit-identical to bias_act_forward's output: checkpoint level 1 rebuilds the activation
+// output there instead of in a separate pass that would read pre_act a second time.
 // workspace holds the fp32 partial column sums; reduction_workspace_bytes says how much is
 // needed; a smaller workspace is used with fewer row chunks (never wrong, only slower).
 std::size_t reduction_workspace_bytes(int64_t rows, int64_t cols);
 void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const void* pre_act,
                             void* grad_in, void* bias_grad, int64_t rows, int64_t cols,
-                            void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
+                            void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
+                            void* act_out = nullptr);
 
 }  // namespace fused_dense::core

@@ -219,13 +219,21 @@ void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
 
 void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
+  if (a.act_out != nullptr && a.activation != Activation::kGeluTanh && a.activation != Activation::kSquaredRelu)
+    throw Error(std::string("fused_dense: act_linear_dgrad: act_out needs a gelu_approx or sqrelu pre_act, got ") +
+                activation_name(a.activation));
   if (B == 0 || K == 0) {
     if (B == 0) zero(a.d_bias, K, ctx.dtype, ctx.stream);
     return;
   }
+  auto rebuild_act_out = [&] {
+    if (a.act_out != nullptr)
+      bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.stream);
+  };
   if (N == 0) {
     zero(a.d_input, B * K, ctx.dtype, ctx.stream);
     zero(a.d_bias, K, ctx.dtype, ctx.stream);
+    rebuild_act_out();
     return;
   }
   GemmProblem plain = base_problem(ctx);
@@ -248,18 +256,20 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
     if (c.fused) {
       ptrs.aux = const_cast<void*>(a.pre_act);
       ptrs.bias_grad = a.d_bias;
-      return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
+      if (!try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream)) return false;
+      rebuild_act_out();  // the epilogue reads pre_act but cannot write act(pre_act)
+      return true;
     }
     gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
     if (needs_kernel)
       act_backward_bias_grad(ctx.dtype, a.activation, a.d_input, a.pre_act, a.d_input, a.d_bias, B, K,
-                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream, a.act_out);
     return true;
   };
   // Rule without measurement: unfused. On the H200 DGELU_BGRAD measured slower than GEMM + one
   // elementwise pass at every shape of ../shared/BASELINES.md (0.158 vs 0.124 ms at 8192x1024x4096).
   dispatch(a.heuristic, fused_possible, fused, plain, Choice{false, 0}, ctx,
-           tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
+           tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, a.act_out != nullptr),
            [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
 }
 

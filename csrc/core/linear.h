@@ -2,7 +2,8 @@
 // fused cuBLASLt epilogue and plain GEMM + this library's elementwise kernel.
 //   forward:  out[B,N] = act(input[B,K] @ weight[N,K]^T + bias[N]), pre_act saved on request
 //   wgrad:    d_weight[N,K] = d_output[B,N]^T @ input[B,K], d_bias[N] = sum_b d_output
-//   dgrad:    d_input[B,K] = (d_output[B,N] @ weight[N,K]) * act'(pre_act[B,K]), d_bias[K]
+//   dgrad:    d_input[B,K] = (d_output[B,N] @ weight[N,K]) * act'(pre_act[B,K]), d_bias[K],
+//             act(pre_act) on request
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +51,9 @@ struct DgradArgs {
   Activation activation = Activation::kNone;
   void* d_input = nullptr;
   void* d_bias = nullptr;  // may be null
+  // may be null; gelu_approx / sqrelu only: act(pre_act) [batch, in_features], bit-identical to
+  // the forward's activation output, written by the pass that reads pre_act anyway
+  void* act_out = nullptr;
   int heuristic = kHeuristicAuto;
 };
 

@@ -96,7 +96,7 @@ void check_wgrad(const at::Tensor& input, const at::Tensor& d_output) {
 
 ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
                                       const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                      int64_t heuristic) {
+                                      int64_t heuristic, bool return_act_out) {
   constexpr const char* op = "fused_dense::act_linear_dgrad";
   check_matrix(op, "weight", weight);
   check_float(op, "weight", weight);
@@ -106,6 +106,9 @@ ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor
               weight.size(0), " (out_features), got d_output shape ", d_output.sizes());
   const ActivationCode act = check_activation(op, activation);
   check_heuristic(op, heuristic);
+  TORCH_CHECK_VALUE(!return_act_out || act == ActivationCode::kGeluTanh || act == ActivationCode::kSquaredRelu, op,
+                    ": return_act_out=True needs activation 1 (gelu_approx) or 3 (sqrelu), whose pre_act holds "
+                    "the pre-activation values, got activation ", activation, " (", activation_name(activation), ")");
   const int64_t B = d_output.size(0), K = weight.size(1);
   const bool has_pre = pre_act.has_value() && pre_act->defined();
   if (act == ActivationCode::kNone) {

@@ -125,18 +125,19 @@ std::vector<at::Tensor> linear_bias_wgrad_cuda(const at::Tensor& input, const at
 
 std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at::Tensor& d_output,
                                               const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                              bool has_d_bias, int64_t heuristic) {
+                                              bool has_d_bias, int64_t heuristic, bool return_act_out) {
   if (weight.scalar_type() == at::kDouble)
-    return act_linear_dgrad_reference(weight, d_output, pre_act, activation, has_d_bias, heuristic);
-  const ActivationCode act = check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
+    return act_linear_dgrad_reference(weight, d_output, pre_act, activation, has_d_bias, heuristic, return_act_out);
+  const ActivationCode act = check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic, return_act_out);
   check_cuda_dims("fused_dense::act_linear_dgrad", {{"batch (d_output.size(0))", d_output.size(0)},
                                                     {"in_features", weight.size(1)},
                                                     {"out_features", weight.size(0)}});
   c10::cuda::CUDAGuard guard(weight.device());
   const int64_t B = d_output.size(0), K = weight.size(1);
   auto d_input = at::empty({B, K}, weight.options());
-  at::Tensor d_bias;
+  at::Tensor d_bias, act_out;
   if (has_d_bias) d_bias = at::empty({K}, weight.options());
+  if (return_act_out) act_out = at::empty({B, K}, weight.options());
 
   core::DgradArgs args;
   args.batch = B, args.in_features = K, args.out_features = weight.size(0);
@@ -146,13 +147,16 @@ std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at
   args.activation = act;
   args.d_input = d_input.data_ptr();
   args.d_bias = has_d_bias ? d_bias.data_ptr() : nullptr;
+  args.act_out = return_act_out ? act_out.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
     auto ws = allocate_workspace(weight, core::dgrad_workspace_bytes(weight.get_device(), args));
     core::act_linear_dgrad(make_context(weight, ws), args);
   });
-  if (!has_d_bias) return {d_input};
-  return {d_input, d_bias};
+  std::vector<at::Tensor> out{d_input};
+  if (has_d_bias) out.push_back(d_bias);
+  if (return_act_out) out.push_back(act_out);
+  return out;
 }
 
 at::Tensor act_forward_cuda(const at::Tensor& pre_act, int64_t activation) {

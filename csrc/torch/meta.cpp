@@ -26,11 +26,12 @@ std::vector<at::Tensor> linear_bias_wgrad_meta(const at::Tensor& input, const at
 
 std::vector<at::Tensor> act_linear_dgrad_meta(const at::Tensor& weight, const at::Tensor& d_output,
                                               const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                              bool has_d_bias, int64_t heuristic) {
-  check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
-  auto d_input = at::empty({d_output.size(0), weight.size(1)}, weight.options());
-  if (!has_d_bias) return {d_input};
-  return {d_input, at::empty({weight.size(1)}, weight.options())};
+                                              bool has_d_bias, int64_t heuristic, bool return_act_out) {
+  check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic, return_act_out);
+  std::vector<at::Tensor> out{at::empty({d_output.size(0), weight.size(1)}, weight.options())};
+  if (has_d_bias) out.push_back(at::empty({weight.size(1)}, weight.options()));
+  if (return_act_out) out.push_back(at::empty({d_output.size(0), weight.size(1)}, weight.options()));
+  return out;
 }
 
 at::Tensor act_forward_meta(const at::Tensor& pre_act, int64_t activation) {

@@ -32,8 +32,9 @@ std::vector<at::Tensor> linear_act(const at::Tensor& input, const at::Tensor& we
 
 std::vector<at::Tensor> act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
                                          const at::Tensor& pre_act, int64_t activation, bool has_d_bias,
-                                         int64_t heuristic) {
-  return op_calls::act_linear_dgrad(weight, d_output, opt(pre_act), activation, has_d_bias, heuristic);
+                                         int64_t heuristic, bool return_act_out = false) {
+  return op_calls::act_linear_dgrad(weight, d_output, opt(pre_act), activation, has_d_bias, heuristic,
+                                    return_act_out);
 }
 
 using op_calls::act_forward;
@@ -131,13 +132,20 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
     const int64_t heuristic = ctx->saved_data["heuristic"].toInt();
     const at::Tensor g = grad_outputs[0].contiguous();
 
-    at::Tensor grad_x, grad_w1, grad_b1, grad_w2, grad_b2;
+    at::Tensor grad_x, grad_w1, grad_b1, grad_w2, grad_b2, d_pre;
     if (recompute_fc1) {
       auto fc1 = linear_act(x, weight1, bias1, activation, need_d_pre, heuristic);
       act_out = fc1[0];
       if (need_d_pre) pre_act = fc1[1];
     } else if (!act_out.defined() && need_w2) {  // level 1: rebuild act(pre_act)
-      act_out = act_forward(pre_act, activation);
+      if (need_d_pre) {  // in the activation-backward pass, which reads pre_act anyway
+        auto d = act_linear_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, true);
+        d_pre = d[0];
+        if (need_b1) grad_b1 = d[1];
+        act_out = d.back();
+      } else {
+        act_out = act_forward(pre_act, activation);
+      }
     }
     if (need_w2) {
       auto w = linear_bias_wgrad(act_out, g, need_b2);
@@ -147,9 +155,11 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
       grad_b2 = bias_grad(g);
     }
     if (need_d_pre) {
-      auto d = act_linear_dgrad(weight2, g, pre_act, activation, need_b1, heuristic);
-      const at::Tensor d_pre = d[0];
-      if (need_b1) grad_b1 = d[1];
+      if (!d_pre.defined()) {
+        auto d = act_linear_dgrad(weight2, g, pre_act, activation, need_b1, heuristic);
+        d_pre = d[0];
+        if (need_b1) grad_b1 = d[1];
+      }
       if (need_x) grad_x = act_linear_dgrad(weight1, d_pre, at::Tensor(), kNone, false, kHeuristicAuto)[0];
       if (need_w1) grad_w1 = linear_bias_wgrad(x, d_pre, false)[0];
     }

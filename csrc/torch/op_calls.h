@@ -21,11 +21,11 @@ inline std::vector<at::Tensor> linear_act(const at::Tensor& input, const at::Ten
 
 inline std::vector<at::Tensor> act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
                                                 const OptTensor& pre_act, int64_t activation, bool has_d_bias,
-                                                int64_t heuristic) {
+                                                int64_t heuristic, bool return_act_out) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::act_linear_dgrad", "")
                        .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t,
-                                                      bool, int64_t)>();
-  return op.call(weight, d_output, pre_act, activation, has_d_bias, heuristic);
+                                                      bool, int64_t, bool)>();
+  return op.call(weight, d_output, pre_act, activation, has_d_bias, heuristic, return_act_out);
 }
 
 inline std::vector<at::Tensor> linear_bias_wgrad(const at::Tensor& input, const at::Tensor& d_output,

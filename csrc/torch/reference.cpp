@@ -73,9 +73,10 @@ std::vector<at::Tensor> linear_bias_wgrad_reference(const at::Tensor& input, con
 
 std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, const at::Tensor& d_output,
                                                    const std::optional<at::Tensor>& pre_act,
-                                                   int64_t activation, bool has_d_bias, int64_t heuristic) {
+                                                   int64_t activation, bool has_d_bias, int64_t heuristic,
+                                                   bool return_act_out) {
   NoAutocast no_autocast;
-  const ActivationCode act = check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
+  const ActivationCode act = check_act_linear_dgrad(weight, d_output, pre_act, activation, heuristic, return_act_out);
   const auto dtype = weight.scalar_type();
   const auto mt = math_type(dtype);
   auto d_act = at::matmul(d_output.to(mt), weight.to(mt)).to(dtype).to(mt);  // rounded GEMM result
@@ -86,9 +87,10 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
     case ActivationCode::kRelu: d_pre = d_act * unpack_mask(*pre_act, weight.size(1)).to(mt); break;
     case ActivationCode::kSquaredRelu: d_pre = d_act * 2 * at::relu(pre_act->to(mt)); break;
   }
-  auto d_input = d_pre.to(dtype).contiguous();
-  if (!has_d_bias) return {d_input};
-  return {d_input, d_input.to(mt).sum(0).to(dtype)};
+  std::vector<at::Tensor> out{d_pre.to(dtype).contiguous()};
+  if (has_d_bias) out.push_back(out[0].to(mt).sum(0).to(dtype));
+  if (return_act_out) out.push_back(act_forward_reference(*pre_act, activation));
+  return out;
 }
 
 at::Tensor act_forward_reference(const at::Tensor& pre_act, int64_t activation) {

@@ -27,7 +27,7 @@ ActivationCode check_linear_act(const at::Tensor& input, const at::Tensor& weigh
 void check_wgrad(const at::Tensor& input, const at::Tensor& d_output);
 ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
                                       const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                      int64_t heuristic);
+                                      int64_t heuristic, bool return_act_out);
 ActivationCode check_act_forward(const at::Tensor& pre_act, int64_t activation);
 
 // Output allocation shared by Meta and the real kernels.
@@ -42,7 +42,8 @@ std::vector<at::Tensor> linear_bias_wgrad_reference(const at::Tensor& input, con
                                                     bool has_d_bias);
 std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, const at::Tensor& d_output,
                                                    const std::optional<at::Tensor>& pre_act,
-                                                   int64_t activation, bool has_d_bias, int64_t heuristic);
+                                                   int64_t activation, bool has_d_bias, int64_t heuristic,
+                                                   bool return_act_out);
 at::Tensor act_forward_reference(const at::Tensor& pre_act, int64_t activation);
 
 }  // namespace fused_dense

@@ -10,8 +10,10 @@ TORCH_LIBRARY(fused_dense, m) {
   // heuristic: -2 auto, -1 unfused, >= 0 index into cuBLASLt's algorithm list.
   m.def("linear_act(Tensor input, Tensor weight, Tensor? bias, int activation, bool save_pre_act, "
         "int heuristic) -> Tensor[]");
+  // return_act_out (gelu_approx, sqrelu): act(pre_act) appended to the results, made by the pass
+  // that reads pre_act anyway (checkpoint level 1's recompute).
   m.def("act_linear_dgrad(Tensor weight, Tensor d_output, Tensor? pre_act, int activation, "
-        "bool has_d_bias, int heuristic) -> Tensor[]");
+        "bool has_d_bias, int heuristic, bool return_act_out=False) -> Tensor[]");
   m.def("linear_bias_wgrad(Tensor input, Tensor d_output, bool has_d_bias) -> Tensor[]");
   m.def("act_forward(Tensor pre_act, int activation) -> Tensor");
   // fc2(act(fc1(x))) for 2-D x with a C++ derivative (mlp_autograd.cpp); activation 1, 2 or 3;
@@ -40,7 +42,7 @@ std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, co
                                                     const at::Tensor& pre_act, bool is_gelu,
                                                     int64_t heuristic) {
   const auto act = is_gelu ? ActivationCode::kGeluTanh : ActivationCode::kRelu;
-  return op_calls::act_linear_dgrad(weight, d_output, pre_act, static_cast<int64_t>(act), true, heuristic);
+  return op_calls::act_linear_dgrad(weight, d_output, pre_act, static_cast<int64_t>(act), true, heuristic, false);
 }
 
 }  // namespace

@@ -460,6 +460,46 @@ void test_backward(DType d, Activation a, int64_t rows, int64_t cols, bool use_b
   }
 }
 
+// The backward's act_out (checkpoint level 1 rebuilds act(pre) in the pass that reads pre): must
+// equal bias_act_forward's output for the same pre bit for bit, and leave grad_in and the bias
+// gradient bit-identical to a call without it.
+void test_backward_act_out(DType d, Activation a, int64_t rows, int64_t cols, bool use_bias_grad, bool misalign,
+                           uint64_t seed) {
+  const std::string name = case_name("backward_act_out", d, a, rows, cols,
+                                     std::string(use_bias_grad ? ",bias_grad" : "") + (misalign ? ",misaligned" : ""));
+  g_current = name;
+  const size_t es = esize(d);
+  const size_t n = static_cast<size_t>(rows) * cols;
+  Rng rng(seed);
+  std::vector<uint8_t> hg(n * es), hp(n * es);
+  for (size_t i = 0; i < n; ++i) put(d, hg, i, rng.uniform(-2.f, 2.f));
+  for (size_t i = 0; i < n; ++i) put(d, hp, i, rng.uniform(-4.f, 4.f));
+  const size_t off = misalign ? es : 0;
+  DevBuf dg(n * es, off), dp(n * es, off), fwd(n * es, off), gi_ref(n * es, off), gi(n * es, off), ao(n * es, off),
+      bg_ref(use_bias_grad ? cols * es : 0, off), bg(use_bias_grad ? cols * es : 0, off);
+  dg.upload(hg);
+  dp.upload(hp);
+  for (DevBuf* b : {&fwd, &gi_ref, &gi, &ao, &bg_ref, &bg}) b->poison();
+  const size_t ws_bytes = use_bias_grad ? reduction_workspace_bytes(rows, cols) : 0;
+  DevBuf ws(std::max<size_t>(ws_bytes, 4), 0);
+  try {
+    bias_act_forward(d, a, dp.ptr, nullptr, fwd.ptr, nullptr, rows, cols, nullptr);
+    act_backward_bias_grad(d, a, dg.ptr, dp.ptr, gi_ref.ptr, use_bias_grad ? bg_ref.ptr : nullptr, rows, cols,
+                           use_bias_grad ? ws.ptr : nullptr, ws_bytes, nullptr);
+    act_backward_bias_grad(d, a, dg.ptr, dp.ptr, gi.ptr, use_bias_grad ? bg.ptr : nullptr, rows, cols,
+                           use_bias_grad ? ws.ptr : nullptr, ws_bytes, nullptr, ao.ptr);
+    CK(cudaDeviceSynchronize());
+  } catch (const std::exception& e) {
+    record(false, name, std::string("threw: ") + e.what());
+    return;
+  }
+  std::string detail;
+  if (ao.download() != fwd.download()) detail = "act_out differs from bias_act_forward's output";
+  else if (gi.download() != gi_ref.download()) detail = "grad_in differs from the call without act_out";
+  else if (use_bias_grad && bg.download() != bg_ref.download()) detail = "bias_grad differs from the call without act_out";
+  record(detail.empty(), name, detail);
+}
+
 // ----------------------------------------------------------------------------------------------
 // Error paths.
 
@@ -509,6 +549,14 @@ void test_errors() {
   expect_throw("error/null pre_act for gelu backward", [&] {
     act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, c.ptr, nullptr, 4, 64, nullptr, 0,
                            nullptr);
+  });
+  expect_throw("error/act_out with a relu mask", [&] {
+    act_backward_bias_grad(DType::kFloat16, Activation::kRelu, a.ptr, b.ptr, c.ptr, nullptr, 4, 64, nullptr, 0,
+                           nullptr, c.ptr + 1024);
+  });
+  expect_throw("error/act_out overlaps grad_in", [&] {
+    act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, nullptr, 4, 64, nullptr, 0,
+                           nullptr, c.ptr + 64);
   });
   // Empty problems are legal no-ops.
   bool ok = true;
@@ -571,7 +619,8 @@ void test_errors() {
 //   300 x 600   vector paths, 44-88 blocks, 5 / 2 / 1 row chunks (workspace preferred / half /
 //               minimal), 3 column tiles (last partial), misaligned scalar column sum
 // Per dtype x activation: 35 entry-point calls (13 forward, 22 backward, G and H counted twice),
-// each recorded as one case: 420 in all, plus the 11 host-side cases of test_errors.
+// each recorded as one case: 420 in all; plus 24 act_out cases (dtype x {gelu, sqrelu} x 4, see
+// run_sanitize_cases) and the 13 host-side cases of test_errors.
 struct SanitizeShape {
   int64_t rows, cols;
   const char* fwd;
@@ -622,6 +671,14 @@ void run_sanitize_cases(uint64_t& seed) {
             record(false, case_name("sanitize/backward", d, a, r, c, std::string(",variant=") + *v), "ran no case");
         }
       }
+  // act_out: flat and column-sum kernels, vector and scalar paths, multi-chunk reduction.
+  for (DType d : dtypes)
+    for (Activation a : {Activation::kGeluTanh, Activation::kSquaredRelu}) {
+      test_backward_act_out(d, a, 7, 13, false, false, ++seed);
+      test_backward_act_out(d, a, 33, 64, true, true, ++seed);
+      test_backward_act_out(d, a, 300, 600, true, false, ++seed);
+      test_backward_act_out(d, a, 300, 600, false, false, ++seed);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -632,7 +689,8 @@ void bench() {
   const size_t n = static_cast<size_t>(rows) * cols;
   for (DType d : {DType::kBFloat16, DType::kFloat32}) {
     const size_t es = esize(d);
-    DevBuf x(n * es, 0), out(n * es, 0), pre(n * es, 0), mask(n / 8, 0), bias(cols * es, 0), bg(cols * es, 0);
+    DevBuf x(n * es, 0), out(n * es, 0), pre(n * es, 0), mask(n / 8, 0), bias(cols * es, 0), bg(cols * es, 0),
+        ao(n * es, 0);
     CK(cudaMemset(x.ptr, 0x3c, n * es));
     CK(cudaMemset(bias.ptr, 0x3c, cols * es));
     CK(cudaMemset(pre.ptr, 0x3c, n * es));
@@ -669,6 +727,9 @@ void bench() {
     timeit("fwd gelu +bias, in place", 2 * m, [&] {
       bias_act_forward(d, Activation::kGeluTanh, out.ptr, bias.ptr, out.ptr, nullptr, rows, cols, nullptr);
     });
+    timeit("fwd gelu, in place (unfused path: bias in the GEMM)", 2 * m, [&] {
+      bias_act_forward(d, Activation::kGeluTanh, out.ptr, nullptr, out.ptr, nullptr, rows, cols, nullptr);
+    });
     timeit("fwd relu +bias +mask", 2 * m + n / 8.0, [&] {
       bias_act_forward(d, Activation::kRelu, x.ptr, bias.ptr, out.ptr, mask.ptr, rows, cols, nullptr);
     });
@@ -682,6 +743,10 @@ void bench() {
     timeit("bwd gelu +bias_grad", 3 * m, [&] {
       act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
                              nullptr);
+    });
+    timeit("bwd gelu +bias_grad +act_out (level-1 rebuild)", 4 * m, [&] {
+      act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
+                             nullptr, ao.ptr);
     });
     timeit("bwd relu(mask) +bias_grad", 2 * m + n / 8.0, [&] {
       act_backward_bias_grad(d, Activation::kRelu, x.ptr, mask.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
@@ -746,6 +811,9 @@ int main(int argc, char** argv) {
                     if (!bg && ws != Ws::kPreferred) continue;
                     test_backward(d, a, rows, cols, bg, inplace, mis, ws, ++seed);
                   }
+            if (a == Activation::kGeluTanh || a == Activation::kSquaredRelu)
+              for (int bg = 0; bg < 2; ++bg)
+                for (int mis = 0; mis < 2; ++mis) test_backward_act_out(d, a, rows, cols, bg, mis, ++seed);
           }
 
     if (!quick) {
