@@ -11,11 +11,14 @@ produces d_pre = (dY @ W2) * gelu'(pre), db1 and dW1:
 A probe for issue #5, not part of bench/run.py: it prints one line per shape and variant.
 """
 import argparse
+import os
+import sys
 
 import torch
 import triton.testing
 
-import fused_dense  # noqa: F401  (loads the ops)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fused_dense  # noqa: E402,F401  (loads the ops)
 
 OPS = torch.ops.fused_dense
 

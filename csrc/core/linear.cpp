@@ -268,8 +268,10 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
   };
   // Rule without measurement: unfused. On the H200 DGELU_BGRAD measured slower than GEMM + one
   // elementwise pass at every shape of ../shared/BASELINES.md (0.158 vs 0.124 ms at 8192x1024x4096).
+  // act_out is not part of the key: a call with it takes the choice of the call without it, so
+  // checkpoint level 1 computes the same gradients as level 0, bit for bit.
   dispatch(a.heuristic, fused_possible, fused, plain, Choice{false, 0}, ctx,
-           tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, a.act_out != nullptr),
+           tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
            [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
 }
 
