@@ -629,3 +629,35 @@ def test_mlp_cuda_memory(activation, checkpoint_lvl):
     # cuBLASLt workspace (32 MiB on Hopper).
     assert peak <= held + rows * hidden * 2 + (32 << 20) + (1 << 20)
     out.sum().backward()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("activation", ["gelu_approx", "sqrelu", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_mlp_checkpoint_levels_bit_identical(dtype, activation, path):
+    """Level 1 rebuilds act(fc1(x)) inside the activation-backward pass with level 0's GEMM
+    choices: its output and every gradient equal level 0's bit for bit, 'auto' included. Level 2
+    runs fc1's forward without saving the pre-activation, a problem 'auto' may solve with another
+    algorithm: equal within the fp16/bf16 tolerance."""
+    torch.manual_seed(0)
+    x0 = torch.randn(384, 192, dtype=dtype, device="cuda")
+    w1, b1, w2, b2 = make_params([(768, 192), (160, 768)], dtype, "cuda")
+    dy = torch.randn(384, 160, dtype=dtype, device="cuda")
+    results = []
+    for lvl in (0, 1, 2):
+        x = x0.clone().requires_grad_()
+        for p in (w1, b1, w2, b2):
+            p.grad = None
+        if path == "native":
+            out = fused_mlp_func(x, w1, w2, b1, b2, activation=activation, checkpoint_lvl=lvl, heuristic="auto")
+        else:
+            out = FusedMLPFunc.apply(x, w1, b1, w2, b2, activation, True, False, lvl, "auto")
+        out.backward(dy)
+        results.append([out.detach(), x.grad, w1.grad, b1.grad, w2.grad, b2.grad])
+    names = ["out", "dx", "dw1", "db1", "dw2", "db2"]
+    for name, a, b, c in zip(names, *results):
+        ctx = f"{activation} {dtype} {path}: {name}"
+        assert torch.isfinite(a).all(), f"{ctx} at level 0 not finite"
+        assert torch.equal(a, b), f"{ctx} at level 1 differs from level 0"
+        assert_close_rel(c, a, dtype, f"{ctx} at level 2 against level 0")
