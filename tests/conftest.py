@@ -49,6 +49,14 @@ def assert_close_rel(out, ref, dtype=None, what="output", tol=None):
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (dtype {dtype}, shape {tuple(out.shape)})"
 
 
+# Tests that need PyTorch's caching allocator: CUDA graph capture allocates from its private pool,
+# and torch.cuda.memory_allocated() counts only its blocks. compute-sanitizer memcheck / initcheck
+# run with it off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every allocation has its exact size).
+needs_caching_allocator = pytest.mark.skipif(
+    os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
+    reason="needs PyTorch's CUDA caching allocator (off: PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
+
+
 def poison(t):
     """Fills t in place with NaN (floating) or all-ones bytes (integer / bool); returns t."""
     with torch.no_grad():

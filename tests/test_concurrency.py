@@ -3,14 +3,13 @@
 The workspace comes from PyTorch's stream-aware caching allocator per call, and the plan and
 tuning caches are mutex-protected; these tests check the results stay right when calls overlap.
 """
-import os
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TOL, rel_err
+from conftest import TOL, needs_caching_allocator, rel_err
 from fused_dense import FusedMLP
 
 pytestmark = pytest.mark.cuda
@@ -22,11 +21,9 @@ def reference_mlp(m, x):
     return F.linear(h, m.fc2.weight.double(), m.fc2.bias.double())
 
 
-# Capture allocates from the caching allocator's private pool; with the allocator off (as under
-# compute-sanitizer memcheck / initcheck) the capture's cudaMalloc is illegal and breaks the
-# process's RNG state for every later test.
-@pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
-                    reason="CUDA graph capture needs PyTorch's caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
+# Without the caching allocator the capture's cudaMalloc is illegal and breaks the process's RNG
+# state for every later test.
+@needs_caching_allocator
 def test_fused_mlp_cuda_graph_replay():
     m = FusedMLP(512, 2048, device="cuda", dtype=torch.bfloat16)
     static_x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -15,7 +15,7 @@ import fused_dense
 from fused_dense import functional as FF
 from fused_dense.functional import FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_mlp_func
 
-from conftest import assert_close_rel
+from conftest import assert_close_rel, needs_caching_allocator
 
 ACTIVATIONS = ["gelu_approx", "relu", "sqrelu"]
 HEURISTICS = ["auto", -1, 0]
@@ -603,6 +603,7 @@ def test_mlp_autocast_cuda_fp16(activation):
 
 
 @pytest.mark.cuda
+@needs_caching_allocator
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("checkpoint_lvl", [0, 1, 2])
 def test_mlp_cuda_memory(activation, checkpoint_lvl):
@@ -639,7 +640,9 @@ def test_cuda_mlp_checkpoint_levels_bit_identical(dtype, activation, path):
     """Level 1 rebuilds act(fc1(x)) inside the activation-backward pass with level 0's GEMM
     choices: its output and every gradient equal level 0's bit for bit, 'auto' included. Level 2
     runs fc1's forward without saving the pre-activation, a problem 'auto' may solve with another
-    algorithm: equal within the fp16/bf16 tolerance."""
+    algorithm: equal within the fp16/bf16 tolerance. One exception: with GELU, level 0 keeps the
+    activation output the forward's GEMM epilogue may have computed (cuBLASLt's GELU), while level 1
+    rebuilds it with fused_dense's kernel, so fc2's weight gradient is equal within tolerance."""
     torch.manual_seed(0)
     x0 = torch.randn(384, 192, dtype=dtype, device="cuda")
     w1, b1, w2, b2 = make_params([(768, 192), (160, 768)], dtype, "cuda")
@@ -659,5 +662,8 @@ def test_cuda_mlp_checkpoint_levels_bit_identical(dtype, activation, path):
     for name, a, b, c in zip(names, *results):
         ctx = f"{activation} {dtype} {path}: {name}"
         assert torch.isfinite(a).all(), f"{ctx} at level 0 not finite"
-        assert torch.equal(a, b), f"{ctx} at level 1 differs from level 0"
+        if activation == "gelu_approx" and name == "dw2":
+            assert_close_rel(b, a, dtype, f"{ctx} at level 1 against level 0")
+        else:
+            assert torch.equal(a, b), f"{ctx} at level 1 differs from level 0"
         assert_close_rel(c, a, dtype, f"{ctx} at level 2 against level 0")

@@ -14,7 +14,7 @@ from torch import nn
 
 from fused_dense import FusedDense, FusedMLP
 
-from conftest import assert_close_rel
+from conftest import assert_close_rel, needs_caching_allocator
 
 ACTIVATIONS = ["gelu_approx", "relu", "sqrelu"]
 
@@ -319,6 +319,7 @@ def test_fused_mlp_autocast_cuda_fp16(activation):
 
 
 @pytest.mark.cuda
+@needs_caching_allocator
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_fused_mlp_eval_cuda_memory(activation):
     m = FusedMLP(1024, activation=activation, device="cuda", dtype=torch.bfloat16).eval()
