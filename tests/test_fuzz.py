@@ -79,12 +79,47 @@ def check_case(device, dtype, lead, in_f, hidden, out_f, bias1, bias2, activatio
     ref = F.linear(act64, w2_64, b2_64)
     (ref * g.to(torch.float64)).sum().backward()
     tol = TOL[dtype] * 2  # two chained GEMMs of 16-bit rounding in every gradient
-    worst = rel_err(out, ref)
-    for t, r in zip((x, w1, b1, w2, b2), leaves):
-        if t is not None:
-            worst = max(worst, rel_err(t.grad, r.grad))
-    assert worst <= tol, f"relative error {worst:.3e} > {tol:.1e}"
+    floors = rounding_scales(x64, w1_64, b1_64, w2_64, b2_64, pre64, act64, g.to(torch.float64), activation)
+    worst, worst_name = 0.0, ""
+    for name, t, r in [("out", out, ref)] + [(n, t.grad, r.grad) for n, t, r in
+                                             zip(("dx", "dw1", "db1", "dw2", "db2"), (x, w1, b1, w2, b2), leaves)
+                                             if t is not None]:
+        diff = (t.detach().to(torch.float64) - r.detach()).norm().item()
+        err = diff / max(r.norm().item(), floors[name], 1e-300)
+        if err > worst:
+            worst, worst_name = err, name
+    assert worst <= tol, f"relative error of {worst_name} {worst:.3e} > {tol:.1e}"
     OUTCOMES["matched reference"] += 1
+
+
+def rounding_scales(x, w1, b1, w2, b2, pre, act, g, activation):
+    """Per result, the norm of the root-sum-square of the terms each element sums.
+
+    Rounding the terms of a sum to 16 bits moves it by about u times the root-sum-square of its
+    terms, whatever their signs. For sums of random-sign terms that is the size of the sum
+    itself, so using it as a floor under ||ref|| leaves the usual check unchanged; it matters only
+    where the terms cancel (seen: bf16, one row, out_features 1, where the single output was far
+    smaller than its terms and the relative error reached 0.29 with every term rounded right).
+    """
+    with torch.no_grad():
+        if activation == "relu":
+            d_act = (act != 0).to(torch.float64)
+        else:
+            p = pre.detach().requires_grad_()
+            with torch.enable_grad():
+                d_act, = torch.autograd.grad(ref_act(p, activation).sum(), p)
+        sq = torch.square
+        rss_out = sq(act) @ sq(w2).T + (0 if b2 is None else sq(b2))
+        rss_dpre = (sq(g) @ sq(w2)) * sq(d_act)  # squared scale of each element of d(pre)
+        scales = {
+            "out": rss_out,
+            "dx": rss_dpre @ sq(w1),
+            "dw1": rss_dpre.reshape(-1, rss_dpre.shape[-1]).T @ sq(x).reshape(-1, x.shape[-1]),
+            "db1": rss_dpre.reshape(-1, rss_dpre.shape[-1]).sum(0),
+            "dw2": sq(g).reshape(-1, g.shape[-1]).T @ sq(act).reshape(-1, act.shape[-1]),
+            "db2": sq(g).reshape(-1, g.shape[-1]).sum(0),
+        }
+        return {k: v.sqrt().norm().item() for k, v in scales.items()}
 
 
 common = dict(
