@@ -456,8 +456,8 @@ struct PreLoad {
   // act(pre) for V elements, bit-identical to bias_act_kernel's output for the same pre (GELU,
   // squared ReLU): checkpoint level 1 rebuilds the activation output in the backward pass that
   // reads pre_act anyway. The compiler does not share the sigmoid with apply's derivative (the
-  // PTX has twice the ex2 / rcp of the kernel without act_out), which is why the bf16 GELU kernel
-  // with act_out reaches 76% of copy bandwidth, not the ~90% of the others.
+  // PTX has twice the ex2 / rcp of the kernel without act_out), the likely reason the bf16 GELU
+  // kernel with act_out reaches 76% of copy bandwidth, not the ~90% of the others.
   __device__ __forceinline__ void activation(Pack<T, V>& out) const {
     static_assert(A == Activation::kGeluTanh || A == Activation::kSquaredRelu, "act(pre) needs a dtype pre_act");
     float p[V];
