@@ -105,6 +105,12 @@ if want sanitize; then
   read -r -a tools <<<"${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
   read -r -a suite <<<"${SANITIZE_TESTS:-tests --ignore=tests/test_large.py --ignore=tests/test_parallel.py --ignore=tests/test_example.py}"
   export FUSED_DENSE_FUZZ_CUDA_EXAMPLES=${SANITIZE_FUZZ_EXAMPLES:-25}
+  # 'auto' measures its candidates the first time it meets a problem shape: up to ~170 GEMM
+  # launches (a warm-up of up to 100 runs, then 3 rounds over up to 12 candidates) where a fixed
+  # heuristic makes one, and under the tools every launch is instrumented. Sanitized runs take the
+  # rule's choice instead (the same cuBLASLt kernels the fixed-heuristic tests run); sessions 3
+  # and 4 ran memcheck with measuring on (0 reports). SANITIZE_TUNING=1 turns it back on.
+  export FUSED_DENSE_TUNING=${SANITIZE_TUNING:-0}
   # SANITIZE_PER_FUNCTION=N: N parametrizations of each test function (every test body, far fewer runs)
   [ -n "${SANITIZE_PER_FUNCTION:-}" ] && export FUSED_DENSE_TEST_PER_FUNCTION=$SANITIZE_PER_FUNCTION
   ngpu=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
@@ -136,7 +142,8 @@ if want sanitize; then
     k_var="SANITIZE_SELECT_$tool"; select=(); [ -n "${!k_var:-}" ] && select=(-k "${!k_var}")
     for ((s = 0; s < n; s++)); do
       FUSED_DENSE_TEST_SHARD="$s/$n" sanitized "$tool" "$gpu" "suite$s" -- \
-        python -m pytest -m cuda -v -p no:cacheprovider "${select[@]}" ${SANITIZE_PYTEST_ARGS:-} "${suite[@]}"
+        python -m pytest -m cuda -v --durations=15 -p no:cacheprovider "${select[@]}" ${SANITIZE_PYTEST_ARGS:-} \
+        "${suite[@]}"
     done
     sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1
     case $tool in
