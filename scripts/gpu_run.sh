@@ -2,7 +2,11 @@
 # One call on the GPU machine: install (or reuse a prebuilt extension), run the CUDA tests, the
 # native elementwise test, and optionally the benchmark. Logs and JSON land in $OUT.
 #
-#   bash scripts/gpu_run.sh [tests] [native] [bench] [parallel] [sanitize]   (default: tests native)
+#   bash scripts/gpu_run.sh [tests] [native] [bench] [ab] [parallel] [sanitize]   (default: tests native)
+#
+# ab: the same benchmark sections twice in one call, first with this tree's extension, then with
+# .prebuilt_branch/_C*.so (another branch's build of the extension, made here and carried), each
+# run tuning afresh with its choices printed; AB_BENCH_ARGS replaces the default sections.
 #
 # parallel (needs >= 2 GPUs): the tensor-parallel tests with NCCL, bench/parallel_mlp.py and the
 # torchrun GPT example, on every visible GPU. sanitize: compute-sanitizer memcheck / racecheck /
@@ -55,6 +59,23 @@ if want native; then
   stamp "native elementwise bandwidth (--bench-only)"
   /tmp/test_elementwise --bench-only 2>&1 | tee "$OUT/native_bench.log" | grep "^bench"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if want ab; then
+  if ! ls .prebuilt_branch/_C*.so >/dev/null 2>&1; then
+    echo "ab: no .prebuilt_branch/_C*.so (build the other branch's extension here and carry .prebuilt_branch)"
+    rc=1
+  else
+    mkdir -p /tmp/ab_main_ext && cp fused_dense/_C*.so /tmp/ab_main_ext/
+    for variant in main branch; do
+      if [ "$variant" = branch ]; then rm -f fused_dense/_C*.so && cp .prebuilt_branch/_C*.so fused_dense/; fi
+      stamp "A/B benchmark, $variant extension"
+      FUSED_DENSE_TUNING_VERBOSE=1 python bench/run.py --out "$OUT/ab_$variant" \
+        ${AB_BENCH_ARGS:---sections mlp,ops --no-compile --no-accuracy} >"$OUT/ab_$variant.log" 2>&1 || rc=1
+      grep -A20 "^## Targets" "$OUT/ab_$variant/bench.md"
+    done
+    rm -f fused_dense/_C*.so && cp /tmp/ab_main_ext/_C*.so fused_dense/
+  fi
 fi
 
 if want bench; then
