@@ -450,7 +450,7 @@ class FusedMLPFunc(torch.autograd.Function):
         gather = process_group is not None and ctx.sequence_parallel
         grad_output = grad_output.contiguous()
         g = _as_2d(grad_output)
-        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = d_pre = None
+        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
 
         handle_x = None
         total_x = x
@@ -461,20 +461,22 @@ class FusedMLPFunc(torch.autograd.Function):
             handle_x = None
             act_out, pre_act = _linear_act(_as_2d(total_x), weight1, bias1, activation, need_d_pre, heuristic,
                                            use_ops)
-        elif act_out is None and need_w2:  # level 1: rebuild act(pre_act)
-            if need_d_pre:  # in the activation-backward pass, which reads pre_act anyway
-                d_pre, grad_b1, act_out = _act_dgrad_act_out(weight2, g, pre_act, activation, need_b1, heuristic,
-                                                             use_ops)
-            else:
-                act_out = _act_forward(pre_act, activation, use_ops)
+        # Level 1 rebuilds act(pre_act) for fc2's weight gradient; with a gradient through the
+        # activation, in the activation-backward pass, which reads pre_act anyway.
+        rebuild_act_out = act_out is None and need_w2
+        if need_d_pre and rebuild_act_out:
+            d_pre, grad_b1, act_out = _act_dgrad_act_out(weight2, g, pre_act, activation, need_b1, heuristic,
+                                                         use_ops)
+        elif need_d_pre:
+            d_pre, grad_b1 = _act_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, use_ops)
+        elif rebuild_act_out:
+            act_out = _act_forward(pre_act, activation, use_ops)
 
         if need_w2:
             grad_w2, grad_b2 = _wgrad(act_out, g, need_b2, use_ops)
         elif need_b2:
             grad_b2 = _bias_grad(g)
         if need_d_pre:
-            if d_pre is None:
-                d_pre, grad_b1 = _act_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, use_ops)
             handle_dx = None
             if need_x:
                 grad_x, _ = _act_dgrad(weight1, d_pre, None, "none", False, ops.HEURISTIC_AUTO, use_ops)

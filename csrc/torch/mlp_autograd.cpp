@@ -137,15 +137,17 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
       auto fc1 = linear_act(x, weight1, bias1, activation, need_d_pre, heuristic);
       act_out = fc1[0];
       if (need_d_pre) pre_act = fc1[1];
-    } else if (!act_out.defined() && need_w2) {  // level 1: rebuild act(pre_act)
-      if (need_d_pre) {  // in the activation-backward pass, which reads pre_act anyway
-        auto d = act_linear_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, true);
-        d_pre = d[0];
-        if (need_b1) grad_b1 = d[1];
-        act_out = d.back();
-      } else {
-        act_out = act_forward(pre_act, activation);
-      }
+    }
+    // Level 1 rebuilds act(pre_act) for fc2's weight gradient; with a gradient through the
+    // activation, in the activation-backward pass, which reads pre_act anyway.
+    const bool rebuild_act_out = !act_out.defined() && need_w2;
+    if (need_d_pre) {
+      auto d = act_linear_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, rebuild_act_out);
+      d_pre = d[0];
+      if (need_b1) grad_b1 = d[1];
+      if (rebuild_act_out) act_out = d.back();
+    } else if (rebuild_act_out) {
+      act_out = act_forward(pre_act, activation);
     }
     if (need_w2) {
       auto w = linear_bias_wgrad(act_out, g, need_b2);
@@ -154,15 +156,8 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
     } else if (need_b2) {
       grad_b2 = bias_grad(g);
     }
-    if (need_d_pre) {
-      if (!d_pre.defined()) {
-        auto d = act_linear_dgrad(weight2, g, pre_act, activation, need_b1, heuristic);
-        d_pre = d[0];
-        if (need_b1) grad_b1 = d[1];
-      }
-      if (need_x) grad_x = act_linear_dgrad(weight1, d_pre, at::Tensor(), kNone, false, kHeuristicAuto)[0];
-      if (need_w1) grad_w1 = linear_bias_wgrad(x, d_pre, false)[0];
-    }
+    if (need_x) grad_x = act_linear_dgrad(weight1, d_pre, at::Tensor(), kNone, false, kHeuristicAuto)[0];
+    if (need_w1) grad_w1 = linear_bias_wgrad(x, d_pre, false)[0];
     // one entry per forward argument; an absent bias and the three integers have none
     return {grad_x, grad_w1, grad_b1, grad_w2, grad_b2, at::Tensor(), at::Tensor(), at::Tensor()};
   }
