@@ -185,14 +185,18 @@ __device__ __forceinline__ float act_forward(float p) {
   }
 }
 
-// Derivative of act_forward<A> at p (not used for ReLU, whose backward reads the bit-mask).
+// Derivative of act_forward<A> at p (not used for ReLU, whose backward reads the bit-mask). With
+// `value` non-null, also act_forward<A>(p) itself, by the same expression, so bit-identical, from
+// the same sigmoid: the compiler does not merge two ex2 / rcp inline-asm sequences on its own.
 template <Activation A, bool kFast>
-__device__ __forceinline__ float act_derivative(float p) {
+__device__ __forceinline__ float act_derivative(float p, float* value = nullptr) {
   if constexpr (A == Activation::kNone) {
+    if (value != nullptr) *value = p;
     return 1.f;
   } else if constexpr (A == Activation::kGeluTanh) {
     // d/dp [p * s(p)] with s = sigmoid(2u): s + p * s' and s' = 2 s (1 - s) u'.
     const float s = gelu_sigmoid<kFast>(p);
+    if (value != nullptr) *value = p * s;
     const float s1s = s * (1.f - s);
     // For huge |p| the factor p * u' overflows to inf while s (1 - s) is exactly 0; the
     // limit of the product is 0, not NaN.
@@ -200,9 +204,12 @@ __device__ __forceinline__ float act_derivative(float p) {
         s1s == 0.f ? 0.f : 2.f * p * s1s * (kSqrt2OverPi * fmaf(3.f * kGeluCoeff, p * p, 1.f));
     return s + tail;
   } else if constexpr (A == Activation::kRelu) {
+    if (value != nullptr) *value = relu_f(p);
     return p > 0.f ? 1.f : 0.f;
   } else {
-    return 2.f * relu_f(p);
+    const float r = relu_f(p);
+    if (value != nullptr) *value = r * r;
+    return 2.f * r;
   }
 }
 
@@ -429,8 +436,11 @@ struct PreLoad {
   }
 
   // grad_in for V elements: the dtype values and the same values as float (what the bias
-  // gradient sums).
-  __device__ __forceinline__ void apply(const Pack<T, V>& g, Pack<T, V>& out, float (&vals)[V]) const {
+  // gradient sums). With `act` non-null (GELU, squared ReLU) also act(pre), bit-identical to
+  // bias_act_kernel's output for the same pre: checkpoint level 1 rebuilds the activation output
+  // in the backward pass that reads pre_act anyway.
+  __device__ __forceinline__ void apply(const Pack<T, V>& g, Pack<T, V>& out, float (&vals)[V],
+                                        Pack<T, V>* act = nullptr) const {
     pack_to_floats(vals, g);
     if constexpr (A == Activation::kNone) {
       out = g;
@@ -444,27 +454,14 @@ struct PreLoad {
         vals[j] = keep ? vals[j] : 0.f;
       }
     } else {
-      float p[V];
+      float p[V], a[V];
       pack_to_floats(p, pre);
 #pragma unroll
-      for (int j = 0; j < V; ++j) vals[j] *= act_derivative<A, kPaired<T>>(p[j]);
+      for (int j = 0; j < V; ++j) vals[j] *= act_derivative<A, kPaired<T>>(p[j], act != nullptr ? &a[j] : nullptr);
       floats_to_pack(out, vals);
       pack_to_floats(vals, out);
+      if (act != nullptr) floats_to_pack(*act, a);
     }
-  }
-
-  // act(pre) for V elements, bit-identical to bias_act_kernel's output for the same pre (GELU,
-  // squared ReLU): checkpoint level 1 rebuilds the activation output in the backward pass that
-  // reads pre_act anyway. The compiler does not share the sigmoid with apply's derivative (the
-  // PTX has twice the ex2 / rcp of the kernel without act_out), the likely reason the bf16 GELU
-  // kernel with act_out reaches 76% of copy bandwidth, not the ~90% of the others.
-  __device__ __forceinline__ void activation(Pack<T, V>& out) const {
-    static_assert(A == Activation::kGeluTanh || A == Activation::kSquaredRelu, "act(pre) needs a dtype pre_act");
-    float p[V];
-    pack_to_floats(p, pre);
-#pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = act_forward<A, kPaired<T>>(p[j]);
-    floats_to_pack(out, p);
   }
 };
 
@@ -487,15 +484,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (c[k].idx < plan.total) {
-        Pack<T, V> ov;
+        Pack<T, V> ov, av;
         float vals[V];
-        pl[k].apply(gv[k], ov, vals);
+        pl[k].apply(gv[k], ov, vals, kAct ? &av : nullptr);
         store_pack<T, V>(grad_in + c[k].idx * V, ov);
-        if constexpr (kAct) {
-          Pack<T, V> av;
-          pl[k].activation(av);
-          store_pack<T, V>(act_out + c[k].idx * V, av);
-        }
+        if constexpr (kAct) store_pack<T, V>(act_out + c[k].idx * V, av);
       }
     }
     advance_all(c, plan);
@@ -543,35 +536,27 @@ __global__ void __launch_bounds__(kThreads)
           }
 #pragma unroll
           for (int k = 0; k < R; ++k) {
-            Pack<T, V> o;
+            Pack<T, V> o, av;
             float vals[V];
-            pl[k].apply(g[k], o, vals);
+            pl[k].apply(g[k], o, vals, kAct ? &av : nullptr);
 #pragma unroll
             for (int j = 0; j < V; ++j) acc[j] += vals[j];
             const int64_t off = (r + static_cast<int64_t>(k) * TY) * cols + col;
             if (grad_in != nullptr) store_pack<T, V>(grad_in + off, o);
-            if constexpr (kAct) {
-              Pack<T, V> av;
-              pl[k].activation(av);
-              store_pack<T, V>(act_out + off, av);
-            }
+            if constexpr (kAct) store_pack<T, V>(act_out + off, av);
           }
         }
         for (; r < r_end; r += TY) {
           const Pack<T, V> g = load_pack<T, V>(grad + r * cols + col);
           PreLoad<T, A, V> pl;
           pl.load(pre_act, r * cols + col, r, col, rb);
-          Pack<T, V> o;
+          Pack<T, V> o, av;
           float vals[V];
-          pl.apply(g, o, vals);
+          pl.apply(g, o, vals, kAct ? &av : nullptr);
 #pragma unroll
           for (int j = 0; j < V; ++j) acc[j] += vals[j];
           if (grad_in != nullptr) store_pack<T, V>(grad_in + r * cols + col, o);
-          if constexpr (kAct) {
-            Pack<T, V> av;
-            pl.activation(av);
-            store_pack<T, V>(act_out + r * cols + col, av);
-          }
+          if constexpr (kAct) store_pack<T, V>(act_out + r * cols + col, av);
         }
       }
 
