@@ -112,7 +112,9 @@ if want sanitize; then
   #      test_example.py, whose training subprocess (3) replaces), split into SANITIZE_SHARDS
   #      processes per tool (SANITIZE_SHARDS_<tool> overrides it per tool) with
   #      FUSED_DENSE_TEST_SHARD, optionally narrowed by pytest -k SANITIZE_SELECT_<tool> and to
-  #      SANITIZE_PER_FUNCTION parametrizations per test function; the fuzz test at
+  #      SANITIZE_PER_FUNCTION parametrizations per test function (FUSED_DENSE_TEST_REVERSE=1 runs
+  #      each shard last test first, so a second run with the same shards covers what a first run
+  #      cut by the limit did not reach); the fuzz test at
   #      SANITIZE_FUZZ_EXAMPLES examples;
   #  (3) a 3-step GPT training run (FusedMLP and nn.Linear models);
   #  (4) scripts/sanitizer_probe.py cases under initcheck and racecheck: plain torch.mm against a

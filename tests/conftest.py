@@ -142,17 +142,28 @@ def _per_function(config, items):
     items[:] = keep
 
 
+def _reverse_requested():
+    """FUSED_DENSE_TEST_REVERSE=1: run the (sharded) selection last test first. A sanitizer run cut
+    by its time limit covers a shard's head; the same shards reversed cover its tail, so two runs
+    together can reach a whole shard that one cannot."""
+    spec = os.environ.get("FUSED_DENSE_TEST_REVERSE", "")
+    if spec not in ("", "0", "1"):
+        raise pytest.UsageError(f"FUSED_DENSE_TEST_REVERSE must be 0 or 1, got {spec!r}")
+    return spec == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     _per_function(config, items)
     shard = _shard_spec()
-    if shard is None:
-        return
-    index, count = shard
-    keep = [item for k, item in enumerate(items) if k % count == index]
-    drop = [item for k, item in enumerate(items) if k % count != index]
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-    items[:] = keep
+    if shard is not None:
+        index, count = shard
+        keep = [item for k, item in enumerate(items) if k % count == index]
+        drop = [item for k, item in enumerate(items) if k % count != index]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+    if _reverse_requested():
+        items.reverse()
 
 
 def pytest_runtest_setup(item):

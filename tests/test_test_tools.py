@@ -10,10 +10,13 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def collected(shard=None, target="test_ops.py", per_function=None):
+def collected(shard=None, target="test_ops.py", per_function=None, reverse=None):
     env = dict(os.environ)
     env.pop("FUSED_DENSE_TEST_SHARD", None)
     env.pop("FUSED_DENSE_TEST_PER_FUNCTION", None)
+    env.pop("FUSED_DENSE_TEST_REVERSE", None)
+    if reverse is not None:
+        env["FUSED_DENSE_TEST_REVERSE"] = reverse
     if shard is not None:
         env["FUSED_DENSE_TEST_SHARD"] = shard
     if per_function is not None:
@@ -52,6 +55,17 @@ def test_per_function_keeps_every_test_body():
     assert sorted(shards[0] + shards[1]) == sorted(reduced)
     res, _ = collected(per_function="0")
     assert res.returncode != 0 and "FUSED_DENSE_TEST_PER_FUNCTION" in res.stdout + res.stderr
+
+
+def test_reverse_runs_the_same_shard_backwards():
+    res, forward = collected("1/3", per_function="3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    res, backward = collected("1/3", per_function="3", reverse="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(forward) > 10 and backward == forward[::-1]
+    assert collected("1/3", per_function="3", reverse="0")[1] == forward
+    res, _ = collected(reverse="yes")
+    assert res.returncode != 0 and "FUSED_DENSE_TEST_REVERSE" in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("spec", ["3/3", "x", "1/0", "-1/2"])
