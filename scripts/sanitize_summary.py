@@ -11,6 +11,7 @@ the run, and the tests listed before that point are what ran.
 import argparse
 import collections
 import json
+import os
 import re
 import sys
 
@@ -19,6 +20,8 @@ PYTEST_ITEM = re.compile(r"^(tests/\S+::\S+)")
 KERNEL_AT = re.compile(r"\bat (?:0x[0-9a-f]+ in )?(.+?)\+0x[0-9a-f]+")
 SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
 PREFIX = "========= "
+# pytest's closing line, centred between '=' runs, starts with exactly PREFIX when it is ~62 wide
+PYTEST_CLOSING = re.compile(r"^\d+ (passed|failed|skipped|deselected|errors?|warnings?)\b.* in \d+(\.\d+)?s\b")
 NOT_ERRORS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "Target application returned", "LEAK SUMMARY",
               "Process did not terminate", "Error: process didn't terminate successfully")
 
@@ -40,7 +43,7 @@ def short(kernel, width=90):
 
 
 def parse(text):
-    """Returns a dict: status, tests (outcome -> count), error_summary, errors: list of
+    """Returns a dict: status, tests (outcome -> count), items (test id -> outcome), error_summary, errors: list of
     (kind, kernel or '', ours)."""
     status = None
     first = text.split("\n", 1)[0]
@@ -49,6 +52,7 @@ def parse(text):
         status = int(m.group(1))
     tests = collections.Counter()
     seen = set()
+    items = {}  # test id -> outcome
     errors = []
     summary = None
     # The tool's lines can land in the middle of pytest's "item ... PASSED" line: split them off.
@@ -70,6 +74,7 @@ def parse(text):
             if pending not in seen:
                 seen.add(pending)
                 tests[outcome.group(1)] += 1
+                items[pending] = outcome.group(1)
             pending = None
         s = SUMMARY.search(line)
         if s:
@@ -77,7 +82,7 @@ def parse(text):
         if not line.startswith(PREFIX) or line.startswith(PREFIX + " "):
             continue
         header = line[len(PREFIX):].strip()
-        if not header or any(header.startswith(n) for n in NOT_ERRORS):
+        if not header or any(header.startswith(n) for n in NOT_ERRORS) or PYTEST_CLOSING.match(header):
             continue
         kind = re.sub(r"\s+at\s.*", "", header)
         kind = re.sub(r" of size \d+ bytes?", "", kind)
@@ -95,7 +100,7 @@ def parse(text):
         if header.startswith("Program hit"):
             kind, kernel = re.sub(r" \(error \d+\).*", "", header), ""
         errors.append((kind, kernel, ours(kernel)))
-    return {"status": status, "tests": dict(tests), "error_summary": summary, "errors": errors}
+    return {"status": status, "tests": dict(tests), "items": items, "error_summary": summary, "errors": errors}
 
 
 def report(name, res, out=sys.stdout):
@@ -118,6 +123,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("logs", nargs="+")
     ap.add_argument("--json")
+    ap.add_argument("--union", action="store_true",
+                    help="also print, per tool (the log name's prefix up to '_'), the distinct tests "
+                         "over all given logs, e.g. a run and its FUSED_DENSE_TEST_REVERSE=1 rerun")
     args = ap.parse_args()
     results = {}
     for path in args.logs:
@@ -132,6 +140,25 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.union:
+        print_union(results)
+
+
+def print_union(results, out=sys.stdout):
+    """Per tool: each distinct test once, with its worst outcome over the logs (a test that failed
+    in one run and passed in another counts as failed)."""
+    rank = {"PASSED": 0, "SKIPPED": 1, "XFAIL": 1, "XPASS": 2, "FAILED": 3, "ERROR": 3}
+    tools = collections.defaultdict(dict)
+    for path, res in results.items():
+        tool = os.path.basename(path).split("_", 1)[0]
+        for test, outcome in res["items"].items():
+            old = tools[tool].get(test)
+            if old is None or rank.get(outcome, 3) > rank.get(old, 3):
+                tools[tool][test] = outcome
+    for tool, tests in sorted(tools.items()):
+        counts = collections.Counter(tests.values())
+        print(f"union {tool}: {len(tests)} distinct tests: " +
+              ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items())), file=out)
 
 
 if __name__ == "__main__":

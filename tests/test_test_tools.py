@@ -93,11 +93,14 @@ def test_sanitize_summary_attributes_reports_to_kernels():
         "=========     by thread (0,0,0) in block (0,0,0)",
         '========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to x.',
         "tests/test_ops.py::test_c FAILED",
+        "========= 18 passed, 1830 deselected, 14 warnings in 141.90s (0:02:21) =========",
         "========= ERROR SUMMARY: 3 errors",
     ])
     res = sanitize_summary.parse(log)
     assert res["status"] == 124
     assert res["tests"] == {"PASSED": 2, "FAILED": 1}
+    assert res["items"] == {"tests/test_ops.py::test_a[x]": "PASSED", "tests/test_ops.py::test_b[y]": "PASSED",
+                            "tests/test_ops.py::test_c": "FAILED"}
     assert res["error_summary"] == 3
     mine = [e for e in res["errors"] if e[2]]
     other = [e for e in res["errors"] if not e[2]]
@@ -106,3 +109,20 @@ def test_sanitize_summary_attributes_reports_to_kernels():
     assert sorted(k for k, _, _ in other) == ["Error: Race reported between Read access",
                                               "Program hit cudaErrorInvalidValue"]
     assert [n for k, n, _ in other if k.startswith("Error: Race")] == ["nvjet_sm90_x_TNN"]
+
+
+def test_sanitize_summary_union_counts_each_test_once_with_its_worst_outcome():
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    import io
+    import sanitize_summary
+
+    first = sanitize_summary.parse("exit status 124\ntests/t.py::a PASSED\ntests/t.py::b PASSED\n")
+    rerun = sanitize_summary.parse("exit status 0\ntests/t.py::b FAILED\ntests/t.py::c SKIPPED\n")
+    other_tool = sanitize_summary.parse("exit status 0\ntests/t.py::a PASSED\n")
+    out = io.StringIO()
+    sanitize_summary.print_union({"r1/memcheck_suite0.log": first, "r2/memcheck_suite0.log": rerun,
+                                  "r1/racecheck_suite0.log": other_tool}, out=out)
+    assert out.getvalue().splitlines() == [
+        "union memcheck: 3 distinct tests: failed 1, passed 1, skipped 1",
+        "union racecheck: 1 distinct tests: passed 1",
+    ]
