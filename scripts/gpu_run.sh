@@ -163,8 +163,11 @@ if want sanitize; then
     sanitized "$tool" "$gpu" native -- /tmp/test_elementwise_sanitize --sanitize
     n_var="SANITIZE_SHARDS_$tool"; n=${!n_var:-$shards}
     k_var="SANITIZE_SELECT_$tool"; select=(); [ -n "${!k_var:-}" ] && select=(-k "${!k_var}")
+    # SANITIZE_DESELECT_<tool>=FILE: leave out the tests FILE lists (what earlier runs of this tool
+    # passed, from sanitize_summary.py --passed-lists); the shards split what is left
+    d_var="SANITIZE_DESELECT_$tool"; deselect=${!d_var:-}
     for ((s = 0; s < n; s++)); do
-      FUSED_DENSE_TEST_SHARD="$s/$n" sanitized "$tool" "$gpu" "suite$s" -- \
+      FUSED_DENSE_TEST_DESELECT_FILE="$deselect" FUSED_DENSE_TEST_SHARD="$s/$n" sanitized "$tool" "$gpu" "suite$s" -- \
         python -m pytest -m cuda -v --durations=15 -p no:cacheprovider "${select[@]}" ${SANITIZE_PYTEST_ARGS:-} \
         "${suite[@]}"
     done
@@ -179,7 +182,7 @@ if want sanitize; then
   wait
   stamp "sanitizer summaries"
   python scripts/sanitize_summary.py "$OUT"/sanitize/*.log --json "$OUT/sanitize_summary.json" \
-    | tee "$OUT/sanitize_summary.txt"
+    --union --passed-lists "$OUT/sanitize_passed" | tee "$OUT/sanitize_summary.txt"
   python - "$OUT/sanitize_summary.json" <<'PY' || rc=1
 import json, sys
 res = json.load(open(sys.argv[1]))

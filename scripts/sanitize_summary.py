@@ -126,6 +126,8 @@ def main():
     ap.add_argument("--union", action="store_true",
                     help="also print, per tool (the log name's prefix up to '_'), the distinct tests "
                          "over all given logs, e.g. a run and its FUSED_DENSE_TEST_REVERSE=1 rerun")
+    ap.add_argument("--passed-lists", metavar="DIR",
+                    help="write DIR/TOOL_passed.txt per tool: the tests passed over all given logs")
     args = ap.parse_args()
     results = {}
     for path in args.logs:
@@ -142,11 +144,13 @@ def main():
             json.dump(results, f, indent=1)
     if args.union:
         print_union(results)
+    if args.passed_lists:
+        write_passed_lists(results, args.passed_lists)
 
 
-def print_union(results, out=sys.stdout):
-    """Per tool: each distinct test once, with its worst outcome over the logs (a test that failed
-    in one run and passed in another counts as failed)."""
+def union(results):
+    """tool (the log name's prefix up to '_') -> {test id: its worst outcome over the logs}: a test
+    that failed in one run and passed in another counts as failed."""
     rank = {"PASSED": 0, "SKIPPED": 1, "XFAIL": 1, "XPASS": 2, "FAILED": 3, "ERROR": 3}
     tools = collections.defaultdict(dict)
     for path, res in results.items():
@@ -155,11 +159,26 @@ def print_union(results, out=sys.stdout):
             old = tools[tool].get(test)
             if old is None or rank.get(outcome, 3) > rank.get(old, 3):
                 tools[tool][test] = outcome
-    for tool, tests in sorted(tools.items()):
+    return tools
+
+
+def print_union(results, out=sys.stdout):
+    for tool, tests in sorted(union(results).items()):
         counts = collections.Counter(tests.values())
         print(f"union {tool}: {len(tests)} distinct tests: " +
               ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items())), file=out)
 
+
+def write_passed_lists(results, directory):
+    """DIR/TOOL_passed.txt: the tests that passed under TOOL in every given log that ran them, one
+    id per line: FUSED_DENSE_TEST_DESELECT_FILE for the next run of that tool (SANITIZE_DESELECT_TOOL
+    in scripts/gpu_run.sh), so it spends its time on the rest."""
+    os.makedirs(directory, exist_ok=True)
+    for tool, tests in sorted(union(results).items()):
+        passed = sorted(t for t, outcome in tests.items() if outcome == "PASSED")
+        with open(os.path.join(directory, f"{tool}_passed.txt"), "w") as f:
+            f.write(f"# {len(passed)} tests that passed under {tool}\n")
+            f.writelines(t + "\n" for t in passed)
 
 if __name__ == "__main__":
     main()

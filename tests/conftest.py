@@ -152,8 +152,29 @@ def _reverse_requested():
     return spec == "1"
 
 
+def _deselect_listed(config, items):
+    """FUSED_DENSE_TEST_DESELECT_FILE=PATH: leave out the test ids listed in PATH (one per line, as
+    pytest prints them; '#' starts a comment), e.g. the tests an earlier sanitizer run of the same
+    tool already passed (`scripts/sanitize_summary.py --passed-lists`). Applied before sharding, so
+    the shards split only what is left."""
+    path = os.environ.get("FUSED_DENSE_TEST_DESELECT_FILE", "")
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            listed = {line.split("#", 1)[0].strip() for line in f}
+    except OSError as e:
+        raise pytest.UsageError(f"FUSED_DENSE_TEST_DESELECT_FILE={path!r}: cannot read it ({e})") from None
+    listed.discard("")
+    drop = [item for item in items if item.nodeid in listed]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item.nodeid not in listed]
+
+
 def pytest_collection_modifyitems(config, items):
     _per_function(config, items)
+    _deselect_listed(config, items)
     shard = _shard_spec()
     if shard is not None:
         index, count = shard

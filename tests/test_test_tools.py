@@ -10,11 +10,12 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def collected(shard=None, target="test_ops.py", per_function=None, reverse=None):
+def collected(shard=None, target="test_ops.py", per_function=None, reverse=None, deselect_file=None):
     env = dict(os.environ)
-    env.pop("FUSED_DENSE_TEST_SHARD", None)
-    env.pop("FUSED_DENSE_TEST_PER_FUNCTION", None)
-    env.pop("FUSED_DENSE_TEST_REVERSE", None)
+    for name in ("SHARD", "PER_FUNCTION", "REVERSE", "DESELECT_FILE"):
+        env.pop(f"FUSED_DENSE_TEST_{name}", None)
+    if deselect_file is not None:
+        env["FUSED_DENSE_TEST_DESELECT_FILE"] = deselect_file
     if reverse is not None:
         env["FUSED_DENSE_TEST_REVERSE"] = reverse
     if shard is not None:
@@ -66,6 +67,20 @@ def test_reverse_runs_the_same_shard_backwards():
     assert collected("1/3", per_function="3", reverse="0")[1] == forward
     res, _ = collected(reverse="yes")
     assert res.returncode != 0 and "FUSED_DENSE_TEST_REVERSE" in res.stdout + res.stderr
+
+
+def test_deselect_file_leaves_out_listed_tests_before_sharding(tmp_path):
+    _, reduced = collected(per_function="3")
+    done = reduced[::2]
+    listing = tmp_path / "passed.txt"
+    listing.write_text("# passed earlier\n" + "\n".join(f"{t}  # memcheck" for t in done) + "\n\n")
+    res, rest = collected(per_function="3", deselect_file=str(listing))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert rest == [t for t in reduced if t not in set(done)] and rest
+    shards = [collected(f"{i}/2", per_function="3", deselect_file=str(listing))[1] for i in range(2)]
+    assert sorted(shards[0] + shards[1]) == sorted(rest)
+    res, _ = collected(deselect_file=str(tmp_path / "missing.txt"))
+    assert res.returncode != 0 and "FUSED_DENSE_TEST_DESELECT_FILE" in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("spec", ["3/3", "x", "1/0", "-1/2"])
@@ -126,3 +141,17 @@ def test_sanitize_summary_union_counts_each_test_once_with_its_worst_outcome():
         "union memcheck: 3 distinct tests: failed 1, passed 1, skipped 1",
         "union racecheck: 1 distinct tests: passed 1",
     ]
+
+
+def test_sanitize_summary_passed_lists_feed_the_deselect_file(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    import sanitize_summary
+
+    _, reduced = collected(per_function="3")
+    log = "exit status 124\n" + "\n".join(f"{t} PASSED" for t in reduced[:5]) + f"\n{reduced[5]} FAILED\n"
+    sanitize_summary.write_passed_lists({"run/racecheck_suite0.log": sanitize_summary.parse(log)}, tmp_path)
+    listing = tmp_path / "racecheck_passed.txt"
+    assert listing.read_text().splitlines()[1:] == sorted(reduced[:5])
+    res, rest = collected(per_function="3", deselect_file=str(listing))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert rest == reduced[5:]  # the failed one runs again
