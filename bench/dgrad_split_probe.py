@@ -10,26 +10,21 @@ produces d_pre = (dY @ W2) * gelu'(pre), db1 and dW1:
 
 A probe for issue #5, not part of bench/run.py: it prints one line per shape and variant.
 """
-import argparse
 import os
 import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fused_dense  # noqa: E402,F401  (loads the ops)
-
-OPS = torch.ops.fused_dense
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _probe import OPS, mlp_shapes  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["8192x1024", "8192x2048", "8192x4096"])
-    args = ap.parse_args()
+    shapes = mlp_shapes()
     dt = torch.bfloat16
-    for spec in args.shapes:
-        M, d = (int(v) for v in spec.split("x"))
+    for M, d in shapes:
+        spec = f"{M}x{d}"
         h = 4 * d
         x = torch.randn(M, d, dtype=dt, device="cuda")
         w2 = torch.randn(d, h, dtype=dt, device="cuda") / h ** 0.5

@@ -15,27 +15,22 @@ written (two reads, one write), so the overlap it shows is the one ours could ge
 
 A probe for issue #5, not part of bench/run.py: one line per shape and variant.
 """
-import argparse
 import os
 import sys
 
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fused_dense  # noqa: E402,F401  (loads the ops)
-
-OPS = torch.ops.fused_dense
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _probe import OPS, mlp_shapes  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["8192x1024", "8192x2048", "8192x4096"])
-    args = ap.parse_args()
+    shapes = mlp_shapes()
     dt = torch.bfloat16
     side = torch.cuda.Stream()
-    for spec in args.shapes:
-        M, d = (int(v) for v in spec.split("x"))
+    for M, d in shapes:
+        spec = f"{M}x{d}"
         h = 4 * d
         w2 = torch.randn(d, h, dtype=dt, device="cuda") / h ** 0.5
         g = torch.randn(M, d, dtype=dt, device="cuda")
