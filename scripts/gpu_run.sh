@@ -12,7 +12,8 @@
 # torchrun GPT example, on every visible GPU. sanitize: compute-sanitizer memcheck / racecheck /
 # initcheck / synccheck over the native kernel test, the selected CUDA op tests and a short
 # training run, each under a time limit (see the step below); memcheck and initcheck run with
-# PyTorch's caching allocator off so every allocation has its exact size.
+# PyTorch's caching allocator off so every allocation has its exact size (the tests that need the
+# allocator run in one more process with it on).
 #
 # A prebuilt fused_dense/_C*.so may be carried in .prebuilt/ (built here with the same torch);
 # when it fails to load, the extension is built: MAX_JOBS=16 pip install -e . --no-build-isolation
@@ -149,6 +150,7 @@ if want sanitize; then
   sanitized() {
     local tool=$1 gpu=$2 name=$3; shift 4
     local caching=0; case $tool in memcheck|initcheck) caching=1;; esac
+    [ -n "${KEEP_CACHING:-}" ] && caching=0
     (
       CUDA_VISIBLE_DEVICES=$gpu PYTORCH_NO_CUDA_MEMORY_CACHING=$caching timeout -s INT "$limit" \
         compute-sanitizer --tool "$tool" "${common[@]}" "$@" >"$OUT/sanitize/${tool}_$name.body" 2>&1
@@ -171,6 +173,12 @@ if want sanitize; then
         python -m pytest -m cuda -v --durations=15 -p no:cacheprovider "${select[@]}" ${SANITIZE_PYTEST_ARGS:-} \
         "${suite[@]}"
     done
+    # the tests that need PyTorch's caching allocator skip in the shards above under memcheck and
+    # initcheck (allocator off); here they run in one more process with it on
+    case $tool in memcheck|initcheck)
+      KEEP_CACHING=1 sanitized "$tool" "$gpu" suite_caching -- python -m pytest -m "cuda and caching_allocator" \
+        -v --durations=15 -p no:cacheprovider ${SANITIZE_PYTEST_ARGS:-} "${suite[@]}";;
+    esac
     sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1
     case $tool in
       initcheck) probes=(mm_fresh mm_prefilled fd_fresh act_fresh_mm act_prefilled_mm empty_read);;

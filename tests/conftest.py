@@ -52,9 +52,12 @@ def assert_close_rel(out, ref, dtype=None, what="output", tol=None):
 # Tests that need PyTorch's caching allocator: CUDA graph capture allocates from its private pool,
 # and torch.cuda.memory_allocated() counts only its blocks. compute-sanitizer memcheck / initcheck
 # run with it off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every allocation has its exact size).
-needs_caching_allocator = pytest.mark.skipif(
-    os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
-    reason="needs PyTorch's CUDA caching allocator (off: PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
+# They also carry the marker `caching_allocator`, so the sanitizer step can run just them in a
+# process of their own with the allocator on (`-m "cuda and caching_allocator"`).
+def needs_caching_allocator(test):
+    skip = pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
+                              reason="needs PyTorch's CUDA caching allocator (off: PYTORCH_NO_CUDA_MEMORY_CACHING=1)")
+    return pytest.mark.caching_allocator(skip(test))
 
 
 def poison(t):

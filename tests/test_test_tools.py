@@ -132,13 +132,16 @@ def test_sanitize_summary_union_counts_each_test_once_with_its_worst_outcome():
     import sanitize_summary
 
     first = sanitize_summary.parse("exit status 124\ntests/t.py::a PASSED\ntests/t.py::b PASSED\n")
-    rerun = sanitize_summary.parse("exit status 0\ntests/t.py::b FAILED\ntests/t.py::c SKIPPED\n")
+    rerun = sanitize_summary.parse("exit status 0\ntests/t.py::b FAILED\ntests/t.py::c SKIPPED\n"
+                                   "tests/t.py::d SKIPPED\n")
+    with_allocator = sanitize_summary.parse("exit status 0\ntests/t.py::d PASSED\n")
     other_tool = sanitize_summary.parse("exit status 0\ntests/t.py::a PASSED\n")
     out = io.StringIO()
     sanitize_summary.print_union({"r1/memcheck_suite0.log": first, "r2/memcheck_suite0.log": rerun,
+                                  "r2/memcheck_suite_caching.log": with_allocator,
                                   "r1/racecheck_suite0.log": other_tool}, out=out)
     assert out.getvalue().splitlines() == [
-        "union memcheck: 3 distinct tests: failed 1, passed 1, skipped 1",
+        "union memcheck: 4 distinct tests: failed 1, passed 2, skipped 1",
         "union racecheck: 1 distinct tests: passed 1",
     ]
 
