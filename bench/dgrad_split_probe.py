@@ -17,19 +17,12 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _probe import OPS, mlp_shapes  # noqa: E402
+from _probe import OPS, fc2_cases  # noqa: E402
 
 
 def main():
-    shapes = mlp_shapes()
-    dt = torch.bfloat16
-    for M, d in shapes:
-        spec = f"{M}x{d}"
-        h = 4 * d
-        x = torch.randn(M, d, dtype=dt, device="cuda")
-        w2 = torch.randn(d, h, dtype=dt, device="cuda") / h ** 0.5
-        g = torch.randn(M, d, dtype=dt, device="cuda")
-        pre = torch.randn(M, h, dtype=dt, device="cuda")
+    for spec, M, d, (w2, g, pre) in fc2_cases():
+        x = torch.randn(M, d, dtype=g.dtype, device="cuda")
 
         def now():
             d_pre, _ = OPS.act_linear_dgrad(w2, g, pre, 1, True, -2)

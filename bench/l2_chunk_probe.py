@@ -23,22 +23,15 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _probe import OPS, mlp_shapes  # noqa: E402
+from _probe import OPS, fc2_cases  # noqa: E402
 
 GELU_BACKWARD = torch.ops.aten.gelu_backward.grad_input
 
 
 def main():
-    shapes = mlp_shapes()
-    dt = torch.bfloat16
-    for M, d in shapes:
-        spec = f"{M}x{d}"
-        h = 4 * d
-        w2 = torch.randn(d, h, dtype=dt, device="cuda") / h ** 0.5
-        g = torch.randn(M, d, dtype=dt, device="cuda")
-        pre = torch.randn(M, h, dtype=dt, device="cuda")
-        d_act = torch.empty(M, h, dtype=dt, device="cuda")
-        d_pre = torch.empty(M, h, dtype=dt, device="cuda")
+    for spec, M, d, (w2, g, pre) in fc2_cases():
+        d_act = torch.empty_like(pre)
+        d_pre = torch.empty_like(pre)
 
         def aten_rows(k):
             bounds = [(M * i // k, M * (i + 1) // k) for i in range(k)]

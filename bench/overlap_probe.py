@@ -22,19 +22,13 @@ import torch
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _probe import OPS, mlp_shapes  # noqa: E402
+from _probe import OPS, fc2_cases  # noqa: E402
 
 
 def main():
-    shapes = mlp_shapes()
-    dt = torch.bfloat16
-    side = torch.cuda.Stream()
-    for M, d in shapes:
-        spec = f"{M}x{d}"
-        h = 4 * d
-        w2 = torch.randn(d, h, dtype=dt, device="cuda") / h ** 0.5
-        g = torch.randn(M, d, dtype=dt, device="cuda")
-        pre = torch.randn(M, h, dtype=dt, device="cuda")
+    side = None
+    for spec, M, d, (w2, g, pre) in fc2_cases():
+        side = side or torch.cuda.Stream()
         act = torch.nn.functional.gelu(pre, approximate="tanh")
 
         def dgrad_gemm():
