@@ -2,7 +2,7 @@
 # One call on the GPU machine: install (or reuse a prebuilt extension), run the CUDA tests, the
 # native elementwise test, and optionally the benchmark. Logs and JSON land in $OUT.
 #
-#   bash scripts/gpu_run.sh [tests] [native] [bench] [ab] [parallel] [sanitize]   (default: tests native)
+#   bash scripts/gpu_run.sh [tests] [native] [bench] [ab] [probes] [parallel] [sanitize]   (default: tests native)
 #
 # ab: the same benchmark sections twice in one call, first with this tree's extension, then with
 # .prebuilt_branch/_C*.so (another branch's build of the extension, made here and carried), each
@@ -83,6 +83,16 @@ if want bench; then
   stamp "benchmark: python bench/run.py --out $OUT ${BENCH_ARGS:-}"
   python bench/run.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+fi
+
+if want probes; then
+  # the one-idea probes of bench/ (bench/README.md), each under PROBE_LIMIT seconds, logs in $OUT;
+  # PROBES picks some of them
+  for probe in ${PROBES:-interleaved_probe l2_chunk_probe overlap_probe dgrad_split_probe}; do
+    stamp "probe: bench/$probe.py"
+    timeout "${PROBE_LIMIT:-150}" python "bench/$probe.py" 2>&1 | tee "$OUT/$probe.log" | grep -v "^round "
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+  done
 fi
 
 if want parallel; then
