@@ -134,7 +134,15 @@ if want sanitize; then
   # (a report still names its kernel, which is what the summary sorts by). memcheck and initcheck run with PyTorch's caching allocator off so
   # every allocation has its exact size. Every process has the same wall-clock limit,
   # SANITIZE_LIMIT (default 420 s); scripts/sanitize_summary.py sorts the reports by kernel.
+  # SANITIZE_PARTS picks among native, suite, caching (the allocator-on process of memcheck and
+  # initcheck), train and probes (default: all), so a follow-up run spends its CPU cores only on
+  # what earlier runs did not reach.
   limit=${SANITIZE_LIMIT:-420}
+  read -r -a parts <<<"${SANITIZE_PARTS:-native suite caching train probes}"
+  for p in "${parts[@]}"; do
+    case $p in native|suite|caching|train|probes) ;; *) echo "SANITIZE_PARTS: unknown part '$p' (expected native, suite, caching, train, probes)"; exit 2;; esac
+  done
+  part() { local p; for p in "${parts[@]}"; do [ "$p" = "$1" ] && return 0; done; return 1; }
   shards=${SANITIZE_SHARDS:-5}
   read -r -a tools <<<"${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
   read -r -a suite <<<"${SANITIZE_TESTS:-tests --ignore=tests/test_large.py --ignore=tests/test_parallel.py --ignore=tests/test_example.py}"
@@ -169,11 +177,11 @@ if want sanitize; then
       rm -f "$OUT/sanitize/${tool}_$name.body"
     ) &
   }
-  stamp "compute-sanitizer ${common[*]}: ${tools[*]} over native, ${shards} suite shards, training, probes; ${limit}s each, $ngpu GPU(s)"
+  stamp "compute-sanitizer ${common[*]}: ${tools[*]} over ${parts[*]} (${shards} suite shards by default); ${limit}s each, $ngpu GPU(s)"
   for i in "${!tools[@]}"; do
     tool=${tools[$i]}; gpu=$((i % ngpu))
-    sanitized "$tool" "$gpu" native -- /tmp/test_elementwise_sanitize --sanitize
-    n_var="SANITIZE_SHARDS_$tool"; n=${!n_var:-$shards}
+    part native && sanitized "$tool" "$gpu" native -- /tmp/test_elementwise_sanitize --sanitize
+    n_var="SANITIZE_SHARDS_$tool"; n=${!n_var:-$shards}; part suite || n=0
     k_var="SANITIZE_SELECT_$tool"; select=(); [ -n "${!k_var:-}" ] && select=(-k "${!k_var}")
     # SANITIZE_DESELECT_<tool>=FILE: leave out the tests FILE lists (what earlier runs of this tool
     # passed, from sanitize_summary.py --passed-lists); the shards split what is left
@@ -185,11 +193,12 @@ if want sanitize; then
     done
     # the tests that need PyTorch's caching allocator skip in the shards above under memcheck and
     # initcheck (allocator off); here they run in one more process with it on
-    case $tool in memcheck|initcheck)
+    part caching && case $tool in memcheck|initcheck)
       KEEP_CACHING=1 sanitized "$tool" "$gpu" suite_caching -- python -m pytest -m "cuda and caching_allocator" \
         -v --durations=15 -p no:cacheprovider ${SANITIZE_PYTEST_ARGS:-} "${suite[@]}";;
     esac
-    sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1
+    part train && sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1
+    part probes || continue
     case $tool in
       initcheck) probes=(mm_fresh mm_prefilled fd_fresh act_fresh_mm act_prefilled_mm empty_read);;
       racecheck) probes=(mm_fresh fd_fresh);;
