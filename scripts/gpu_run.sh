@@ -130,7 +130,7 @@ if want sanitize; then
   #  (3) a 3-step GPT training run (FusedMLP and nn.Linear models);
   #  (4) scripts/sanitizer_probe.py cases under initcheck and racecheck: plain torch.mm against a
   #      prefilled output and a positive control, to tell reports about NVIDIA's GEMMs apart.
-  # Tools are spread over the visible GPUs in the order of SANITIZE_TOOLS. Host backtraces are off
+  # Tools are spread over the visible GPUs in the order of SANITIZE_TOOLS, suite shards round them. Host backtraces are off
   # (a report still names its kernel, which is what the summary sorts by). memcheck and initcheck run with PyTorch's caching allocator off so
   # every allocation has its exact size. Every process has the same wall-clock limit,
   # SANITIZE_LIMIT (default 420 s); scripts/sanitize_summary.py sorts the reports by kernel.
@@ -187,7 +187,8 @@ if want sanitize; then
     # passed, from sanitize_summary.py --passed-lists); the shards split what is left
     d_var="SANITIZE_DESELECT_$tool"; deselect=${!d_var:-}
     for ((s = 0; s < n; s++)); do
-      FUSED_DENSE_TEST_DESELECT_FILE="$deselect" FUSED_DENSE_TEST_SHARD="$s/$n" sanitized "$tool" "$gpu" "suite$s" -- \
+      # shards go round the GPUs (each tool starting at its own), so no GPU carries one tool's whole suite
+      FUSED_DENSE_TEST_DESELECT_FILE="$deselect" FUSED_DENSE_TEST_SHARD="$s/$n" sanitized "$tool" "$(((i + s) % ngpu))" "suite$s" -- \
         python -m pytest -m cuda -v --durations=15 -p no:cacheprovider "${select[@]}" ${SANITIZE_PYTEST_ARGS:-} \
         "${suite[@]}"
     done
