@@ -158,3 +158,55 @@ def test_sanitize_summary_passed_lists_feed_the_deselect_file(tmp_path):
     res, rest = collected(per_function="3", deselect_file=str(listing))
     assert res.returncode == 0, res.stdout + res.stderr
     assert rest == reduced[5:]  # the failed one runs again
+
+
+def test_fp64_reference_mode_moves_only_float64_matmuls():
+    """The sanitize step's FUSED_DENSE_TEST_FP64_REFERENCE_ON_CPU mode, checked here with the CPU as
+    both ends (no GPU in CI): which calls it takes, that results and gradients come through it
+    unchanged, and that it leaves other dtypes and functions alone."""
+    import torch
+    import torch.nn.functional as F
+    from fp64_reference_on_cpu import Float64MatmulsOn
+
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 3, dtype=torch.float64)
+    plain = F.linear(x, w, b) + (x @ w.t())
+    grads = torch.autograd.grad((plain * g).sum(), (x, w, b))
+    with Float64MatmulsOn("cpu", "cpu") as mode:
+        routed = F.linear(x, w, b) + (x @ w.t())
+        assert mode.moved == 2
+        torch.relu(x)  # not a matmul
+        F.linear(x.float(), w.float())  # not float64
+        with pytest.raises(RuntimeError):  # mixed: left alone, so it fails as it would without the mode
+            F.linear(x, w.float())
+    assert mode.moved == 2
+    torch.testing.assert_close(routed, plain, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad((routed * g).sum(), (x, w, b)), grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_fp64_reference_env_is_validated():
+    env = dict(os.environ, FUSED_DENSE_TEST_FP64_REFERENCE_ON_CPU="yes")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(HERE, "test_functional.py"), "-k", "test_dense_cpu", "-x"],
+                         cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "FUSED_DENSE_TEST_FP64_REFERENCE_ON_CPU must be 0 or 1" in res.stdout + res.stderr
+    env["FUSED_DENSE_TEST_FP64_REFERENCE_ON_CPU"] = "1"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          os.path.join(HERE, "test_functional.py"), "-k", "test_dense_cpu", "-x"],
+                         cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout + res.stderr
+
+
+def test_sanitize_summary_marks_empty_shards():
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    import sanitize_summary
+
+    empty = sanitize_summary.parse("exit status 255\n========= COMPUTE-SANITIZER\ncollecting ... collected 1851 items"
+                                   " / 1851 deselected / 0 selected\n\n===== 1851 deselected in 1.47s =====\n"
+                                   "========= Error: Target application terminated before first instrumented API call\n")
+    crashed = sanitize_summary.parse("exit status 255\ncollecting ... collected 12 items / 11 deselected / 1 selected\n"
+                                     "tests/t.py::a \n")
+    assert empty["empty"] and not crashed["empty"]
