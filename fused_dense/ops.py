@@ -50,15 +50,16 @@ def relu_mask_row_bytes(cols: int) -> int:
     return (cols + 7) // 8
 
 
-_OVERLOADS = {}
+# Each op's default overload, resolved once at import (calling it skips the overload-packet
+# resolution). Resolved eagerly, not on first use: torch.compile traces the backward lazily, and
+# filling a dict from inside a traced autograd.Function is a side effect it refuses (fullgraph=True
+# failed in a fresh process whose first backward was compiled).
+_OVERLOADS = {name: getattr(torch.ops.fused_dense, name).default
+              for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward")}
 
 
 def _op(name: str):
-    """The op's default overload, looked up once (calling it skips the overload-packet resolution)."""
-    overload = _OVERLOADS.get(name)
-    if overload is None:
-        overload = _OVERLOADS[name] = getattr(torch.ops.fused_dense, name).default
-    return overload
+    return _OVERLOADS[name]
 
 
 # Entry points taking checked integer codes: the autograd Functions resolve activation and

@@ -36,7 +36,9 @@ class Float64MatmulsOn(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in MATMULS:
+        # torch.compile traces through an active mode: stay out of its way (a compiled graph has
+        # no float64 reference in it, and the counter would be a side effect it refuses)
+        if func in MATMULS and not torch.compiler.is_compiling():
             tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
             if (tensors and all(t.dtype == torch.float64 for t in tensors)
                     and any(t.device.type == self.source for t in tensors)):

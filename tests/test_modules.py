@@ -5,6 +5,8 @@ Inputs are fresh random normals each run (seed printed; replay with FUSED_DENSE_
 """
 import copy
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -350,3 +352,22 @@ def test_compile_inductor_cuda(activation, checkpoint_lvl):
     assert_close_rel(x_c.grad, x_e.grad, torch.bfloat16, what="grad x")
     for (name, p_e), p_c in zip(eager.named_parameters(), compiled.parameters()):
         assert_close_rel(p_c.grad, p_e.grad, torch.bfloat16, what=name)
+
+
+def test_compile_fullgraph_backward_in_a_fresh_process():
+    """torch.compile(fullgraph=True) of FusedDense forward + backward where nothing ran eagerly
+    before: the ops' overloads used to be looked up (and cached in a dict) on first use, which
+    Dynamo refuses inside a traced autograd.Function. In-process tests can't see it once any
+    earlier test has called the ops."""
+    script = (
+        "import torch, fused_dense\n"
+        "m = fused_dense.FusedDense(32, 16)\n"
+        "c = torch.compile(m, backend='aot_eager', fullgraph=True)\n"
+        "x = torch.randn(4, 32, requires_grad=True)\n"
+        "c(x).sum().backward()\n"
+        "ref = torch.nn.functional.linear(x.detach(), m.weight.detach(), m.bias.detach())\n"
+        "torch.testing.assert_close(c(x), ref)\n"
+        "print('ok', x.grad.shape)\n")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0 and "ok torch.Size([4, 32])" in res.stdout, res.stdout + res.stderr[-3000:]
