@@ -166,7 +166,7 @@ if want sanitize; then
   help=$(compute-sanitizer --help 2>&1)
   grep -q -- "--show-backtrace" <<<"$help" && common+=(--show-backtrace no)
   grep -q -- "--print-limit" <<<"$help" && common+=(--print-limit 100000)
-  nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
+  part native && nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
     tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp -o /tmp/test_elementwise_sanitize
   mkdir -p "$OUT/sanitize"
   # sanitized TOOL GPU NAME -- CMD...: CMD under the tool in the background, its output (after an
