@@ -191,6 +191,9 @@ def _deselect_listed(config, items):
         items[:] = [item for item in items if item.nodeid not in listed]
 
 
+# trylast: after pytest's own -m / -k deselection, so the shards split only the tests that run
+# (before it, shards could end up holding only tests `-m cuda` then dropped, and run nothing)
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     _per_function(config, items)
     _deselect_listed(config, items)

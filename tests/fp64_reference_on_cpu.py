@@ -11,6 +11,9 @@ CUDA operand to the CPU and moves its result back, autograd included (the copies
 differentiable). Nothing else changes: the library's own float64 ops are dispatcher ops, not these
 Python functions, and still run on the GPU; elementwise reference work stays on the GPU too.
 """
+import contextlib
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -48,3 +51,13 @@ class Float64MatmulsOn(TorchFunctionMode):
                 out = func(*there[0], **there[1])
                 return tree_map(lambda a: a.to(home) if isinstance(a, torch.Tensor) else a, out)
         return func(*args, **kwargs)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "") == "1"
+
+
+def in_this_thread():
+    """The mode for a test's own worker thread (a TorchFunctionMode is per thread, so the fixture's
+    does not reach it); a no-op context unless the variable is set."""
+    return Float64MatmulsOn("cuda", "cpu") if enabled() else contextlib.nullcontext()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fp64_reference_on_cpu
 from conftest import TOL, needs_caching_allocator, rel_err
 from fused_dense import FusedMLP
 
@@ -81,18 +82,22 @@ def test_two_host_threads():
     m = FusedMLP(768, 3072, device="cuda", dtype=torch.bfloat16)
     errors = []
 
+    def work(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            for rows in (128, 1000, 4096):  # new shapes: the threads plan and tune concurrently
+                x = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16, generator=gen)
+                out = m(x)
+                s.synchronize()
+                err = rel_err(out, reference_mlp(m, x))
+                if err > TOL[torch.bfloat16]:
+                    errors.append(f"thread {seed} rows {rows}: {err:.3e}")
+
     def worker(seed):
         try:
-            gen = torch.Generator(device="cuda").manual_seed(seed)
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                for rows in (128, 1000, 4096):  # new shapes: the threads plan and tune concurrently
-                    x = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16, generator=gen)
-                    out = m(x)
-                    s.synchronize()
-                    err = rel_err(out, reference_mlp(m, x))
-                    if err > TOL[torch.bfloat16]:
-                        errors.append(f"thread {seed} rows {rows}: {err:.3e}")
+            with fp64_reference_on_cpu.in_this_thread():
+                work(seed)
         except Exception as e:  # noqa: BLE001 - reported to the main thread
             errors.append(f"thread {seed}: {e!r}")
 

@@ -10,7 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def collected(shard=None, target="test_ops.py", per_function=None, reverse=None, deselect_file=None):
+def collected(shard=None, target="test_ops.py", per_function=None, reverse=None, deselect_file=None, marker=None):
     env = dict(os.environ)
     for name in ("SHARD", "PER_FUNCTION", "REVERSE", "DESELECT_FILE"):
         env.pop(f"FUSED_DENSE_TEST_{name}", None)
@@ -23,7 +23,7 @@ def collected(shard=None, target="test_ops.py", per_function=None, reverse=None,
     if per_function is not None:
         env["FUSED_DENSE_TEST_PER_FUNCTION"] = per_function
     res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
+                          *(["-m", marker] if marker else []), os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
                          capture_output=True, text=True, timeout=300)
     return res, [line for line in res.stdout.splitlines() if "::" in line]
 
@@ -56,6 +56,17 @@ def test_per_function_keeps_every_test_body():
     assert sorted(shards[0] + shards[1]) == sorted(reduced)
     res, _ = collected(per_function="0")
     assert res.returncode != 0 and "FUSED_DENSE_TEST_PER_FUNCTION" in res.stdout + res.stderr
+
+
+def test_shards_split_only_what_the_marker_selects():
+    """Sharding comes after pytest's -m deselection: n shards of n selected tests hold one each
+    (session 6's run 3 had empty shards when the CPU tests still took shard slots)."""
+    _, selected = collected(per_function="1", marker="cuda")
+    assert 5 < len(selected) < 60
+    n = len(selected)
+    shards = [collected(f"{i}/{n}", per_function="1", marker="cuda")[1] for i in range(n)]
+    assert [len(s) for s in shards] == [1] * n
+    assert sorted(sum(shards, [])) == sorted(selected)
 
 
 def test_reverse_runs_the_same_shard_backwards():
@@ -210,3 +221,24 @@ def test_sanitize_summary_marks_empty_shards():
     crashed = sanitize_summary.parse("exit status 255\ncollecting ... collected 12 items / 11 deselected / 1 selected\n"
                                      "tests/t.py::a \n")
     assert empty["empty"] and not crashed["empty"]
+
+
+def test_fp64_reference_mode_for_worker_threads(monkeypatch):
+    """A TorchFunctionMode is per thread: a test's own threads enter theirs through in_this_thread()."""
+    import threading
+
+    import torch
+    import torch.nn.functional as F
+    import fp64_reference_on_cpu as mod
+
+    monkeypatch.setenv(mod.ENV, "1")
+    assert isinstance(mod.in_this_thread(), mod.Float64MatmulsOn)
+    monkeypatch.setenv(mod.ENV, "0")
+    assert not isinstance(mod.in_this_thread(), mod.Float64MatmulsOn)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with mod.Float64MatmulsOn("cpu", "cpu") as outer:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(F.linear(x, x)))
+        thread.start()
+        thread.join()
+    assert outer.moved == 0 and len(seen) == 1  # the main thread's mode did not reach the thread
