@@ -4,10 +4,12 @@ every variant for a few steps (order rotated per round), so slow drift in clocks
 touches all of them alike; it reports the median over rounds of each variant's time and of its
 ratio to eager within the same round.
 
-    python bench/interleaved_probe.py [--shape 16384x8192] [--rounds 8] [--steps 4] [--budget 100]
+    python bench/interleaved_probe.py [--shape 16384x8192] [--rounds 8] [--steps 4] [--budget 100] [--compile]
 
 A probe for issue #5, not part of bench/run.py. Variants: eager (nn.Linear, F.gelu tanh,
-nn.Linear), FusedMLP 'auto' at checkpoint level 0 and 1, FusedMLP unfused (heuristic -1).
+nn.Linear), FusedMLP 'auto' at checkpoint level 0 and 1, FusedMLP unfused (heuristic -1), and with
+--compile torch.compile of the eager module (compiled before the rounds; its compile time is
+printed, not timed).
 """
 import argparse
 import os
@@ -29,6 +31,7 @@ def main():
     ap.add_argument("--steps", type=int, default=4, help="forward + backward steps per variant per round")
     ap.add_argument("--budget", type=float, default=100.0, help="stop starting rounds after this many seconds")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test at a tiny shape")
+    ap.add_argument("--compile", action="store_true", help="add torch.compile of the eager module")
     args = ap.parse_args()
     M, d = (int(v) for v in args.shape.split("x"))
     h, dt, dev = 4 * d, torch.bfloat16, args.device
@@ -40,6 +43,8 @@ def main():
         mod = FusedMLP(d, h, d, activation="gelu_approx", checkpoint_lvl=lvl, heuristic=heur, device=dev, dtype=dt)
         copy_weights(mod, eager)
         variants[name] = mod
+    if args.compile:
+        variants["compile"] = torch.compile(eager)  # same parameters as eager
     x = torch.randn(M, d, device=dev, dtype=dt, requires_grad=True)
     dy = torch.randn(M, d, device=dev, dtype=dt)
 

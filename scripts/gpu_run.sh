@@ -87,10 +87,11 @@ fi
 
 if want probes; then
   # the one-idea probes of bench/ (bench/README.md), each under PROBE_LIMIT seconds, logs in $OUT;
-  # PROBES picks some of them
+  # PROBES picks some of them, PROBE_ARGS_<probe> adds arguments (e.g. PROBE_ARGS_interleaved_probe=--compile)
   for probe in ${PROBES:-interleaved_probe l2_chunk_probe overlap_probe dgrad_split_probe}; do
-    stamp "probe: bench/$probe.py"
-    timeout "${PROBE_LIMIT:-150}" python "bench/$probe.py" 2>&1 | tee "$OUT/$probe.log" | grep -v "^round "
+    a_var="PROBE_ARGS_$probe"; read -r -a probe_args <<<"${!a_var:-}"
+    stamp "probe: bench/$probe.py ${probe_args[*]}"
+    timeout "${PROBE_LIMIT:-150}" python "bench/$probe.py" "${probe_args[@]}" 2>&1 | tee "$OUT/$probe.log" | grep -v "^round "
     [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
   done
 fi
