@@ -17,6 +17,7 @@ On the CPU both runs use float32 and must agree tightly; on the GPU they run und
 of the loss. Exit status 1 when they do not.
 """
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -25,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:
     from fused_dense import FusedMLP
@@ -176,6 +178,9 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                         help="'auto': bf16 autocast on GPU, float32 on CPU")
+    parser.add_argument("--attention", choices=["sdpa", "math"], default="sdpa",
+                        help="'math': PyTorch's plain-kernel attention instead of the fused SDPA kernels "
+                             "(cuDNN, flash); the sanitizer runs use it so their reports are not about those")
     parser.add_argument("--tol", type=float, default=None,
                         help="float32: largest allowed relative gap between the curves, step by step "
                              "(default 1e-3); bf16: the smallest allowed mean relative gap (default 2e-2)")
@@ -202,6 +207,11 @@ def main(argv=None):
         return model
 
     plain = plain_model()
+    with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
+        return train_and_compare(args, fused_model, plain, plain_model, device, bf16)
+
+
+def train_and_compare(args, fused_model, plain, plain_model, device, bf16):
     fused_losses, fused_tps = train(fused_model, args, device, "fused", bf16)
     plain_losses, plain_tps = train(plain, args, device, "plain", bf16)
     curves = {"FusedMLP": fused_losses, "nn.Linear": plain_losses}

@@ -128,7 +128,8 @@ if want sanitize; then
   #      each shard last test first, so a second run with the same shards covers what a first run
   #      cut by the limit did not reach); the fuzz test at
   #      SANITIZE_FUZZ_EXAMPLES examples;
-  #  (3) a 3-step GPT training run (FusedMLP and nn.Linear models);
+  #  (3) a 3-step GPT training run (FusedMLP and nn.Linear models), attention on its math backend so
+  #      the reports are not about cuDNN / flash attention kernels;
   #  (4) scripts/sanitizer_probe.py cases under initcheck and racecheck: plain torch.mm against a
   #      prefilled output and a positive control, to tell reports about NVIDIA's GEMMs apart.
   # Tools are spread over the visible GPUs in the order of SANITIZE_TOOLS, suite shards round them. Host backtraces are off
@@ -205,7 +206,7 @@ if want sanitize; then
       KEEP_CACHING=1 sanitized "$tool" "$gpu" suite_caching -- python -m pytest -m "cuda and caching_allocator" \
         -v --durations=15 -p no:cacheprovider ${SANITIZE_PYTEST_ARGS:-} "${suite[@]}";;
     esac
-    part train && sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1
+    part train && sanitized "$tool" "$gpu" train -- python examples/train_gpt.py --steps 3 --layers 1 --tol 1 --attention math
     part probes || continue
     case $tool in
       initcheck) probes=(mm_fresh mm_prefilled fd_fresh act_fresh_mm act_prefilled_mm empty_read);;

@@ -24,6 +24,14 @@ def test_train_gpt_cpu_short():
     assert "tok/s" in proc.stderr and "12/12" in proc.stderr  # the progress bar
 
 
+def test_train_gpt_math_attention():
+    """--attention math (what the sanitizer's training run uses) trains alike; other values are refused."""
+    proc = run_python([SCRIPT, *SMALL, "--attention", "math"])
+    assert proc.returncode == 0 and "OK: loss curves agree" in proc.stdout, proc.stdout + proc.stderr
+    proc = run_python([SCRIPT, *SMALL, "--attention", "flash"])
+    assert proc.returncode == 2 and "--attention" in proc.stderr and "'flash'" in proc.stderr
+
+
 def test_train_gpt_cpu_bf16_short():
     proc = run_python([SCRIPT, *SMALL, "--precision", "bf16"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
