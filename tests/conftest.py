@@ -97,15 +97,9 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
 def _fp64_reference_on_cpu():
     """FUSED_DENSE_TEST_FP64_REFERENCE_ON_CPU=1 (set by the sanitize step): float64 reference
     matmuls run on the CPU (tests/fp64_reference_on_cpu.py says why)."""
-    from fp64_reference_on_cpu import ENV, Float64MatmulsOn
+    import fp64_reference_on_cpu
 
-    spec = os.environ.get(ENV, "")
-    if spec not in ("", "0", "1"):
-        raise pytest.UsageError(f"{ENV} must be 0 or 1, got {spec!r}")
-    if spec != "1":
-        yield
-        return
-    with Float64MatmulsOn("cuda", "cpu"):
+    with fp64_reference_on_cpu.from_env():
         yield
 
 

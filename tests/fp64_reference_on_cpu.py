@@ -6,8 +6,8 @@ through shared memory thread by thread, where Hopper's 16-bit GEMMs use TMA and 
 cost that keeps tests from finishing: in session 6 the FusedMLP tests with a float64 reference at
 1024 x 4096 did not finish in 480 s under racecheck, while a forward-only bf16 test of that size
 without one took 24-43 s. The sanitizers are there to check fused_dense's kernels, not PyTorch's
-DGEMM, so the sanitize step sets this variable: a TorchFunctionMode sends each float64 matmul-like call with a
-CUDA operand to the CPU and moves its result back, autograd included (the copies are
+DGEMM, so the sanitize step sets this variable: a TorchFunctionMode sends each float64 matmul-like
+call with a CUDA operand to the CPU and moves its result back, autograd included (the copies are
 differentiable). Nothing else changes: the library's own float64 ops are dispatcher ops, not these
 Python functions, and still run on the GPU; elementwise reference work stays on the GPU too.
 """
@@ -53,11 +53,10 @@ class Float64MatmulsOn(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "") == "1"
-
-
-def in_this_thread():
-    """The mode for a test's own worker thread (a TorchFunctionMode is per thread, so the fixture's
-    does not reach it); a no-op context unless the variable is set."""
-    return Float64MatmulsOn("cuda", "cpu") if enabled() else contextlib.nullcontext()
+def from_env():
+    """The mode when the variable is 1, else a no-op context. A TorchFunctionMode is per thread:
+    conftest's autouse fixture enters it for each test, and a test's own worker threads enter theirs."""
+    spec = os.environ.get(ENV, "")
+    if spec not in ("", "0", "1"):
+        raise ValueError(f"{ENV} must be 0 or 1, got {spec!r}")
+    return Float64MatmulsOn("cuda", "cpu") if spec == "1" else contextlib.nullcontext()

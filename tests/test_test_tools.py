@@ -22,8 +22,9 @@ def collected(shard=None, target="test_ops.py", per_function=None, reverse=None,
         env["FUSED_DENSE_TEST_SHARD"] = shard
     if per_function is not None:
         env["FUSED_DENSE_TEST_PER_FUNCTION"] = per_function
+    marker_args = ["-m", marker] if marker else []
     res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          *(["-m", marker] if marker else []), os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
+                          *marker_args, os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
                          capture_output=True, text=True, timeout=300)
     return res, [line for line in res.stdout.splitlines() if "::" in line]
 
@@ -215,16 +216,18 @@ def test_sanitize_summary_marks_empty_shards():
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
     import sanitize_summary
 
-    empty = sanitize_summary.parse("exit status 255\n========= COMPUTE-SANITIZER\ncollecting ... collected 1851 items"
-                                   " / 1851 deselected / 0 selected\n\n===== 1851 deselected in 1.47s =====\n"
-                                   "========= Error: Target application terminated before first instrumented API call\n")
-    crashed = sanitize_summary.parse("exit status 255\ncollecting ... collected 12 items / 11 deselected / 1 selected\n"
-                                     "tests/t.py::a \n")
+    empty = sanitize_summary.parse(
+        "exit status 255\n========= COMPUTE-SANITIZER\n"
+        "collecting ... collected 1851 items / 1851 deselected / 0 selected\n\n"
+        "===== 1851 deselected in 1.47s =====\n"
+        "========= Error: Target application terminated before first instrumented API call\n")
+    crashed = sanitize_summary.parse(
+        "exit status 255\ncollecting ... collected 12 items / 11 deselected / 1 selected\ntests/t.py::a \n")
     assert empty["empty"] and not crashed["empty"]
 
 
 def test_fp64_reference_mode_for_worker_threads(monkeypatch):
-    """A TorchFunctionMode is per thread: a test's own threads enter theirs through in_this_thread()."""
+    """A TorchFunctionMode is per thread: a test's own threads enter theirs through from_env()."""
     import threading
 
     import torch
@@ -232,9 +235,12 @@ def test_fp64_reference_mode_for_worker_threads(monkeypatch):
     import fp64_reference_on_cpu as mod
 
     monkeypatch.setenv(mod.ENV, "1")
-    assert isinstance(mod.in_this_thread(), mod.Float64MatmulsOn)
+    assert isinstance(mod.from_env(), mod.Float64MatmulsOn)
     monkeypatch.setenv(mod.ENV, "0")
-    assert not isinstance(mod.in_this_thread(), mod.Float64MatmulsOn)
+    assert not isinstance(mod.from_env(), mod.Float64MatmulsOn)
+    monkeypatch.setenv(mod.ENV, "on")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        mod.from_env()
     x = torch.randn(3, 4, dtype=torch.float64)
     with mod.Float64MatmulsOn("cpu", "cpu") as outer:
         seen = []
