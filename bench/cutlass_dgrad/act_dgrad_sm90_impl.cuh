@@ -1,0 +1,148 @@
+// The CUTLASS kernel type behind act_dgrad_sm90.h, instantiated once per tile configuration in
+// its own translation unit (config_*.cu), so the slow template builds compile in parallel.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "act_dgrad_sm90.h"
+
+namespace fused_dense_probe {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCoeff = 0.044715f;
+
+// gelu_approx'(p) * dy with fused_dense's own formula (csrc/core/elementwise.cu): the tanh form
+// written as sigmoid(2u), hardware ex2 / rcp, and the 0 limit where s (1 - s) underflows.
+__device__ __forceinline__ float gelu_approx_grad(float dy, float p) {
+  constexpr float c0 = -2.f * kSqrt2OverPi * 1.4426950408889634f;
+  constexpr float c1 = c0 * kGeluCoeff;
+  const float z = p * fmaf(c1, p * p, c0);
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  const float s1s = s * (1.f - s);
+  const float tail =
+      s1s == 0.f ? 0.f : 2.f * p * s1s * (kSqrt2OverPi * fmaf(3.f * kGeluCoeff, p * p, 1.f));
+  return dy * (s + tail);
+}
+
+// CUTLASS calls the epilogue's activation as Fn<Array<float, N>>{}(d_y, pre_act); it also
+// names Fn<float> to look for hyper-parameters, so both forms exist.
+template <class T>
+struct GeluApproxGrad {
+  CUTLASS_DEVICE T operator()(T const& dy, T const& p) const { return gelu_approx_grad(dy, p); }
+};
+
+template <int N>
+struct GeluApproxGrad<cutlass::Array<float, N>> {
+  CUTLASS_DEVICE cutlass::Array<float, N> operator()(cutlass::Array<float, N> const& dy,
+                                                     cutlass::Array<float, N> const& p) const {
+    cutlass::Array<float, N> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) out[i] = gelu_approx_grad(dy[i], p[i]);
+    return out;
+  }
+};
+
+template <class TileShape, class ClusterShape, class MainloopSchedule, class EpilogueSchedule>
+struct ActDgradKernel {
+  using Element = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::ColumnMajor;  // weight [N, K] read as W^T: M-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // d_output [B, N] read as dY^T: K-major
+  using LayoutD = cutlass::layout::ColumnMajor;  // d_input / pre_act [B, K]: M-major
+  static constexpr int kAlign = 16 / sizeof(Element);
+
+  using Fusion = cutlass::epilogue::fusion::LinCombDeEltActDePerRowBias<
+      LayoutD, GeluApproxGrad, Element, float, /*aux*/ Element, /*bias*/ Element, /*source*/ Element>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element,
+      LayoutD, kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB,
+      kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+
+  using GemmKernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  static typename Gemm::Arguments arguments(const ActDgradProblem& p, int sm_count) {
+    const int m = static_cast<int>(p.in_features), n = static_cast<int>(p.batch),
+              k = static_cast<int>(p.out_features);
+    using StrideA = typename GemmKernel::StrideA;
+    using StrideB = typename GemmKernel::StrideB;
+    using StrideD = typename GemmKernel::StrideD;
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {m, n, k, 1},
+        {static_cast<const Element*>(p.weight), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1)),
+         static_cast<const Element*>(p.d_output), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1))},
+        {{},
+         nullptr,
+         cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1)),
+         static_cast<Element*>(p.d_input),
+         cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1))}};
+    auto& fusion = args.epilogue.thread;
+    fusion.alpha = 1.f;
+    fusion.beta = 0.f;
+    fusion.aux_ptr = static_cast<const Element*>(p.pre_act);
+    fusion.dAux = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+    fusion.dbias_ptr = static_cast<Element*>(p.d_bias);
+    args.hw_info.device_id = 0;
+    args.hw_info.sm_count = sm_count;
+    return args;
+  }
+
+  static size_t workspace_bytes(const ActDgradProblem& p, std::string* error) {
+    auto args = arguments(p, 132);
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
+      *error = "CUTLASS cannot implement this problem with this configuration";
+      return 0;
+    }
+    return Gemm::get_workspace_size(args);
+  }
+
+  static std::string run(const ActDgradProblem& p, void* workspace, size_t workspace_bytes, int sm_count,
+                         cudaStream_t stream) {
+    auto args = arguments(p, sm_count);
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess)
+      return "CUTLASS cannot implement this problem with this configuration";
+    if (Gemm::get_workspace_size(args) > workspace_bytes) return "workspace too small";
+    cutlass::Status s = gemm.initialize(args, workspace, stream);
+    if (s != cutlass::Status::kSuccess)
+      return std::string("CUTLASS initialize: ") + cutlassGetStatusString(s);
+    s = gemm.run(stream);
+    if (s != cutlass::Status::kSuccess) return std::string("CUTLASS run: ") + cutlassGetStatusString(s);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return std::string("launch: ") + cudaGetErrorName(e);
+    return {};
+  }
+};
+
+}  // namespace fused_dense_probe
+
+// One configuration per translation unit: defines config_<ID>_workspace / config_<ID>_run.
+#define FUSED_DENSE_PROBE_CONFIG(ID, ...)                                                          \
+  namespace fused_dense_probe {                                                                   \
+  using Kernel##ID = ActDgradKernel<__VA_ARGS__>;                                                 \
+  size_t config_##ID##_workspace(const ActDgradProblem& p, std::string* error) {                 \
+    return Kernel##ID::workspace_bytes(p, error);                                                  \
+  }                                                                                               \
+  std::string config_##ID##_run(const ActDgradProblem& p, void* ws, size_t bytes, int sms,       \
+                                cudaStream_t stream) {                                           \
+    return Kernel##ID::run(p, ws, bytes, sms, stream);                                             \
+  }                                                                                               \
+  }
