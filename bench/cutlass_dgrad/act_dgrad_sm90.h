@@ -28,15 +28,25 @@ struct ActDgradProblem {
 };
 
 // Tile configurations compiled into the probe; names say tile M x N, cluster and schedule.
-constexpr int kNumConfigs = 3;
+// Config 3 is not fused: the same kind of GEMM writing d_act only (pre_act and d_bias unused);
+// configs 5 and 6 apply the GELU backward but leave d_bias unwritten.
+constexpr int kNumConfigs = 7;
 const char* config_name(int config);
+
+// The persistent tile scheduler's order: tiles grouped swizzle at a time (1, 2, 4, 8) along
+// raster 0 (CUTLASS's heuristic), 1 (along M) or 2 (along N); it decides how much of A and B
+// the tiles running at once share in L2.
+struct Schedule {
+  int swizzle = 1;
+  int raster = 0;
+};
 
 // Workspace bytes the config needs for this problem (the bias reduction's partial sums and
 // tile counters), or an error message in *error.
-size_t act_dgrad_workspace_bytes(int config, const ActDgradProblem& p, std::string* error);
+size_t act_dgrad_workspace_bytes(int config, const ActDgradProblem& p, const Schedule& sched, std::string* error);
 
 // Empty string on success, otherwise what CUTLASS refused or which status it returned.
-std::string act_dgrad(int config, const ActDgradProblem& p, void* workspace, size_t workspace_bytes,
-                      int sm_count, cudaStream_t stream);
+std::string act_dgrad(int config, const ActDgradProblem& p, const Schedule& sched, void* workspace,
+                      size_t workspace_bytes, int sm_count, cudaStream_t stream);
 
 }  // namespace fused_dense_probe

@@ -51,7 +51,11 @@ struct GeluApproxGrad<cutlass::Array<float, N>> {
   }
 };
 
-template <class TileShape, class ClusterShape, class MainloopSchedule, class EpilogueSchedule>
+// What the epilogue does: d_act only (the same GEMM with a plain epilogue, CUTLASS's own floor),
+// the GELU backward without the bias gradient, or both.
+enum class Epi { kPlain, kGeluGrad, kGeluGradBias };
+
+template <Epi kEpi, class TileShape, class ClusterShape, class MainloopSchedule, class EpilogueSchedule>
 struct ActDgradKernel {
   using Element = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::ColumnMajor;  // weight [N, K] read as W^T: M-major
@@ -59,8 +63,14 @@ struct ActDgradKernel {
   using LayoutD = cutlass::layout::ColumnMajor;  // d_input / pre_act [B, K]: M-major
   static constexpr int kAlign = 16 / sizeof(Element);
 
-  using Fusion = cutlass::epilogue::fusion::LinCombDeEltActDePerRowBias<
-      LayoutD, GeluApproxGrad, Element, float, /*aux*/ Element, /*bias*/ Element, /*source*/ Element>;
+  using Fusion = cute::conditional_t<
+      kEpi == Epi::kGeluGradBias,
+      cutlass::epilogue::fusion::LinCombDeEltActDePerRowBias<LayoutD, GeluApproxGrad, Element, float,
+                                                             /*aux*/ Element, /*bias*/ Element, /*source*/ Element>,
+      cute::conditional_t<kEpi == Epi::kGeluGrad,
+                          cutlass::epilogue::fusion::LinCombDeEltAct<LayoutD, GeluApproxGrad, Element, float,
+                                                                     /*aux*/ Element, /*source*/ Element>,
+                          cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -78,7 +88,7 @@ struct ActDgradKernel {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
-  static typename Gemm::Arguments arguments(const ActDgradProblem& p, int sm_count) {
+  static typename Gemm::Arguments arguments(const ActDgradProblem& p, int sm_count, const Schedule& sched) {
     const int m = static_cast<int>(p.in_features), n = static_cast<int>(p.batch),
               k = static_cast<int>(p.out_features);
     using StrideA = typename GemmKernel::StrideA;
@@ -97,16 +107,21 @@ struct ActDgradKernel {
     auto& fusion = args.epilogue.thread;
     fusion.alpha = 1.f;
     fusion.beta = 0.f;
-    fusion.aux_ptr = static_cast<const Element*>(p.pre_act);
-    fusion.dAux = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
-    fusion.dbias_ptr = static_cast<Element*>(p.d_bias);
+    if constexpr (kEpi != Epi::kPlain) {
+      fusion.aux_ptr = static_cast<const Element*>(p.pre_act);
+      fusion.dAux = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+    }
+    if constexpr (kEpi == Epi::kGeluGradBias) fusion.dbias_ptr = static_cast<Element*>(p.d_bias);
+    using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.max_swizzle_size = sched.swizzle;
+    args.scheduler.raster_order = sched.raster == 1 ? Raster::AlongM : sched.raster == 2 ? Raster::AlongN : Raster::Heuristic;
     args.hw_info.device_id = 0;
     args.hw_info.sm_count = sm_count;
     return args;
   }
 
-  static size_t workspace_bytes(const ActDgradProblem& p, std::string* error) {
-    auto args = arguments(p, 132);
+  static size_t workspace_bytes(const ActDgradProblem& p, const Schedule& sched, std::string* error) {
+    auto args = arguments(p, 132, sched);
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
       *error = "CUTLASS cannot implement this problem with this configuration";
       return 0;
@@ -114,9 +129,9 @@ struct ActDgradKernel {
     return Gemm::get_workspace_size(args);
   }
 
-  static std::string run(const ActDgradProblem& p, void* workspace, size_t workspace_bytes, int sm_count,
-                         cudaStream_t stream) {
-    auto args = arguments(p, sm_count);
+  static std::string run(const ActDgradProblem& p, const Schedule& sched, void* workspace, size_t workspace_bytes,
+                         int sm_count, cudaStream_t stream) {
+    auto args = arguments(p, sm_count, sched);
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess)
       return "CUTLASS cannot implement this problem with this configuration";
@@ -138,11 +153,11 @@ struct ActDgradKernel {
 #define FUSED_DENSE_PROBE_CONFIG(ID, ...)                                                          \
   namespace fused_dense_probe {                                                                   \
   using Kernel##ID = ActDgradKernel<__VA_ARGS__>;                                                 \
-  size_t config_##ID##_workspace(const ActDgradProblem& p, std::string* error) {                 \
-    return Kernel##ID::workspace_bytes(p, error);                                                  \
+  size_t config_##ID##_workspace(const ActDgradProblem& p, const Schedule& sched, std::string* error) { \
+    return Kernel##ID::workspace_bytes(p, sched, error);                                           \
   }                                                                                               \
-  std::string config_##ID##_run(const ActDgradProblem& p, void* ws, size_t bytes, int sms,       \
-                                cudaStream_t stream) {                                           \
-    return Kernel##ID::run(p, ws, bytes, sms, stream);                                             \
+  std::string config_##ID##_run(const ActDgradProblem& p, const Schedule& sched, void* ws, size_t bytes, \
+                                int sms, cudaStream_t stream) {                                  \
+    return Kernel##ID::run(p, sched, ws, bytes, sms, stream);                                      \
   }                                                                                               \
   }

@@ -18,7 +18,8 @@ void check_operand(const at::Tensor& t, const char* name, int64_t rows, int64_t 
 }
 
 std::tuple<at::Tensor, at::Tensor> act_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
-                                             const at::Tensor& pre_act, int64_t config) {
+                                             const at::Tensor& pre_act, int64_t config,
+                                             int64_t swizzle, int64_t raster) {
   TORCH_CHECK(weight.dim() == 2 && d_output.dim() == 2, "act_dgrad: weight and d_output must be 2-D");
   const int64_t n = weight.size(0), k = weight.size(1), b = d_output.size(0);
   check_operand(weight, "weight", n, k);
@@ -28,6 +29,11 @@ std::tuple<at::Tensor, at::Tensor> act_dgrad(const at::Tensor& weight, const at:
               " N=", n, " K=", k);
   TORCH_CHECK(config >= 0 && config < fused_dense_probe::kNumConfigs, "act_dgrad: config must be in [0, ",
               fused_dense_probe::kNumConfigs, "), got ", config);
+  TORCH_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8,
+              "act_dgrad: swizzle must be 1, 2, 4 or 8, got ", swizzle);
+  TORCH_CHECK(raster >= 0 && raster <= 2, "act_dgrad: raster must be 0 (heuristic), 1 (along M) or 2 (along N), got ",
+              raster);
+  const fused_dense_probe::Schedule sched{static_cast<int>(swizzle), static_cast<int>(raster)};
   c10::cuda::CUDAGuard guard(weight.device());
   at::Tensor d_input = at::empty({b, k}, weight.options());
   at::Tensor d_bias = at::empty({k}, weight.options());
@@ -41,11 +47,11 @@ std::tuple<at::Tensor, at::Tensor> act_dgrad(const at::Tensor& weight, const at:
   p.d_input = d_input.data_ptr();
   p.d_bias = d_bias.data_ptr();
   std::string error;
-  const size_t bytes = fused_dense_probe::act_dgrad_workspace_bytes(static_cast<int>(config), p, &error);
+  const size_t bytes = fused_dense_probe::act_dgrad_workspace_bytes(static_cast<int>(config), p, sched, &error);
   TORCH_CHECK(error.empty(), "act_dgrad (", fused_dense_probe::config_name(static_cast<int>(config)), "): ", error);
   at::Tensor workspace = at::empty({static_cast<int64_t>(bytes) + 1}, weight.options().dtype(at::kByte));
   static const int sm_count = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  error = fused_dense_probe::act_dgrad(static_cast<int>(config), p, workspace.data_ptr(), bytes, sm_count,
+  error = fused_dense_probe::act_dgrad(static_cast<int>(config), p, sched, workspace.data_ptr(), bytes, sm_count,
                                        at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(error.empty(), "act_dgrad (", fused_dense_probe::config_name(static_cast<int>(config)), "): ", error);
   return {d_input, d_bias};
@@ -60,7 +66,7 @@ std::string config_name(int64_t config) {
 }  // namespace
 
 TORCH_LIBRARY(fused_dense_probe, m) {
-  m.def("act_dgrad(Tensor weight, Tensor d_output, Tensor pre_act, int config) -> (Tensor, Tensor)");
+  m.def("act_dgrad(Tensor weight, Tensor d_output, Tensor pre_act, int config, int swizzle=1, int raster=0) -> (Tensor, Tensor)");
   m.def("config_name(int config) -> str", &config_name);
   m.def("num_configs() -> int", [] { return static_cast<int64_t>(fused_dense_probe::kNumConfigs); });
 }
