@@ -12,25 +12,15 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "act_dgrad_sm90.h"
+#include "activation_math.cuh"
 
 namespace fused_dense_probe {
 
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCoeff = 0.044715f;
-
-// gelu_approx'(p) * dy with fused_dense's own formula (csrc/core/elementwise.cu): the tanh form
-// written as sigmoid(2u), hardware ex2 / rcp, and the 0 limit where s (1 - s) underflows.
+// gelu_approx'(p) * dy with fused_dense's own formula (csrc/core/activation_math.cuh, the math
+// of the library's elementwise kernels for 16-bit outputs).
 __device__ __forceinline__ float gelu_approx_grad(float dy, float p) {
-  constexpr float c0 = -2.f * kSqrt2OverPi * 1.4426950408889634f;
-  constexpr float c1 = c0 * kGeluCoeff;
-  const float z = p * fmaf(c1, p * p, c0);
-  float e, s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
-  const float s1s = s * (1.f - s);
-  const float tail =
-      s1s == 0.f ? 0.f : 2.f * p * s1s * (kSqrt2OverPi * fmaf(3.f * kGeluCoeff, p * p, 1.f));
-  return dy * (s + tail);
+  using namespace fused_dense::core;
+  return dy * act_derivative<Activation::kGeluTanh, true>(p);
 }
 
 // CUTLASS calls the epilogue's activation as Fn<Array<float, N>>{}(d_y, pre_act); it also

@@ -21,7 +21,8 @@ def main():
     os.makedirs(build_dir, exist_ok=True)
     sources = [os.path.join(HERE, f) for f in
                ("registration.cpp", "dispatch.cpp") + tuple(f"config_{i}.cu" for i in range(7))]
-    includes = [os.path.join(CUTLASS, "include"), os.path.join(CUTLASS, "tools", "util", "include"), HERE]
+    includes = [os.path.join(CUTLASS, "include"), os.path.join(CUTLASS, "tools", "util", "include"), HERE,
+                os.path.join(ROOT, "csrc", "core")]
     lib = cpp_extension.load(
         name="fused_dense_cutlass_probe", sources=sources, extra_include_paths=includes,
         extra_cflags=["-O3", "-std=c++17", "-DNDEBUG"],

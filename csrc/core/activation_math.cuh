@@ -1,0 +1,83 @@
+// The activations' device math, one definition for every kernel that applies them: the
+// elementwise kernels (elementwise.cu) and the GEMM epilogue of own_dgrad_sm90.cu, so that each
+// path computes the same function of the same fp32 inputs.
+#pragma once
+
+#include "types.h"
+
+namespace fused_dense::core {
+
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCoeff = 0.044715f;
+
+__device__ __forceinline__ float relu_f(float p) {
+  // Propagate NaN (fmaxf would turn it into 0 and hide a diverged activation); map -0 to +0.
+  return (p > 0.f || p != p) ? p : 0.f;
+}
+
+// 0.5 * (1 + tanh(u)) == sigmoid(2u), u = sqrt(2/pi) * (p + 0.044715 p^3). The sigmoid form
+// needs one exp and one reciprocal instead of tanhf's two branches, which matters because at
+// 8 elements per 16 bytes the 16-bit GELU kernels are otherwise issue-bound, not memory-bound.
+// kFast (16-bit outputs) uses the hardware ex2/rcp approximations, whose error (a few fp32
+// ulps) is far below half a 16-bit ulp; fp32 outputs keep the accurate expf and division.
+template <bool kFast>
+__device__ __forceinline__ float gelu_sigmoid(float p) {
+  if constexpr (kFast) {
+    // -2u * log2(e) = p * (c0 + c1 p^2), constants folded so the chain is mul, fma, mul.
+    constexpr float c0 = -2.f * kSqrt2OverPi * 1.4426950408889634f;
+    constexpr float c1 = c0 * kGeluCoeff;
+    const float z = p * fmaf(c1, p * p, c0);
+    float e, s;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(z));
+    // e == inf (very negative p) gives rcp(inf) == 0, the correct limit.
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+    return s;
+  } else {
+    const float u = kSqrt2OverPi * fmaf(kGeluCoeff * p * p, p, p);
+    return 1.f / (1.f + expf(-2.f * u));
+  }
+}
+
+template <Activation A, bool kFast>
+__device__ __forceinline__ float act_forward(float p) {
+  if constexpr (A == Activation::kNone) {
+    return p;
+  } else if constexpr (A == Activation::kGeluTanh) {
+    return p * gelu_sigmoid<kFast>(p);
+  } else if constexpr (A == Activation::kRelu) {
+    return relu_f(p);
+  } else {
+    const float r = relu_f(p);
+    return r * r;
+  }
+}
+
+// Derivative of act_forward<A> at p (not used for ReLU, whose backward reads the bit-mask). With
+// `value` non-null, also act_forward<A>(p) itself, by the same expression, so bit-identical, from
+// the same sigmoid: the compiler does not merge two ex2 / rcp inline-asm sequences on its own.
+template <Activation A, bool kFast>
+__device__ __forceinline__ float act_derivative(float p, float* value = nullptr) {
+  if constexpr (A == Activation::kNone) {
+    if (value != nullptr) *value = p;
+    return 1.f;
+  } else if constexpr (A == Activation::kGeluTanh) {
+    // d/dp [p * s(p)] with s = sigmoid(2u): s + p * s' and s' = 2 s (1 - s) u'.
+    const float s = gelu_sigmoid<kFast>(p);
+    if (value != nullptr) *value = p * s;
+    const float s1s = s * (1.f - s);
+    // For huge |p| the factor p * u' overflows to inf while s (1 - s) is exactly 0; the
+    // limit of the product is 0, not NaN.
+    const float tail =
+        s1s == 0.f ? 0.f : 2.f * p * s1s * (kSqrt2OverPi * fmaf(3.f * kGeluCoeff, p * p, 1.f));
+    return s + tail;
+  } else if constexpr (A == Activation::kRelu) {
+    if (value != nullptr) *value = relu_f(p);
+    return p > 0.f ? 1.f : 0.f;
+  } else {
+    const float r = relu_f(p);
+    if (value != nullptr) *value = r * r;
+    return 2.f * r;
+  }
+}
+
+}  // namespace fused_dense::core
