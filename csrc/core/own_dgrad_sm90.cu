@@ -48,29 +48,40 @@ struct GeluApproxGrad<cutlass::Array<float, n>> {
 };
 
 // In CUTLASS's column-major terms the data gradient is D[K, B] = W^T[K, N] * dY^T[N, B]: the
-// weight is an M-major A, d_output a K-major B, d_input and pre_act M-major [K, B]. 128 x 128
-// tiles, 2 x 1 clusters, the ping-pong schedule (one warp group's epilogue runs under the other's
-// MMAs): the fastest of the probe's tile configurations at d <= 4096.
-template <class Element>
-struct GeluDgradKernel {
+// weight is an M-major A, d_output a K-major B, d_input and pre_act M-major [K, B]. Two kernels,
+// each the fastest of the probe's tile configurations for its epilogue at d <= 4096:
+//  * GELU backward: 128 x 128 tiles, 2 x 1 clusters, ping-pong (one warp group's epilogue, which
+//    reads pre_act, runs under the other's MMAs);
+//  * plain (activation none, e.g. fc1's data gradient): 128 x 256 tiles, 2 x 1 clusters,
+//    cooperative; 0.81-0.95x torch.mm's time for fc2's shapes in the probe.
+template <class Element, bool kGelu>
+struct DgradKernel {
   using LayoutA = cutlass::layout::ColumnMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::ColumnMajor;
   static constexpr int kAlign = 16 / sizeof(Element);
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using TileShape = cute::conditional_t<kGelu, cute::Shape<cute::_128, cute::_128, cute::_64>,
+                                        cute::Shape<cute::_128, cute::_256, cute::_64>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using MainloopSchedule = cute::conditional_t<kGelu, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cute::conditional_t<kGelu, cutlass::epilogue::TmaWarpSpecialized,
+                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
-  using Fusion = cutlass::epilogue::fusion::LinCombDeEltAct<LayoutD, GeluApproxGrad, Element, float,
-                                                            /*aux*/ Element, /*source*/ Element>;
+  using Fusion = cute::conditional_t<
+      kGelu,
+      cutlass::epilogue::fusion::LinCombDeEltAct<LayoutD, GeluApproxGrad, Element, float, /*aux*/ Element,
+                                                 /*source*/ Element>,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element, LayoutD,
-      kAlign, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+      kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
@@ -86,9 +97,9 @@ struct SchedulerOrder {
 constexpr SchedulerOrder kOrders[] = {{1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
 constexpr int kNumOrders = sizeof(kOrders) / sizeof(kOrders[0]);
 
-template <class Element>
-bool run_gelu_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
-  using Kernel = GeluDgradKernel<Element>;
+template <class Element, bool kGelu>
+bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
+  using Kernel = DgradKernel<Element, kGelu>;
   using Gemm = typename Kernel::Gemm;
   using StrideA = typename Kernel::GemmKernel::StrideA;
   using StrideB = typename Kernel::GemmKernel::StrideB;
@@ -104,8 +115,10 @@ bool run_gelu_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cud
   auto& fusion = args.epilogue.thread;
   fusion.alpha = 1.f;
   fusion.beta = 0.f;
-  fusion.aux_ptr = static_cast<const Element*>(a.pre_act);
-  fusion.dAux = stride_d;
+  if constexpr (kGelu) {
+    fusion.aux_ptr = static_cast<const Element*>(a.pre_act);
+    fusion.dAux = stride_d;
+  }
   int sms = 0;
   FD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device));
   args.hw_info.device_id = a.device;
@@ -129,12 +142,13 @@ bool run_gelu_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cud
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 bool fits(const OwnDgradArgs& a) {
-  if (a.activation != Activation::kGeluTanh || a.dtype == DType::kFloat32) return false;
+  const bool gelu = a.activation == Activation::kGeluTanh;
+  if (!(gelu || a.activation == Activation::kNone) || a.dtype == DType::kFloat32) return false;
   // TMA needs every row stride a multiple of 16 bytes; CUTLASS's problem shape is int.
   if (a.in_features % 8 != 0 || a.out_features % 8 != 0 || a.batch <= 0 || a.batch > INT32_MAX ||
       a.in_features > INT32_MAX || a.out_features > INT32_MAX)
     return false;
-  return aligned16(a.weight) && aligned16(a.d_output) && aligned16(a.pre_act) && aligned16(a.d_input);
+  return aligned16(a.weight) && aligned16(a.d_output) && (!gelu || aligned16(a.pre_act)) && aligned16(a.d_input);
 }
 
 }  // namespace
@@ -149,8 +163,12 @@ int own_dgrad_variants(const OwnDgradArgs& a) {
 
 bool own_act_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
   if (variant < 0 || variant >= kNumOrders || !fits(a)) return false;
-  if (a.dtype == DType::kBFloat16) return run_gelu_dgrad<cutlass::bfloat16_t>(variant, a, ws, stream);
-  return run_gelu_dgrad<cutlass::half_t>(variant, a, ws, stream);
+  const bool gelu = a.activation == Activation::kGeluTanh;
+  if (a.dtype == DType::kBFloat16)
+    return gelu ? run_dgrad<cutlass::bfloat16_t, true>(variant, a, ws, stream)
+                : run_dgrad<cutlass::bfloat16_t, false>(variant, a, ws, stream);
+  return gelu ? run_dgrad<cutlass::half_t, true>(variant, a, ws, stream)
+              : run_dgrad<cutlass::half_t, false>(variant, a, ws, stream);
 }
 
 }  // namespace fused_dense::core

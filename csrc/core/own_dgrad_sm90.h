@@ -1,6 +1,7 @@
 // A data-gradient GEMM of fused_dense's own for Hopper, built on CUTLASS 3's warp-specialized
 // sm_90a kernels: d_input = (d_output @ weight) * act'(pre_act) in one kernel, the activation
-// backward applied in the epilogue to the fp32 accumulator (activation_math.cuh's derivative).
+// backward applied in the epilogue to the fp32 accumulator (activation_math.cuh's derivative);
+// with activation none, the plain product (CUTLASS's GEMM beat torch.mm's at these layouts).
 // cuBLASLt's DGELU epilogues are slower than its plain GEMM + fused_dense's elementwise pass on
 // the H200; this kernel measured 0.72-0.79x that pair at d <= 4096 (bench/cutlass_dgrad_probe.py,
 // docs/gpu_runs/s7r4_cutlass_dgrad_probe.log). It computes no bias gradient: CUTLASS's
@@ -32,7 +33,7 @@ struct OwnDgradArgs {
 
 // How many variants the tuner may time for this problem (tile-scheduler orders of one kernel);
 // 0 when the kernel is not compiled in, the device is not compute capability 9.0, or the dtype
-// (fp16 / bf16), activation (gelu_approx), widths (multiples of 8) or pointer alignment
+// (fp16 / bf16), activation (gelu_approx or none), widths (multiples of 8) or pointer alignment
 // (16 bytes) do not fit.
 int own_dgrad_variants(const OwnDgradArgs& a);
 
