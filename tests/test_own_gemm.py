@@ -55,3 +55,25 @@ def test_own_dgrad_through_the_suite():
     # widths it cannot take (K or N = 33) never reach it
     misfits = [t for t in tuned if int(t[3]) % 8 or int(t[4]) % 8]
     assert not misfits, f"the own GEMM took widths it must refuse: {misfits[:5]}"
+
+
+@pytest.mark.cuda
+def test_tuning_candidates_typo_is_a_clear_error():
+    """A misspelt FUSED_DENSE_TUNING_CANDIDATES fails the first tuned call with a message naming the
+    variable and its allowed words, instead of silently measuring nothing."""
+    if not (fused_dense.has_cuda_kernels() and torch.cuda.is_available()):
+        pytest.skip("needs the CUDA kernels and a GPU")
+    script = ("import torch, fused_dense\n"
+              "from fused_dense import ops\n"
+              "w = torch.randn(64, 128, device='cuda', dtype=torch.bfloat16)\n"
+              "g = torch.randn(32, 64, device='cuda', dtype=torch.bfloat16)\n"
+              "pre = torch.randn(32, 128, device='cuda', dtype=torch.bfloat16)\n"
+              "ops.act_linear_dgrad(w, g, pre, 'gelu_approx', True, 'auto')\n"
+              "torch.cuda.synchronize()\n")
+    env = dict(os.environ, FUSED_DENSE_TUNING_CANDIDATES="own,fusd", FUSED_DENSE_TUNING="1")
+    env.pop("FUSED_DENSE_TUNING_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0, "a misspelt FUSED_DENSE_TUNING_CANDIDATES was accepted"
+    assert "FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, unfused and own, got 'own,fusd'" \
+        in proc.stderr, proc.stderr[-2000:]
