@@ -5,8 +5,12 @@ Install against the torch already in the environment:
 Environment:
     FUSED_DENSE_CPU_ONLY=1     build without CUDA (CPU + Meta kernels only); automatic when no
                                CUDA toolkit is found
-    FUSED_DENSE_CUDA_ARCHS     semicolon list of compute capabilities, default "8.0;9.0"
-                               (SASS for each, PTX for the highest)
+    FUSED_DENSE_CUDA_ARCHS     semicolon list of compute capabilities, default "8.0;9.0a"
+                               (SASS for each, PTX for the highest); 9.0a (Hopper's arch-specific
+                               features) is what fused_dense's own CUTLASS GEMM needs, 9.0 leaves it out
+    CUTLASS_PATH               a CUTLASS checkout (its include/ and tools/util/include/); by default
+                               the headers of the nvidia-cutlass package, when installed. Without
+                               them the own GEMM is left out (the library works without it)
     MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
@@ -36,12 +40,30 @@ def _want_cuda():
     return cpp_extension.CUDA_HOME is not None
 
 
-def _gencode_flags():
-    archs = os.environ.get("FUSED_DENSE_CUDA_ARCHS", "8.0;9.0").split(";")
-    nums = [a.strip().replace(".", "") for a in archs if a.strip()]
+def _cuda_archs():
+    archs = os.environ.get("FUSED_DENSE_CUDA_ARCHS", "8.0;9.0a").split(";")
+    return [a.strip().replace(".", "") for a in archs if a.strip()]
+
+
+def _gencode_flags(nums):
     flags = [f"-gencode=arch=compute_{n},code=sm_{n}" for n in nums]
-    flags.append(f"-gencode=arch=compute_{nums[-1]},code=compute_{nums[-1]}")
+    # PTX of the highest plain arch: arch-specific (9.0a) PTX does not run on later GPUs
+    ptx = max(int(n.rstrip("a")) for n in nums)
+    flags.append(f"-gencode=arch=compute_{ptx},code=compute_{ptx}")
     return flags
+
+
+def _cutlass_includes():
+    """CUTLASS's include directories, or None."""
+    root = os.environ.get("CUTLASS_PATH")
+    if not root:
+        try:
+            import cutlass_library
+        except ImportError:
+            return None
+        root = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
+    dirs = [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
+    return dirs if os.path.isfile(os.path.join(dirs[0], "cutlass", "cutlass.h")) else None
 
 
 torch_sources = ["csrc/torch/registration.cpp", "csrc/torch/checks.cpp", "csrc/torch/reference.cpp",
@@ -50,14 +72,25 @@ cxx_flags = ["-O3", "-std=c++17"]
 
 if _want_cuda():
     sources = torch_sources + ["csrc/torch/cuda_ops.cpp"] + _sources("csrc/core/*.cpp") + _sources("csrc/core/*.cu")
+    archs = _cuda_archs()
+    nvcc_flags = ["-O3", "-std=c++17", "-lineinfo"] + _gencode_flags(archs)
+    include_dirs = []
+    cutlass = _cutlass_includes()
+    cxx = list(cxx_flags)
+    if cutlass and "90a" in archs:
+        include_dirs += cutlass
+        nvcc_flags.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")
+        cxx.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")  # own_gemm_compiled() in registration.cpp
+    else:
+        print("fused_dense: building without the own CUTLASS GEMM (" +
+              ("needs 9.0a in FUSED_DENSE_CUDA_ARCHS" if cutlass else
+               "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 --no-deps, or set CUTLASS_PATH") + ")")
     ext = cpp_extension.CUDAExtension(
         name="fused_dense._C",
         sources=sources,
+        include_dirs=include_dirs,
         libraries=["cublasLt"],
-        extra_compile_args={
-            "cxx": cxx_flags,
-            "nvcc": ["-O3", "-std=c++17", "-lineinfo"] + _gencode_flags(),
-        },
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc_flags},
     )
 else:
     ext = cpp_extension.CppExtension(name="fused_dense._C", sources=torch_sources,

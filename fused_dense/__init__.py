@@ -1,5 +1,5 @@
 """fused_dense: fused GEMM + bias + activation dense layers for PyTorch training."""
-from ._loader import has_cuda_kernels, load_library
+from ._loader import has_cuda_kernels, has_own_gemm, load_library
 
 load_library()
 
@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ops",
     "has_cuda_kernels",
+    "has_own_gemm",
     "FusedDenseFunc",
     "FusedMLPFunc",
     "fused_dense_func",

@@ -26,3 +26,10 @@ def has_cuda_kernels() -> bool:
     """True when the extension was built with its CUDA kernels (not a CPU-only build)."""
     load_library()
     return torch._C._dispatch_has_kernel_for_dispatch_key("fused_dense::linear_act", "CUDA")
+
+
+def has_own_gemm() -> bool:
+    """True when the build holds fused_dense's own CUTLASS data-gradient GEMM for Hopper (sm_90a),
+    which heuristic='auto' then also measures on compute capability 9.0 GPUs."""
+    load_library()
+    return bool(torch.ops.fused_dense.own_gemm_compiled())

@@ -1,6 +1,6 @@
 // The activations' device math, one definition for every kernel that applies them: the
-// elementwise kernels (elementwise.cu) and the GEMM epilogue of the CUTLASS probe
-// (bench/cutlass_dgrad), so that each path computes the same function of the same fp32 inputs.
+// elementwise kernels (elementwise.cu) and the CUTLASS epilogues (own_dgrad_sm90.cu, bench/cutlass_dgrad),
+// so that each path computes the same function of the same fp32 inputs.
 #pragma once
 
 #include "types.h"

@@ -139,7 +139,7 @@ __device__ __forceinline__ void pack_to_floats(float (&f)[N], const Pack<T, N>& 
 }
 
 // The activations' fp32 math (relu_f, gelu_sigmoid, act_forward, act_derivative) lives in
-// activation_math.cuh, shared with the CUTLASS probe's epilogue.
+// activation_math.cuh, shared with the CUTLASS epilogues (own_dgrad_sm90.cu and the probe).
 
 // ---------------------------------------------------------------------------------------------
 // Flat grid-stride iteration over a [rows, width] index space with incremental (row, col).

@@ -5,6 +5,7 @@
 
 #include "cuda_check.h"
 #include "elementwise.h"
+#include "own_dgrad_sm90.h"
 #include "tuner.h"
 
 namespace fused_dense::core {
@@ -53,11 +54,12 @@ std::string describe(const char* op, const LinearContext& ctx, int64_t B, int64_
 
 // Resolves the heuristic argument into runs of `run_choice`: an explicit index tries the fused
 // epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the plain
-// list; 'auto' measures (tuner.h).
-template <typename RunChoice, typename Describe>
+// list; 'auto' measures (tuner.h), the own GEMM's variants included (`own_variants()` of them,
+// asked only when tuning).
+template <typename RunChoice, typename Describe, typename OwnVariants>
 void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_problem,
-              const GemmProblem& plain_problem, const Choice& rule, const LinearContext& ctx,
-              const TuningKey& key, Describe&& describe_problem, RunChoice&& run_choice) {
+              const GemmProblem& plain_problem, OwnVariants&& own_variants, const Choice& rule,
+              const LinearContext& ctx, const TuningKey& key, Describe&& describe_problem, RunChoice&& run_choice) {
   if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !fused_possible)) {
     run_choice(Choice{false, std::max(heuristic, 0)});
     return;
@@ -74,9 +76,11 @@ void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_probl
     const int plain_count = gemm_algorithm_count(plain_problem);
     Choice fallback = rule;
     if (fallback.fused && fused_count == 0) fallback = Choice{false, 0};
-    choice = tune(ctx.device, key, describe_problem(), fused_count, plain_count, fallback, run_choice, ctx.stream);
+    choice = tune(ctx.device, key, describe_problem(), fused_count, plain_count, own_variants(), fallback,
+                  run_choice, ctx.stream);
   }
-  // A choice tuned on aligned operands may not exist in the list of a less aligned call.
+  // A choice tuned on aligned operands may not exist in the list of a less aligned call (nor
+  // may the own GEMM take such operands).
   bool done = false;
   try {
     done = run_choice(choice);
@@ -169,7 +173,7 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
     return true;
   };
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice.
-  dispatch(a.heuristic, fused_possible, fused, plain, Choice{true, 0}, ctx,
+  dispatch(a.heuristic, fused_possible, fused, plain, [] { return 0; }, Choice{true, 0}, ctx,
            tuning_key(OpKind::kForward, ctx, B, K, N, a.activation, a.bias != nullptr, a.pre_act != nullptr),
            [&] { return describe("forward", ctx, B, K, N, a.activation); }, run_choice);
 }
@@ -212,7 +216,8 @@ void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
     return true;
   };
   // The seed's wgrad op takes no heuristic: it is always 'auto'; the rule fuses BGRADB.
-  dispatch(kHeuristicAuto, a.d_bias != nullptr, fused, plain, Choice{a.d_bias != nullptr, 0}, ctx,
+  dispatch(kHeuristicAuto, a.d_bias != nullptr, fused, plain, [] { return 0; }, Choice{a.d_bias != nullptr, 0},
+           ctx,
            tuning_key(OpKind::kWgrad, ctx, B, K, N, Activation::kNone, a.d_bias != nullptr, false),
            [&] { return describe("wgrad", ctx, B, K, N, Activation::kNone); }, run_choice);
 }
@@ -247,8 +252,23 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
                               aux_ld_accepted(a.activation, K);
   const bool needs_kernel = a.activation != Activation::kNone || a.d_bias != nullptr;
   const Workspace ws = gemm_part(ctx);
+  OwnDgradArgs own;
+  own.device = ctx.device;
+  own.batch = B, own.in_features = K, own.out_features = N;
+  own.dtype = ctx.dtype;
+  own.activation = a.activation;
+  own.weight = a.weight, own.d_output = a.d_output, own.pre_act = a.pre_act, own.d_input = a.d_input;
 
   auto run_choice = [&](const Choice& c) -> bool {
+    if (c.own >= 0) {
+      if (!own_act_dgrad(c.own, own, ws, ctx.stream)) return false;
+      // Its bias gradient sums the rounded d_input: CUTLASS's in-epilogue reduction was slower.
+      if (a.d_bias != nullptr)
+        act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_input, nullptr, nullptr, a.d_bias, B, K,
+                               ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+      rebuild_act_out();
+      return true;
+    }
     GemmPointers ptrs;
     ptrs.a = a.weight;
     ptrs.b = a.d_output;
@@ -270,8 +290,9 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
   // elementwise pass at every shape of ../shared/BASELINES.md (0.158 vs 0.124 ms at 8192x1024x4096).
   // act_out is not part of the key: a call with it takes the choice of the call without it, so
   // checkpoint level 1 computes the same gradients as level 0, bit for bit.
-  dispatch(a.heuristic, fused_possible, fused, plain, Choice{false, 0}, ctx,
-           tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
+  // Only 'auto' takes the own GEMM, and only where the tuner measured it faster.
+  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return own_dgrad_variants(own); }, Choice{false, 0},
+           ctx, tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
            [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
 }
 

@@ -86,7 +86,7 @@ class ChoiceCache {
     if (!file) return;  // persistence is an optimisation; an unwritable path only costs re-tuning
     file << tags_[device];
     for (int64_t x : key.v) file << ' ' << x;
-    file << ' ' << (choice.fused ? 1 : 0) << ' ' << choice.algorithm << '\n';
+    file << ' ' << (choice.fused ? 1 : 0) << ' ' << choice.algorithm << ' ' << choice.own << '\n';
   }
 
  private:
@@ -117,6 +117,7 @@ class ChoiceCache {
       for (auto& x : key.v) in >> x;
       in >> fused >> choice.algorithm;
       if (!in || line_tag != tag || choice.algorithm < 0) continue;  // other GPU, or a torn line
+      if (!(in >> choice.own)) choice.own = -1;  // a line from before the own GEMM
       choice.fused = fused != 0;
       (*table)[key] = choice;
     }
@@ -142,6 +143,34 @@ void announce_first_tuning() {
   });
 }
 
+// FUSED_DENSE_TUNING_CANDIDATES: which kinds of candidate to measure (all when unset).
+struct CandidateKinds {
+  bool fused = true, unfused = true, own = true;
+};
+
+CandidateKinds candidate_kinds() {
+  const char* v = std::getenv("FUSED_DENSE_TUNING_CANDIDATES");
+  if (v == nullptr || *v == '\0') return {};
+  CandidateKinds kinds{false, false, false};
+  std::stringstream list(v);
+  std::string word;
+  while (std::getline(list, word, ',')) {
+    if (word == "fused") {
+      kinds.fused = true;
+    } else if (word == "unfused") {
+      kinds.unfused = true;
+    } else if (word == "own") {
+      kinds.own = true;
+    } else {
+      throw Error("fused_dense: FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, "
+                  "unfused and own, got '" + std::string(v) + "'");
+    }
+  }
+  return kinds;
+}
+
+const char* choice_kind(const Choice& c) { return c.own >= 0 ? "own GEMM variant" : c.fused ? "fused" : "unfused"; }
+
 }  // namespace
 
 bool cached_choice(int device, const TuningKey& key, Choice* choice) {
@@ -149,15 +178,21 @@ bool cached_choice(int device, const TuningKey& key, Choice* choice) {
 }
 
 Choice tune(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
-            int plain_algorithms, const Choice& fallback, const CandidateRunner& run, cudaStream_t stream) {
+            int plain_algorithms, int own_variants, const Choice& fallback, const CandidateRunner& run,
+            cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone || !env_flag("FUSED_DENSE_TUNING", true)) return fallback;
   announce_first_tuning();
 
+  const CandidateKinds kinds = candidate_kinds();
   std::vector<Choice> candidates;
-  for (int i = 0; i < std::min(fused_algorithms, kMaxFusedCandidates); ++i) candidates.push_back({true, i});
-  for (int i = 0; i < std::min(plain_algorithms, kMaxPlainCandidates); ++i) candidates.push_back({false, i});
+  if (kinds.fused)
+    for (int i = 0; i < std::min(fused_algorithms, kMaxFusedCandidates); ++i) candidates.push_back({true, i});
+  if (kinds.unfused)
+    for (int i = 0; i < std::min(plain_algorithms, kMaxPlainCandidates); ++i) candidates.push_back({false, i});
+  if (kinds.own)
+    for (int i = 0; i < own_variants; ++i) candidates.push_back({false, 0, i});
 
   Event start = make_event(), stop = make_event();
   const auto t0 = std::chrono::steady_clock::now();
@@ -182,7 +217,10 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
 
   // Warm-up: the GPU's clocks ramp under load, so whichever candidate went first would look slow.
   // Run the rule's choice (else the first accepted candidate) for kWarmupMs before timing anything.
-  Choice warm = fallback;
+  // (With the candidate kinds restricted, the rule's choice may not be among them.)
+  Choice warm = candidates.empty() ? fallback : candidates.front();
+  for (const Choice& c : candidates)
+    if (c == fallback) warm = fallback;
   float warm_ms = time_ms(warm, 1);
   for (std::size_t i = 0; warm_ms < 0.f && i < candidates.size(); ++i) warm_ms = time_ms(warm = candidates[i], 1);
   if (warm_ms < 0.f) return fallback;
@@ -214,7 +252,7 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     if (rejected[i] || !(best_of[i] < std::numeric_limits<float>::infinity())) continue;
     ++measured;
     const Choice& c = candidates[i];
-    if (c.fused == fallback.fused && c.algorithm == fallback.algorithm) fallback_ms = best_of[i];
+    if (c == fallback) fallback_ms = best_of[i];
     if (best_of[i] < best_ms) {
       best_ms = best_of[i];
       best = c;
@@ -229,10 +267,10 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
   if (measured == 0) return fallback;
   if (env_flag("FUSED_DENSE_TUNING_VERBOSE", false)) {
     std::fprintf(stderr,
-                 "fused_dense: tuned %s: %s algorithm %d, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
+                 "fused_dense: tuned %s: %s %d, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
                  "rounds\n",
-                 description.c_str(), best.fused ? "fused" : "unfused", best.algorithm, best_ms, fallback_ms,
-                 measured, rounds);
+                 description.c_str(), choice_kind(best), best.own >= 0 ? best.own : best.algorithm, best_ms,
+                 fallback_ms, measured, rounds);
   }
   choice_cache().insert(device, key, best);
   return best;

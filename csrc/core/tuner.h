@@ -1,8 +1,11 @@
 // Measured choice for heuristic = auto: on the first call of a problem, time each candidate
 // (the fused epilogue with several of cuBLASLt's algorithms, plain GEMM + elementwise kernel
-// with several plain algorithms) on the caller's stream and keep the fastest, process-wide.
+// with several plain algorithms, and where it applies each variant of fused_dense's own GEMM,
+// own_dgrad_sm90.h) on the caller's stream and keep the fastest, process-wide.
 // FUSED_DENSE_TUNING_CACHE=path persists choices across processes (one line per problem).
 // FUSED_DENSE_TUNING=0 disables measuring (the fixed rule is used instead).
+// FUSED_DENSE_TUNING_CANDIDATES=own,fused,unfused (any subset, comma-separated) restricts the
+// kinds of candidates measured; the tests use it to pin a path.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +20,8 @@ namespace fused_dense::core {
 struct Choice {
   bool fused = false;
   int algorithm = 0;  // index into the fused epilogue's or the plain GEMM's algorithm list
+  int own = -1;       // >= 0: this variant of fused_dense's own GEMM instead (fused, algorithm unused)
+  bool operator==(const Choice& o) const { return fused == o.fused && algorithm == o.algorithm && own == o.own; }
 };
 
 // What identifies a problem for tuning: op kind, dtype, shape and epilogue flags.
@@ -36,6 +41,7 @@ bool cached_choice(int device, const TuningKey& key, Choice* choice);
 // CUDA graph, or tuning is disabled, returns `fallback` without measuring (and without caching
 // it, so a later eager call still tunes).
 Choice tune(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
-            int plain_algorithms, const Choice& fallback, const CandidateRunner& run, cudaStream_t stream);
+            int plain_algorithms, int own_variants, const Choice& fallback, const CandidateRunner& run,
+            cudaStream_t stream);
 
 }  // namespace fused_dense::core

@@ -1,0 +1,186 @@
+// CUTLASS's device code asserts; an assert is a call, across which ptxas serializes the wgmma
+// pipeline (warning C7510, a large slowdown). Release builds of this file go without them.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+
+#include "own_dgrad_sm90.h"
+
+#include <cstdint>
+
+#include "cuda_check.h"
+
+#if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "activation_math.cuh"
+
+namespace fused_dense::core {
+namespace {
+
+// CUTLASS calls the epilogue's activation as Fn<Array<float, n>>{}(d_act, pre_act) and looks for
+// hyper-parameters in Fn<float>, so both forms exist. kFast = true: the math the elementwise
+// kernels use for 16-bit outputs.
+template <class T>
+struct GeluApproxGrad {
+  CUTLASS_DEVICE T operator()(T const& d_act, T const& p) const {
+    return d_act * act_derivative<Activation::kGeluTanh, true>(p);
+  }
+};
+
+template <int n>
+struct GeluApproxGrad<cutlass::Array<float, n>> {
+  CUTLASS_DEVICE cutlass::Array<float, n> operator()(cutlass::Array<float, n> const& d_act,
+                                                     cutlass::Array<float, n> const& p) const {
+    cutlass::Array<float, n> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < n; ++i) out[i] = d_act[i] * act_derivative<Activation::kGeluTanh, true>(p[i]);
+    return out;
+  }
+};
+
+// In CUTLASS's column-major terms the data gradient is D[K, B] = W^T[K, N] * dY^T[N, B]: the
+// weight is an M-major A, d_output a K-major B, d_input and pre_act M-major [K, B]. Two kernels,
+// each the fastest of the probe's tile configurations for its epilogue at d <= 4096:
+//  * GELU backward: 128 x 128 tiles, 2 x 1 clusters, ping-pong (one warp group's epilogue, which
+//    reads pre_act, runs under the other's MMAs);
+//  * plain (activation none, e.g. fc1's data gradient): 128 x 256 tiles, 2 x 1 clusters,
+//    cooperative; 0.81-0.95x torch.mm's time for fc2's shapes in the probe.
+template <class Element, bool kGelu>
+struct DgradKernel {
+  using LayoutA = cutlass::layout::ColumnMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::ColumnMajor;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using TileShape = cute::conditional_t<kGelu, cute::Shape<cute::_128, cute::_128, cute::_64>,
+                                        cute::Shape<cute::_128, cute::_256, cute::_64>>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using MainloopSchedule = cute::conditional_t<kGelu, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cute::conditional_t<kGelu, cutlass::epilogue::TmaWarpSpecialized,
+                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
+
+  using Fusion = cute::conditional_t<
+      kGelu,
+      cutlass::epilogue::fusion::LinCombDeEltAct<LayoutD, GeluApproxGrad, Element, float, /*aux*/ Element,
+                                                 /*source*/ Element>,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element, LayoutD,
+      kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+
+// The tile scheduler's orders the tuner times (the variants): CUTLASS's default, and tiles
+// grouped 8 at a time along M or along N, which decides how much of A and of B the tiles running
+// at once share in L2. Each won at some shape in the probe.
+using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+struct SchedulerOrder {
+  int swizzle;
+  RasterOrder raster;
+};
+constexpr SchedulerOrder kOrders[] = {{1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
+constexpr int kNumOrders = sizeof(kOrders) / sizeof(kOrders[0]);
+
+template <class Element, bool kGelu>
+bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
+  using Kernel = DgradKernel<Element, kGelu>;
+  using Gemm = typename Kernel::Gemm;
+  using StrideA = typename Kernel::GemmKernel::StrideA;
+  using StrideB = typename Kernel::GemmKernel::StrideB;
+  using StrideD = typename Kernel::GemmKernel::StrideD;
+  const int m = static_cast<int>(a.in_features), n = static_cast<int>(a.batch), k = static_cast<int>(a.out_features);
+  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<const Element*>(a.weight), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1)),
+       static_cast<const Element*>(a.d_output), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1))},
+      {{}, nullptr, stride_d, static_cast<Element*>(a.d_input), stride_d}};
+  auto& fusion = args.epilogue.thread;
+  fusion.alpha = 1.f;
+  fusion.beta = 0.f;
+  if constexpr (kGelu) {
+    fusion.aux_ptr = static_cast<const Element*>(a.pre_act);
+    fusion.dAux = stride_d;
+  }
+  int sms = 0;
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device));
+  args.hw_info.device_id = a.device;
+  args.hw_info.sm_count = sms;
+  args.scheduler.max_swizzle_size = kOrders[variant].swizzle;
+  args.scheduler.raster_order = kOrders[variant].raster;
+
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+  if (Gemm::get_workspace_size(args) > ws.bytes) return false;
+  cutlass::Status status = gemm.initialize(args, ws.ptr, stream);
+  if (status != cutlass::Status::kSuccess)
+    throw_status("CUTLASS GemmUniversalAdapter::initialize", cutlassGetStatusString(status), __FILE__, __LINE__);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess)
+    throw_status("CUTLASS GemmUniversalAdapter::run", cutlassGetStatusString(status), __FILE__, __LINE__);
+  FD_CHECK_LAUNCH();
+  return true;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+bool fits(const OwnDgradArgs& a) {
+  const bool gelu = a.activation == Activation::kGeluTanh;
+  if (!(gelu || a.activation == Activation::kNone) || a.dtype == DType::kFloat32) return false;
+  // TMA needs every row stride a multiple of 16 bytes; CUTLASS's problem shape is int.
+  if (a.in_features % 8 != 0 || a.out_features % 8 != 0 || a.batch <= 0 || a.batch > INT32_MAX ||
+      a.in_features > INT32_MAX || a.out_features > INT32_MAX)
+    return false;
+  return aligned16(a.weight) && aligned16(a.d_output) && (!gelu || aligned16(a.pre_act)) && aligned16(a.d_input);
+}
+
+}  // namespace
+
+int own_dgrad_variants(const OwnDgradArgs& a) {
+  if (!fits(a)) return 0;
+  int major = 0, minor = 0;
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device));
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a.device));
+  return (major == 9 && minor == 0) ? kNumOrders : 0;  // an sm_90a cubin runs on 9.0 only
+}
+
+bool own_act_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
+  if (variant < 0 || variant >= kNumOrders || !fits(a)) return false;
+  const bool gelu = a.activation == Activation::kGeluTanh;
+  if (a.dtype == DType::kBFloat16)
+    return gelu ? run_dgrad<cutlass::bfloat16_t, true>(variant, a, ws, stream)
+                : run_dgrad<cutlass::bfloat16_t, false>(variant, a, ws, stream);
+  return gelu ? run_dgrad<cutlass::half_t, true>(variant, a, ws, stream)
+              : run_dgrad<cutlass::half_t, false>(variant, a, ws, stream);
+}
+
+}  // namespace fused_dense::core
+
+#else  // built without CUTLASS or without sm_90a: no variant
+
+namespace fused_dense::core {
+
+int own_dgrad_variants(const OwnDgradArgs&) { return 0; }
+
+bool own_act_dgrad(int, const OwnDgradArgs&, const Workspace&, cudaStream_t) { return false; }
+
+}  // namespace fused_dense::core
+
+#endif

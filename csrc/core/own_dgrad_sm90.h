@@ -1,0 +1,45 @@
+// A data-gradient GEMM of fused_dense's own for Hopper, built on CUTLASS 3's warp-specialized
+// sm_90a kernels: d_input = (d_output @ weight) * act'(pre_act) in one kernel, the activation
+// backward applied in the epilogue to the fp32 accumulator (activation_math.cuh's derivative);
+// with activation none, the plain product (CUTLASS's GEMM beat torch.mm's at these layouts).
+// cuBLASLt's DGELU epilogues are slower than its plain GEMM + fused_dense's elementwise pass on
+// the H200; this kernel measured 0.72-0.79x that pair at d <= 4096 (bench/cutlass_dgrad_probe.py,
+// docs/gpu_runs/s7r4_cutlass_dgrad_probe.log). It computes no bias gradient: CUTLASS's
+// in-epilogue reduction made the kernel slower than the pair, so the caller reduces d_input.
+//
+// Compiled in when the build finds CUTLASS's headers and targets sm_90a
+// (FUSED_DENSE_WITH_CUTLASS_SM90A, setup.py); otherwise it offers no variant.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gemm.h"
+#include "types.h"
+
+namespace fused_dense::core {
+
+struct OwnDgradArgs {
+  int device = 0;
+  int64_t batch = 0, in_features = 0, out_features = 0;  // B, K, N as in DgradArgs
+  DType dtype = DType::kBFloat16;
+  Activation activation = Activation::kGeluTanh;
+  const void* weight = nullptr;    // [N, K]
+  const void* d_output = nullptr;  // [B, N]
+  const void* pre_act = nullptr;   // [B, K]
+  void* d_input = nullptr;         // [B, K]
+};
+
+// How many variants the tuner may time for this problem (tile-scheduler orders of one kernel);
+// 0 when the kernel is not compiled in, the device is not compute capability 9.0, or the dtype
+// (fp16 / bf16), activation (gelu_approx or none), widths (multiples of 8) or pointer alignment
+// (16 bytes) do not fit.
+int own_dgrad_variants(const OwnDgradArgs& a);
+
+// Enqueues variant `variant` on the stream. False, with nothing launched, when the problem does
+// not fit (checked on every call: a tuned shape may come back at another offset), CUTLASS
+// refuses it, or the workspace is too small.
+bool own_act_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream);
+
+}  // namespace fused_dense::core
