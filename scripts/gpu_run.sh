@@ -171,6 +171,13 @@ if want sanitize; then
   help=$(compute-sanitizer --help 2>&1)
   grep -q -- "--show-backtrace" <<<"$help" && common+=(--show-backtrace no)
   grep -q -- "--print-limit" <<<"$help" && common+=(--print-limit 100000)
+  # SANITIZE_EXTRA_ARGS: more compute-sanitizer options, e.g. "--kernel-name-exclude kns=nvjet" to run
+  # NVIDIA's cuBLAS GEMMs uninstrumented (the tool then checks only the other kernels, ours)
+  if [ -n "${SANITIZE_EXTRA_ARGS:-}" ]; then
+    read -r -a extra <<<"$SANITIZE_EXTRA_ARGS"
+    grep -q -- "${extra[0]}" <<<"$help" || { echo "SANITIZE_EXTRA_ARGS: compute-sanitizer has no option ${extra[0]}"; exit 2; }
+    common+=("${extra[@]}")
+  fi
   part native && nvcc -std=c++17 -O2 -lineinfo -Icsrc/core -gencode arch=compute_90,code=sm_90 \
     tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp -o /tmp/test_elementwise_sanitize
   mkdir -p "$OUT/sanitize"
