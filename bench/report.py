@@ -252,6 +252,13 @@ def markdown(res):
                          f"{_f(re.get('out'), '{:.1e}')} | {_f(re.get('dx'), '{:.1e}')} | "
                          f"{_f(v.get('first_call_s'), '{:.2f}')} |")
         L.append("")
+        stalled = [f"{r['dtype']} {ACT_SHORT.get(r['activation'], r['activation'])} {r['M']} × {r['d']} "
+                   f"{label(k)} ({v['allocator_calls']})"
+                   for r in mlp for k, v in r["variants"].items() if _ok(v) and v.get("allocator_calls")]
+        if any("allocator_calls" in v for r in mlp for v in r["variants"].values()):  # CUDA runs count them
+            L.append("cudaMalloc / cudaFree calls of PyTorch's caching allocator during a figure's warm-up and "
+                     "timing (each stalls the GPU until the host catches up, so such a figure includes the "
+                     "allocator): " + ("; ".join(stalled) if stalled else "none") + ".\n")
         parts = [(r, r["variants"]["floor"].get("parts_ms")) for r in mlp
                  if _ok(r["variants"].get("floor")) and r["variants"]["floor"].get("parts_ms")]
         if parts:

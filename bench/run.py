@@ -159,6 +159,7 @@ class Bench:
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
             return self._summary(times, len(times))
+        allocs_before = self._allocator_calls()
         res = self._cuda_once(fn, grad_to_none, est)
         spread = self.spread(res)
         if spread is not None and spread > self.RETRY_SPREAD:
@@ -169,7 +170,15 @@ class Bench:
             kept["remeasured"] = {"dropped": {k: dropped.get(k) for k in ("ms", "p20", "p80")},
                                   "reason": f"p80 / p20 = {spread:.3f} > {self.RETRY_SPREAD}"}
             res = kept
+        # cudaMalloc / cudaFree inside the timed loop stall the host and the GPU waits for it: a
+        # figure with such calls measures the caching allocator, not the kernels, so it says so
+        res["allocator_calls"] = self._allocator_calls() - allocs_before
         return res
+
+    def _allocator_calls(self):
+        """cudaMalloc + cudaFree calls of PyTorch's caching allocator on this device so far."""
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("num_device_alloc", 0) + stats.get("num_device_free", 0)
 
     # A median whose 20th and 80th percentiles are further apart than this is measured again.
     RETRY_SPREAD = 1.05
@@ -691,6 +700,8 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
                 extra += f", err out {v['rel_err'].get('out', float('nan')):.1e}"
             if "first_call_s" in v:
                 extra += f", first call {v['first_call_s']:.2f} s"
+            if v.get("allocator_calls"):
+                extra += f", {v['allocator_calls']} cudaMalloc/cudaFree calls during warm-up and timing"
             log(f"{tag} {key}: {v['ms']:.3f} ms, {v['tflops']:.0f} TF/s{extra}")
             rec["variants"][key] = v
         except Exception as exc:  # noqa: BLE001

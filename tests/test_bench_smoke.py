@@ -40,6 +40,23 @@ def test_bench_run_cpu_quick(tmp_path):
     assert (tmp_path / "bench.md").read_text().startswith("# fused_dense benchmark")
 
 
+def test_report_names_figures_taken_with_allocator_calls(tmp_path):
+    """A figure whose timing included cudaMalloc / cudaFree (counted on CUDA runs) is named in the
+    report, and a CUDA run without any says "none"; a CPU run, which cannot count them, says nothing."""
+    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)], timeout=600)
+    report = _load("report")
+    res = json.loads((tmp_path / "bench.json").read_text())
+    assert "cudaMalloc" not in report.markdown(res)
+    item = res["mlp"][0]
+    timed = [k for k, v in item["variants"].items() if v["status"] == "ok"]
+    for k in timed:
+        item["variants"][k]["allocator_calls"] = 0
+    assert "the allocator): none." in report.markdown(res)
+    item["variants"][timed[-1]]["allocator_calls"] = 6
+    line = [ln for ln in report.markdown(res).splitlines() if "cudaMalloc" in ln]
+    assert len(line) == 1 and line[0].endswith("(6).") and f"{item['M']} × {item['d']}" in line[0], line
+
+
 def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
           "bench/parallel_mlp.py", "--device", "cpu", "--dims", "64", "--tokens", "32", "--reps", "2",
