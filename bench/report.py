@@ -21,6 +21,7 @@ LABELS = {
     "h0_l0": "FusedMLP h=0",
     "h1_l0": "FusedMLP h=1",
     "h2_l0": "FusedMLP h=2",
+    "auto_l0_again": "FusedMLP auto, again (last)",
 }
 ORDER = list(LABELS)
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}  # DESIGN.md: relative error against the reference

@@ -37,6 +37,8 @@ def test_bench_run_cpu_quick(tmp_path):
             assert v["status"] in ("ok", "skipped", "unavailable"), (item["id"], name, v)
     ok = [v for item in data["mlp"] for v in item["variants"].values() if v["status"] == "ok"]
     assert ok and all(v["ms"] > 0 for v in ok)
+    full = data["mlp"][0]["variants"]  # the full set: 'auto' level 0 measured again, last
+    assert list(full)[-1] == "auto_l0_again" and full["auto_l0_again"]["status"] == "ok", list(full)
     assert (tmp_path / "bench.md").read_text().startswith("# fused_dense benchmark")
 
 
