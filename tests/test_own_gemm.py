@@ -16,10 +16,11 @@ import fused_dense
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every CUDA test that sends a gelu_approx or plain data gradient through 'auto' (op; MLP and
-# module, whose fc1 data gradient is the plain one), and the CUDA-graph capture and replay of
-# FusedMLP (its default gelu_approx, tuned before capture)
+# module, whose fc1 data gradient is the plain one), the CUDA-graph capture and replay of FusedMLP
+# (its default gelu_approx, tuned before capture), and its forward + backward on two streams at once
 SELECTION = ["tests/test_ops.py", "tests/test_functional.py", "tests/test_modules.py", "tests/test_concurrency.py",
-             "-k", "(act_linear_dgrad and (gelu_approx or none)) or (mlp and gelu_approx and auto) or graph_replay"]
+             "-k", "(act_linear_dgrad and (gelu_approx or none)) or (mlp and gelu_approx and auto) or graph_replay "
+             "or two_streams_forward_backward"]
 # test_ops.CUDA_SHAPES (B, K, N) whose widths the own GEMM takes (K and N multiples of 8)
 OWN_SHAPES = [(1, 64, 64), (256, 128, 128), (1000, 1024, 1024), (256, 1024, 64), (1000, 64, 1024),
               (1, 1024, 128), (17, 128, 256), (256, 136, 1024)]
