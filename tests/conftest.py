@@ -8,7 +8,9 @@ CUDA kernels, instead of silently testing the reference.
 Helpers (import with `from conftest import rel_err, TOL, ...`):
     TOL                    relative-error tolerance per dtype (DESIGN.md)
     rel_err(out, ref)      ||out - ref|| / ||ref|| computed in float64
-    assert_close_rel(...)  rel_err <= TOL[dtype], with a readable message
+    assert_close_rel(...)  rel_err <= TOL[dtype], with a readable message; results that
+                           underflow into their dtype's subnormals judged by its spacing
+    subnormal_floor(...)   the ||ref|| below which that spacing, not TOL, bounds the error
     poison(t)              fill a tensor with NaN (floats) or 0xFF bytes (integers)
     poison_cuda_cache(...) fill the CUDA caching allocator's free blocks with 0xFF bytes so
                            outputs an op allocates start as NaN (float) / all-ones (uint8)
@@ -27,8 +29,20 @@ TOL = {
 }
 
 
-def rel_err(out, ref):
-    """||out - ref|| / ||ref|| in float64. Empty tensors give 0; a zero reference gives ||out||."""
+def subnormal_floor(dtype, numel, tol):
+    """The ||ref|| under which a correctly rounded `dtype` result can miss `tol`: a result in the
+    dtype's subnormal range keeps an absolute error of up to half the subnormal spacing whatever its
+    size (fp16: 3.0e-8, 1.5% of a 2e-6 result). It is two spacings per element over tol, far below
+    the ||ref|| of any result not made of subnormals (fp16, tol 2e-3: 6e-5 * sqrt(numel))."""
+    if not (dtype.is_floating_point and tol > 0):
+        return 0.0
+    fi = torch.finfo(dtype)
+    return 2 * fi.smallest_normal * fi.eps * math.sqrt(numel) / tol
+
+
+def rel_err(out, ref, floor=0.0):
+    """||out - ref|| / max(||ref||, floor) in float64. Empty tensors give 0; a zero reference and
+    floor give ||out||."""
     assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}"
     if out.numel() == 0:
         return 0.0
@@ -36,16 +50,18 @@ def rel_err(out, ref):
     r = ref.detach().to(device=o.device, dtype=torch.float64)
     if not torch.isfinite(o).all():
         return math.inf
-    denom = torch.linalg.vector_norm(r).item()
+    denom = max(torch.linalg.vector_norm(r).item(), float(floor))
     num = torch.linalg.vector_norm(o - r).item()
     return num if denom == 0.0 else num / denom
 
 
 def assert_close_rel(out, ref, dtype=None, what="output", tol=None):
-    """Asserts rel_err(out, ref) <= tol (default TOL[dtype or out.dtype])."""
+    """Asserts rel_err(out, ref) <= tol (default TOL[dtype or out.dtype]), ||ref|| taken as at least
+    subnormal_floor(out.dtype, ...) so results that underflow into subnormals are judged by what
+    their dtype can hold."""
     dtype = dtype if dtype is not None else out.dtype
     tol = TOL[dtype] if tol is None else tol
-    err = rel_err(out, ref)
+    err = rel_err(out, ref, subnormal_floor(out.dtype, out.numel(), tol))
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e} (dtype {dtype}, shape {tuple(out.shape)})"
 
 

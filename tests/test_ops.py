@@ -26,7 +26,7 @@ import fused_dense
 import fused_dense_lib
 from fused_dense import ops
 
-from conftest import TOL, assert_close_rel, poison_cuda_cache, rel_err
+from conftest import TOL, assert_close_rel, poison_cuda_cache, rel_err, subnormal_floor
 
 OPS = torch.ops.fused_dense
 ACT_CODE = {"none": 0, "gelu_approx": 1, "relu": 2, "sqrelu": 3}
@@ -133,6 +133,7 @@ def assert_rel(out, ref, dtype, what, floor=0.0):
     """
     if floor == 0.0:
         return assert_close_rel(out, ref, dtype, what)
+    floor = max(float(floor), subnormal_floor(out.dtype, out.numel(), TOL[dtype]))
     assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != reference shape {tuple(ref.shape)}"
     if out.numel() == 0:
         return
