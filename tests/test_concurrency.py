@@ -16,10 +16,12 @@ from fused_dense import FusedMLP
 pytestmark = pytest.mark.cuda
 
 
-def reference_mlp(m, x):
-    x64 = x.detach().double()
-    h = F.gelu(F.linear(x64, m.fc1.weight.double(), m.fc1.bias.double()), approximate="tanh")
-    return F.linear(h, m.fc2.weight.double(), m.fc2.bias.double())
+def reference_mlp(m, x, params=None):
+    """m's output at x in float64; `params` (fc1.weight, fc1.bias, fc2.weight, fc2.bias) in
+    float64 replace m's own, and `x` is used as given when it already is float64."""
+    w1, b1, w2, b2 = params if params is not None else [p.detach().double() for p in m.parameters()]
+    x64 = x if x.dtype == torch.float64 else x.detach().double()
+    return F.linear(F.gelu(F.linear(x64, w1, b1), approximate="tanh"), w2, b2)
 
 
 # Without the caching allocator the capture's cudaMalloc is illegal and breaks the process's RNG
@@ -83,7 +85,7 @@ def reference_mlp_grads(m, x, g):
     upstream gradient g."""
     params = [p.detach().double().requires_grad_() for p in m.parameters()]
     x64 = x.detach().double().requires_grad_()
-    out = F.linear(F.gelu(F.linear(x64, params[0], params[1]), approximate="tanh"), params[2], params[3])
+    out = reference_mlp(m, x64, params)
     return out, torch.autograd.grad(out, [x64, *params], g.double())
 
 
