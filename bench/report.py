@@ -187,7 +187,7 @@ def markdown(res):
     L.append("Method: " + "; ".join(filter(None, [
         m.get("timer"), f"warm-up ≥ {m.get('warmup_ms')} ms, ≥ {m.get('rep_ms')} ms and ≥ {m.get('min_reps')} reps "
         "of measurement per figure" if m.get("timer") else None,
-        "fresh random data (normal), never zeros", m.get("mlp"), "floor = " + m.get("floor", ""),
+        m.get("mlp_timer"), "fresh random data (normal), never zeros", m.get("mlp"), "floor = " + m.get("floor", ""),
     ])) + ". Full method: bench/README.md.\n")
     if res.get("elapsed_s") is not None:
         L.append(f"Run time {res['elapsed_s']:.0f} s.\n")

@@ -26,6 +26,7 @@ import gc
 import glob
 import importlib.util
 import json
+import math
 import os
 import platform
 import statistics
@@ -85,11 +86,10 @@ if fd_ops is not None:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Variant sets. Keys are stable (bench.json / plot / report use them).
-# auto_l0_again: 'auto' level 0 measured once more after every other variant of the shape, with the
-# choices its first measurement tuned, so a figure disturbed by its place in the order (right after
-# the tuning) shows as a difference between the two
-FULL_VARIANTS = ["floor", "eager", "compile", "auto_l0", "auto_l1", "auto_l2", "h-1_l0", "h0_l0", "h1_l0", "h2_l0",
-                 "auto_l0_again"]
+# (Session 8's 'auto_l0_again', 'auto' level 0 timed once more after every other variant, showed the
+# order disturbed the first figure; the variants are now timed in interleaved rounds instead, and
+# fused_spec still reads that key in older bench.json files.)
+FULL_VARIANTS = ["floor", "eager", "compile", "auto_l0", "auto_l1", "auto_l2", "h-1_l0", "h0_l0", "h1_l0", "h2_l0"]
 REDUCED_VARIANTS = ["floor", "eager", "compile", "auto_l0"]
 
 
@@ -204,22 +204,87 @@ class Bench:
         return self._events(fn, grad_to_none, warm, n, est)
 
     def _events(self, fn, grad_to_none, warm_ms, n, est):
-        if self._flush is None:
-            self._flush = torch.empty(256 * MIB, dtype=torch.int8, device=self.device)
-        for _ in range(max(1, int(warm_ms / est))):
-            fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        for i in range(n):
+        return self._summary(self._timed(fn, grad_to_none, max(1, int(warm_ms / est)), n), n)
+
+    def _timed(self, fn, grad_to_none, warm, n):
+        """warm untimed calls, then the times (ms) of n calls: CUDA events around each, the L2
+        cache flushed before each; on the CPU perf_counter around each."""
+        def reset():
             if grad_to_none:
                 for t in grad_to_none:
                     t.grad = None
+        for _ in range(warm):
+            reset()
+            fn()
+        if not self.cuda:
+            times = []
+            for _ in range(n):
+                reset()
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return times
+        if self._flush is None:
+            self._flush = torch.empty(256 * MIB, dtype=torch.int8, device=self.device)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        for i in range(n):
+            reset()
             self._flush.zero_()
             starts[i].record()
             fn()
             ends[i].record()
         self.sync()
-        return self._summary([s.elapsed_time(e) for s, e in zip(starts, ends)], n)
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+    def interleaved(self, fns, rounds, before_each=None):
+        """Times every function of fns ({key: (fn, grad_to_none)}) in `rounds` rounds. Each round
+        gives each function its share of the warm-up and the repetitions, in an order rotated by
+        one place per round, so a slow drift of clocks or temperature, or a transient left by one
+        variant's first-call tuning, falls on all of them alike instead of on whichever was being
+        timed then (session 9: 'auto' at 8192 x 4096 timed right after its tuning measured 3% slower
+        than the same module timed again after every other variant).
+
+        Returns {key: summary}: median, p20 and p80 over all its repetitions, the median of each
+        round (round_ms), allocator_calls on CUDA; or {"error": exception} for a function that
+        raised, which then leaves the later rounds. before_each(key) runs before each block."""
+        keys = list(fns)
+        est = {}
+        times = {k: [] for k in keys}
+        per_round = {k: [] for k in keys}
+        allocs = dict.fromkeys(keys, 0)
+        failed = {}
+        for r in range(rounds):
+            live = [k for k in keys if k not in failed]
+            shift = r % len(live) if live else 0
+            for k in live[shift:] + live[:shift]:
+                if before_each is not None:
+                    before_each(k)
+                fn, grad_to_none = fns[k]
+                before = self._allocator_calls() if self.cuda else 0
+                try:
+                    if k not in est:
+                        est[k] = self._estimate_ms(fn, grad_to_none)
+                    rep = max(self.rep_ms, self.min_reps * est[k]) / rounds
+                    warm = max(1, int(self.warmup_ms / rounds / est[k]))
+                    block = self._timed(fn, grad_to_none, warm, max(2, math.ceil(rep / est[k])))
+                except Exception as exc:  # noqa: BLE001 - recorded for this variant; the others go on
+                    failed[k] = exc
+                    continue
+                if self.cuda:
+                    allocs[k] += self._allocator_calls() - before
+                times[k] += block
+                per_round[k].append(statistics.median(block))
+        res = {}
+        for k in keys:
+            if k in failed:
+                res[k] = {"error": failed[k]}
+                continue
+            res[k] = self._summary(times[k], len(times[k]))
+            res[k].update(rounds=rounds, round_ms=[round(t, 4) for t in per_round[k]])
+            if self.cuda:
+                res[k]["allocator_calls"] = allocs[k]
+        return res
 
     @staticmethod
     def _summary(times, n):
@@ -644,6 +709,10 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
         except Exception as exc:  # noqa: BLE001
             log(f"{tag}: reference failed: {errstr(exc)}")
 
+    # 1. every variant's first call (compilation, plan creation, 'auto' tuning), its memory and
+    # accuracy pass; the modules stay alive for the timing
+    prepared = {}  # key -> (step, tensors whose grads reset per rep, record, fused path)
+    floor_parts = None
     for key in todo:
         fused = None if key in BASELINE_KEYS else f"FusedMLP heuristic={fused_spec(key)[0]}"
         pre = ctx.precheck(item_id, key, fused)
@@ -653,47 +722,73 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
             continue
         ctx.begin(item_id, key, fused)
         v = {"status": "ok"}
-        mod = None
         try:
             if key == "floor":
-                v.update(time_floor(ctx, M, d, h, dtype, parts=(variants == FULL_VARIANTS)))
+                step, floor_parts = floor_steps(ctx, M, d, h, dtype)
+                step()
+                ctx.sync()
+                prepared[key] = (step, None, v, fused)
+                continue
+            if key == "eager":
+                mod = eager
+            elif key == "compile":
+                torch._dynamo.reset()
+                mod = torch.compile(eager, dynamic=False)
             else:
-                if key == "eager":
-                    mod = eager
-                elif key == "compile":
-                    torch._dynamo.reset()
-                    mod = torch.compile(eager, dynamic=False)
-                else:
-                    heur, lvl = fused_spec(key)
-                    v.update(heuristic=heur, checkpoint_lvl=lvl)
-                    try:
-                        mod = FusedMLP(d, h, d, activation=act, checkpoint_lvl=lvl, heuristic=heur,
-                                       device=dev, dtype=dtype)
-                        copy_weights(mod, eager)
-                    except Exception as exc:  # noqa: BLE001
-                        raise _Unavailable(exc) from exc
-                params = list(mod.parameters())
-
-                def step(mod=mod):
-                    first(mod(x)).backward(dy)
-
-                # first call: compilation / tuning / plan creation; timed once, kept out of the figures
-                for t in params + [x]:
-                    t.grad = None
-                t0 = time.perf_counter()
+                heur, lvl = fused_spec(key)
+                v.update(heuristic=heur, checkpoint_lvl=lvl)
                 try:
-                    step()
-                    ctx.sync()
+                    mod = FusedMLP(d, h, d, activation=act, checkpoint_lvl=lvl, heuristic=heur,
+                                   device=dev, dtype=dtype)
+                    copy_weights(mod, eager)
                 except Exception as exc:  # noqa: BLE001
-                    raise (_Unavailable(exc) if fused else exc) from exc
-                v["first_call_s"] = round(time.perf_counter() - t0, 3)
-                v.update(ctx.bench(step, grad_to_none=params + [x]))
-                mem, outs = measure_pass(ctx, mod, x, dy, params, use_hooks=(key != "compile"))
-                v["memory"] = mem
-                if ref is not None:
-                    v["rel_err"] = {k: rel_err(outs[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")
-                                    if outs.get(k) is not None}
-                del outs
+                    raise _Unavailable(exc) from exc
+            params = list(mod.parameters())
+
+            def step(mod=mod):
+                first(mod(x)).backward(dy)
+
+            # first call: compilation / tuning / plan creation; timed once, kept out of the figures
+            for t in params + [x]:
+                t.grad = None
+            t0 = time.perf_counter()
+            try:
+                step()
+                ctx.sync()
+            except Exception as exc:  # noqa: BLE001
+                raise (_Unavailable(exc) if fused else exc) from exc
+            v["first_call_s"] = round(time.perf_counter() - t0, 3)
+            mem, outs = measure_pass(ctx, mod, x, dy, params, use_hooks=(key != "compile"))
+            v["memory"] = mem
+            if ref is not None:
+                v["rel_err"] = {k: rel_err(outs[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")
+                                if outs.get(k) is not None}
+            del outs
+            prepared[key] = (step, params + [x], v, fused)
+        except Exception as exc:  # noqa: BLE001
+            record_failure(ctx, rec, tag, key, v, exc)
+        finally:
+            ctx.end()
+            for t in [x] + list(eager.parameters()):
+                t.grad = None
+            mod = step = None  # noqa: F841  (the closure in prepared keeps what is timed)
+            ctx.free()
+
+    # 2. the timing, all prepared variants in interleaved rounds (Bench.interleaved says why)
+    if prepared:
+        rounds = ctx.args.rounds
+        log(f"{tag}: timing {len(prepared)} variants in {rounds} interleaved rounds")
+        timed = ctx.bench.interleaved({k: p[:2] for k, p in prepared.items()}, rounds,
+                                      before_each=lambda k: ctx.begin(item_id, k, prepared[k][3]))
+        ctx.end()
+        if "floor" in timed and "error" not in timed["floor"] and variants == FULL_VARIANTS and not ctx.args.quick:
+            timed["floor"]["parts_ms"] = {name: ctx.bench(fn)["ms"] for name, fn in floor_parts.items()}
+        for key, (_, _, v, _) in prepared.items():
+            got = timed[key]
+            if "error" in got:
+                record_failure(ctx, rec, tag, key, v, got["error"])
+                continue
+            v.update(got)
             v["tflops"] = flops / v["ms"] / 1e9
             extra = ""
             if "saved_bytes" in v.get("memory", {}):
@@ -704,32 +799,30 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
                 extra += f", err out {v['rel_err'].get('out', float('nan')):.1e}"
             if "first_call_s" in v:
                 extra += f", first call {v['first_call_s']:.2f} s"
+            extra += f", p20-p80 {v['p20']:.3f}-{v['p80']:.3f}, {v['reps']} reps"
             if v.get("allocator_calls"):
                 extra += f", {v['allocator_calls']} cudaMalloc/cudaFree calls during warm-up and timing"
             log(f"{tag} {key}: {v['ms']:.3f} ms, {v['tflops']:.0f} TF/s{extra}")
             rec["variants"][key] = v
-        except Exception as exc:  # noqa: BLE001
-            real = exc.exc if isinstance(exc, _Unavailable) else exc
-            v = {k: v[k] for k in ("heuristic", "checkpoint_lvl") if k in v}
-            v.update(status="unavailable" if isinstance(exc, _Unavailable) else "error", error=errstr(real))
-            rec["variants"][key] = v
-            log(f"{tag} {key}: {v['status'].upper()} {v['error']}")
-            if not isinstance(exc, _Unavailable):
-                traceback.print_exception(real)
-            ctx.check_cuda(real)
-        finally:
-            ctx.end()
-            for t in [x] + list(eager.parameters()):
-                t.grad = None
-            mod = step = None  # noqa: F841  (drop the variant's module before the next one)
-            ctx.free()
-        ratios(rec["variants"])
-        ctx.save()
-
     ratios(rec["variants"])
+    ctx.save()
+    prepared = floor_parts = timed = None  # noqa: F841
     torch._dynamo.reset()
     eager = x = dy = ref = None  # noqa: F841
     ctx.free()
+
+
+def record_failure(ctx, rec, tag, key, v, exc):
+    """A variant that could not run (_Unavailable) or failed: its record, a log line, and an exit
+    for a restart when the CUDA context is gone."""
+    real = exc.exc if isinstance(exc, _Unavailable) else exc
+    v = {k: v[k] for k in ("heuristic", "checkpoint_lvl") if k in v}
+    v.update(status="unavailable" if isinstance(exc, _Unavailable) else "error", error=errstr(real))
+    rec["variants"][key] = v
+    log(f"{tag} {key}: {v['status'].upper()} {v['error']}")
+    if not isinstance(exc, _Unavailable):
+        traceback.print_exception(real)
+    ctx.check_cuda(real)
 
 
 class _Unavailable(Exception):
@@ -740,32 +833,26 @@ class _Unavailable(Exception):
         self.exc = exc
 
 
-def time_floor(ctx, M, d, h, dtype, parts=True):
-    """The six plain GEMMs of one MLP step, no bias, no activation, on pre-made tensors."""
+def floor_steps(ctx, M, d, h, dtype):
+    """The six plain GEMMs of one MLP step, no bias, no activation, on pre-made tensors: the step,
+    and each GEMM alone by name (parts_ms in the full set)."""
     x = ctx.randn(M, d, dtype=dtype)
     w1 = ctx.randn(h, d, dtype=dtype, scale=d ** -0.5)
     w2 = ctx.randn(d, h, dtype=dtype, scale=h ** -0.5)
     hh = ctx.randn(M, h, dtype=dtype)
     dy = ctx.randn(M, d, dtype=dtype)
     dh = ctx.randn(M, h, dtype=dtype)
+    parts = {"fwd1": lambda: torch.mm(x, w1.t()),      # [M,d] @ [d,h]
+             "fwd2": lambda: torch.mm(hh, w2.t()),     # [M,h] @ [h,d]
+             "dgrad2": lambda: torch.mm(dy, w2),       # [M,d] @ [d,h]
+             "wgrad2": lambda: torch.mm(dy.t(), hh),   # [d,M] @ [M,h]
+             "dgrad1": lambda: torch.mm(dh, w1),       # [M,h] @ [h,d]
+             "wgrad1": lambda: torch.mm(dh.t(), x)}    # [h,M] @ [M,d]
 
     def six():
-        torch.mm(x, w1.t())      # fwd 1: [M,d] @ [d,h]
-        torch.mm(hh, w2.t())     # fwd 2: [M,h] @ [h,d]
-        torch.mm(dy, w2)         # dgrad 2: [M,d] @ [d,h]
-        torch.mm(dy.t(), hh)     # wgrad 2: [d,M] @ [M,h]
-        torch.mm(dh, w1)         # dgrad 1: [M,h] @ [h,d]
-        torch.mm(dh.t(), x)      # wgrad 1: [h,M] @ [M,d]
-    six()
-    r = ctx.bench(six)
-    if parts and not ctx.args.quick:
-        r["parts_ms"] = {}
-        for name, fn in (("fwd1", lambda: torch.mm(x, w1.t())), ("fwd2", lambda: torch.mm(hh, w2.t())),
-                         ("dgrad2", lambda: torch.mm(dy, w2)), ("wgrad2", lambda: torch.mm(dy.t(), hh)),
-                         ("dgrad1", lambda: torch.mm(dh, w1)), ("wgrad1", lambda: torch.mm(dh.t(), x))):
-            r["parts_ms"][name] = ctx.bench(fn)["ms"]
-    x = w1 = w2 = hh = dy = dh = None  # noqa: F841
-    return r
+        for gemm in parts.values():
+            gemm()
+    return six, parts
 
 
 OPS_HEURISTICS = ["auto", 0, -1, 1, 2]
@@ -1063,6 +1150,8 @@ def parse_args(argv):
     ap.add_argument("--no-accuracy", action="store_true", help="skip the float32 reference / error figures")
     ap.add_argument("--warmup-ms", type=float, default=50.0, help="do_bench warm-up (ms, at least 2 calls)")
     ap.add_argument("--rep-ms", type=float, default=200.0, help="do_bench measuring time (ms, at least 8 calls)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds over the variants of each MLP shape (default 5; Bench.interleaved)")
     ap.add_argument("--timer", choices=["auto", "events"], default="auto",
                     help="auto: triton do_bench when importable, else CUDA events; events: CUDA events always")
     ap.add_argument("--commit", default=os.environ.get("FUSED_DENSE_COMMIT"),
@@ -1075,7 +1164,10 @@ def parse_args(argv):
     ap.add_argument("--resume", action="store_true", help="continue the run whose bench.json is in --out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--t0-epoch", type=float, default=None, help=argparse.SUPPRESS)
-    return ap, ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    return ap, args
 
 
 def load_results(out):
@@ -1147,6 +1239,9 @@ def worker(ap, args):
         ctx.results["method"] = {
             "timer": ctx.bench.method, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
             "min_reps": ctx.bench.min_reps, "budget_s": args.budget,
+            "mlp_timer": f"MLP variants of a shape timed in {args.rounds} interleaved rounds (order rotated per "
+                         "round), " + ("CUDA events around each rep, L2 flushed before each" if device.type == "cuda"
+                                       else "perf_counter around each rep") + "; median over all reps",
             "mlp": "fwd + bwd of Linear(d,4d) -> act -> Linear(4d,d) on x[M,d] (requires grad) with a random "
                    "dY; param and input grads reset to None before every rep; TF/s = 12*M*d*h/time",
             "floor": "the six plain torch.mm of the step (x@W1^T, h@W2^T, dY@W2, dY^T@h, dH@W1, dH^T@x) on "

@@ -37,8 +37,11 @@ def test_bench_run_cpu_quick(tmp_path):
             assert v["status"] in ("ok", "skipped", "unavailable"), (item["id"], name, v)
     ok = [v for item in data["mlp"] for v in item["variants"].values() if v["status"] == "ok"]
     assert ok and all(v["ms"] > 0 for v in ok)
-    full = data["mlp"][0]["variants"]  # the full set: 'auto' level 0 measured again, last
-    assert list(full)[-1] == "auto_l0_again" and full["auto_l0_again"]["status"] == "ok", list(full)
+    for item in data["mlp"]:  # every variant of a shape timed in each of the 5 interleaved rounds
+        for name, v in item["variants"].items():
+            if v["status"] == "ok":
+                assert v["rounds"] == 5 and len(v["round_ms"]) == 5 and v["reps"] >= 10, (item["id"], name, v)
+    assert "interleaved rounds" in data["method"]["mlp_timer"]
     assert (tmp_path / "bench.md").read_text().startswith("# fused_dense benchmark")
 
 
@@ -103,3 +106,44 @@ def test_bench_remeasures_a_disturbed_median(monkeypatch):
     monkeypatch.setattr(bench, "_cuda_once", lambda fn, g, est: dict(next(steady)))
     res = bench(lambda: None)  # a second call of _cuda_once would raise StopIteration
     assert res["ms"] == 10.0 and "remeasured" not in res
+
+
+def test_bench_interleaves_the_variants(monkeypatch):
+    """Bench.interleaved visits every variant once per round, in an order rotated by one place per
+    round, pools each variant's repetitions over the rounds, and a variant that raises is recorded
+    with its exception and leaves the later rounds while the others go on (timing replaced: no GPU)."""
+    run = _load("run")
+    bench = run.Bench(torch.device("cpu"), warmup_ms=10.0, rep_ms=40.0)
+    visits = []
+    fake_ms = {"a": 1.0, "b": 2.0, "c": 4.0}
+
+    def timed(fn, grad_to_none, warm, n):
+        key = fn()
+        visits.append((key, warm, n))
+        return [fake_ms[key] + 0.01 * i for i in range(n)]
+    monkeypatch.setattr(bench, "_timed", timed)
+    monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: fake_ms[fn()])
+    fns = {k: ((lambda k=k: k), None) for k in "abc"}
+    res = bench.interleaved(fns, rounds=4)
+    assert [k for k, _, _ in visits] == list("abc" "bca" "cab" "abc")
+    # each round's share of max(rep_ms, min_reps * est) = 40 ms: ceil(10 / est) reps
+    assert {k: n for k, _, n in visits} == {"a": 10, "b": 5, "c": 3}
+    for k in "abc":
+        assert res[k]["rounds"] == 4 and len(res[k]["round_ms"]) == 4
+        assert res[k]["reps"] == 4 * {"a": 10, "b": 5, "c": 3}[k]
+        assert fake_ms[k] <= res[k]["ms"] <= fake_ms[k] + 0.1
+    visits.clear()
+    calls = {"b": 0}
+
+    def flaky_b():
+        calls["b"] += 1
+        if calls["b"] > 1:  # the estimate passes, the second round's block raises
+            raise RuntimeError("b broke")
+        return "b"
+    fns["b"] = (flaky_b, None)
+    monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)
+    res = bench.interleaved(fns, rounds=3)
+    assert isinstance(res["b"]["error"], RuntimeError) and str(res["b"]["error"]) == "b broke"
+    # round 0: a b c; round 1: b raises, then c a; round 2 rotates what is left: a c
+    assert [k for k, _, _ in visits] == list("abc" "ca" "ac")
+    assert len(res["a"]["round_ms"]) == 3 and len(res["c"]["round_ms"]) == 3
