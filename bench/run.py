@@ -239,7 +239,7 @@ class Bench:
 
     def interleaved(self, fns, rounds, before_each=None):
         """Times every function of fns ({key: (fn, grad_to_none)}) in `rounds` rounds. Each round
-        gives each function its share of the warm-up and the repetitions, in an order rotated by
+        gives each function a full warm-up and its share of the repetitions, in an order rotated by
         one place per round, so a slow drift of clocks or temperature, or a transient left by one
         variant's first-call tuning, falls on all of them alike instead of on whichever was being
         timed then (session 9: 'auto' at 8192 x 4096 timed right after its tuning measured 3% slower
@@ -266,7 +266,12 @@ class Bench:
                     if k not in est:
                         est[k] = self._estimate_ms(fn, grad_to_none)
                     rep = max(self.rep_ms, self.min_reps * est[k]) / rounds
-                    warm = max(1, int(self.warmup_ms / rounds / est[k]))
+                    # the whole warm-up before every block, not a share of it: a block starts after
+                    # the host's gap (the previous block's synchronize, the crash marker's write),
+                    # and must be timed once clocks and power have settled under load again. With
+                    # a fifth of it per block (s9r2), the six-GEMM floor measured 713 TF/s against
+                    # the 8192^3 mm ceiling's 665 and figures spread 3-9% (p20-p80) against 1%
+                    warm = max(1, int(self.warmup_ms / est[k]))
                     block = self._timed(fn, grad_to_none, warm, max(2, math.ceil(rep / est[k])))
                 except Exception as exc:  # noqa: BLE001 - recorded for this variant; the others go on
                     failed[k] = exc

@@ -126,8 +126,10 @@ def test_bench_interleaves_the_variants(monkeypatch):
     fns = {k: ((lambda k=k: k), None) for k in "abc"}
     res = bench.interleaved(fns, rounds=4)
     assert [k for k, _, _ in visits] == list("abc" "bca" "cab" "abc")
-    # each round's share of max(rep_ms, min_reps * est) = 40 ms: ceil(10 / est) reps
+    # each round's share of max(rep_ms, min_reps * est) = 40 ms: ceil(10 / est) reps, after the
+    # whole 10 ms warm-up
     assert {k: n for k, _, n in visits} == {"a": 10, "b": 5, "c": 3}
+    assert {k: w for k, w, _ in visits} == {"a": 10, "b": 5, "c": 2}
     for k in "abc":
         assert res[k]["rounds"] == 4 and len(res[k]["round_ms"]) == 4
         assert res[k]["reps"] == 4 * {"a": 10, "b": 5, "c": 3}[k]
