@@ -149,3 +149,26 @@ def test_bench_interleaves_the_variants(monkeypatch):
     # round 0: a b c; round 1: b raises, then c a; round 2 rotates what is left: a c
     assert [k for k, _, _ in visits] == list("abc" "ca" "ac")
     assert len(res["a"]["round_ms"]) == 3 and len(res["c"]["round_ms"]) == 3
+
+
+def test_bench_recovers_from_a_crash_in_a_variant(tmp_path):
+    """A worker that dies while preparing one MLP variant (FD_BENCH_TEST_CRASH segfaults on purpose)
+    is restarted: that variant is recorded 'crashed', and the shape's other variants are prepared and
+    timed in the new worker's interleaved rounds, except those of the same fused path."""
+    env = dict(os.environ, FD_BENCH_TEST_CRASH="mlp:bf16:gelu_approx:256x64:auto_l1")
+    res = subprocess.run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--sections", "mlp",
+                          "--no-compile", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data.get("restarts") == 1, data.get("restarts")
+    item = next(i for i in data["mlp"] if i["id"] == "mlp:bf16:gelu_approx:256x64")
+    assert item["variants"]["auto_l1"]["status"] == "crashed", item["variants"]["auto_l1"]
+    for key in ("floor", "eager", "h-1_l0", "h0_l0"):
+        v = item["variants"][key]
+        assert v["status"] == "ok" and v["rounds"] == 5 and len(v["round_ms"]) == 5, (key, v)
+    # the path that crashed ('auto') is skipped for the rest of the run, also at the levels that
+    # were prepared but not yet timed when the worker died
+    for key in ("auto_l0", "auto_l2"):
+        v = item["variants"][key]
+        assert v["status"] == "skipped" and "'FusedMLP heuristic=auto' crashed" in v["error"], (key, v)
