@@ -70,6 +70,17 @@ def _status_cell(v):
 # targets of issue 5
 
 
+def round_range(num, den):
+    """' (rounds a–b)': the least and greatest of num / den per interleaved round, each a ratio of two
+    blocks timed close together, so a verdict on the medians can be read against the run's own
+    spread; '' when either lacks per-round figures (older runs, sequential timing)."""
+    a, b = (num or {}).get("round_ms"), (den or {}).get("round_ms")
+    if not a or not b or len(a) != len(b):
+        return ""
+    q = [x / y for x, y in zip(a, b) if y]
+    return f" (rounds {min(q):.3f}–{max(q):.3f})" if q else ""
+
+
 def targets(res):
     """[(target, figure, met: True/False/None)] computed from the run."""
     rows = []
@@ -94,18 +105,21 @@ def targets(res):
         xf = a.get("x_floor")
         e = r["variants"].get("eager")
         ef = e.get("x_floor") if _ok(e) else None
+        floor = r["variants"].get("floor")
         rows.append((f"bf16 gelu {shape}: auto / six GEMMs ≤ {lim:.2f}",
-                     f"{_f(xf, '{:.3f}')} (eager {_f(ef, '{:.3f}')})", None if xf is None else xf <= lim))
+                     f"{_f(xf, '{:.3f}')}{round_range(a, floor)} (eager {_f(ef, '{:.3f}')})",
+                     None if xf is None else xf <= lim))
         need = {1024: 1.20, 2048: 1.08}.get(d)
         se = a.get("speedup_vs_eager")
         if need:
-            rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}", _f(se, "{:.3f}"),
+            rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}", _f(se, "{:.3f}") + round_range(e, a),
                          None if se is None else se >= need))
         for lvl, lim2 in ((1, 1.05), (2, 1.25)):
             v = r["variants"].get(f"auto_l{lvl}")
             if _ok(v):
                 q = v["ms"] / a["ms"]
-                rows.append((f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}", f"{q:.3f}", q <= lim2))
+                rows.append((f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}", f"{q:.3f}{round_range(v, a)}",
+                             q <= lim2))
             elif v is not None:
                 rows.append((f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}", _status_cell(v), False))
     # not slower than eager / compile anywhere
@@ -117,7 +131,8 @@ def targets(res):
         for base, k in (("eager", "speedup_vs_eager"), ("compile", "speedup_vs_compile")):
             s = a.get(k)
             if s is not None:
-                rows.append((f"{tag}: auto not slower than {base} ({base} / auto ≥ 1)", f"{s:.3f}", s >= 1.0))
+                rows.append((f"{tag}: auto not slower than {base} ({base} / auto ≥ 1)",
+                             f"{s:.3f}{round_range(r['variants'].get(base), a)}", s >= 1.0))
     # ReLU keeps a 1-bit mask: saved bytes at level 0 vs x + act_out + mask(1 bit)
     for r in mlp:
         if r["activation"] != "relu":

@@ -172,3 +172,20 @@ def test_bench_recovers_from_a_crash_in_a_variant(tmp_path):
     for key in ("auto_l0", "auto_l2"):
         v = item["variants"][key]
         assert v["status"] == "skipped" and "'FusedMLP heuristic=auto' crashed" in v["error"], (key, v)
+
+
+def test_report_shows_each_ratio_per_round():
+    """A target's figure carries the least and greatest per-round ratio of the two variants it
+    compares (blocks of one round are timed close together), and nothing for runs without rounds."""
+    report = _load("report")
+    auto = {"status": "ok", "ms": 10.0, "round_ms": [10.0, 9.0, 11.0]}
+    eager = {"status": "ok", "ms": 10.5, "round_ms": [10.5, 9.9, 10.45]}
+    assert report.round_range(eager, auto) == " (rounds 0.950–1.100)"
+    assert report.round_range(eager, {"status": "ok", "ms": 10.0}) == ""
+    assert report.round_range(eager, {"round_ms": [10.0, 9.0]}) == ""  # rounds that do not pair up
+    res = {"mlp": [{"dtype": "bf16", "activation": "gelu_approx", "M": 8192, "d": 4096, "h": 16384,
+                    "variants": {"eager": dict(eager, speedup_vs_eager=1.0),
+                                 "auto_l0": dict(auto, speedup_vs_eager=1.05)}}]}
+    row = [r for r in report.targets(res) if "not slower than eager" in r[0]]
+    assert row == [("bf16 gelu 8192×4096: auto not slower than eager (eager / auto ≥ 1)",
+                    "1.050 (rounds 0.950–1.100)", True)], row
