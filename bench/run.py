@@ -223,6 +223,7 @@ class Bench:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e3)
+            reset()
             return times
         if self._flush is None:
             self._flush = torch.empty(256 * MIB, dtype=torch.int8, device=self.device)
@@ -235,6 +236,7 @@ class Bench:
             fn()
             ends[i].record()
         self.sync()
+        reset()  # between blocks a variant holds no gradients (interleaved: all variants stay alive)
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
     def interleaved(self, fns, rounds, before_each=None):
@@ -774,7 +776,9 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
             record_failure(ctx, rec, tag, key, v, exc)
         finally:
             ctx.end()
-            for t in [x] + list(eager.parameters()):
+            # every prepared module stays alive through the rounds: keep its parameters only, not
+            # the gradients of its memory pass (the timing resets them before each repetition)
+            for t in [x] + list(eager.parameters()) + list((prepared.get(key) or (None, []))[1] or []):
                 t.grad = None
             mod = step = None  # noqa: F841  (the closure in prepared keeps what is timed)
             ctx.free()
