@@ -778,7 +778,8 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
             ctx.end()
             # every prepared module stays alive through the rounds: keep its parameters only, not
             # the gradients of its memory pass (the timing resets them before each repetition)
-            for t in [x] + list(eager.parameters()) + list((prepared.get(key) or (None, []))[1] or []):
+            held = prepared[key][1] if key in prepared else None
+            for t in [x] + list(eager.parameters()) + list(held or []):
                 t.grad = None
             mod = step = None  # noqa: F841  (the closure in prepared keeps what is timed)
             ctx.free()
