@@ -504,15 +504,35 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// bias_grad[j] = sum over chunks, in chunk order, of partial[chunk * cols + j].
+// out[j] = sum over c < nparts of partial[c * stride + j], in a fixed order: part lane ty of the
+// block adds parts ty, ty + kPartLanes, ... in turn, then the kPartLanes sums are added in order
+// of ty. Several part lanes and an unrolled loop keep many loads in flight: one thread adding 64
+// parts one after the other waits out 64 L2 latencies, a large share of a 20 us pass.
+constexpr int kFinalizeCols = 32;
+constexpr int kPartLanes = kThreads / kFinalizeCols;
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    colsum_finalize_kernel(const float* partial, T* bias_grad, int64_t cols, int64_t nchunks) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < cols; j += stride) {
+    partial_sums_finalize_kernel(const float* partial, int64_t stride, int64_t nparts, int64_t cols, T* out) {
+  __shared__ float lane_sums[kPartLanes][kFinalizeCols];
+  const int tx = threadIdx.x % kFinalizeCols, ty = threadIdx.x / kFinalizeCols;
+  for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kFinalizeCols; j0 < cols;
+       j0 += static_cast<int64_t>(gridDim.x) * kFinalizeCols) {
+    const int64_t j = j0 + tx;
     float s = 0.f;
-    for (int64_t c = 0; c < nchunks; ++c) s += partial[c * cols + j];
-    bias_grad[j] = Cvt<T>::from_float(s);
+    if (j < cols) {
+#pragma unroll 4
+      for (int64_t c = ty; c < nparts; c += kPartLanes) s += partial[c * stride + j];
+    }
+    lane_sums[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && j < cols) {
+      float total = lane_sums[0][tx];
+#pragma unroll
+      for (int l = 1; l < kPartLanes; ++l) total += lane_sums[l][tx];
+      out[j] = Cvt<T>::from_float(total);
+    }
+    __syncthreads();  // lane_sums is rewritten by the next column block
   }
 }
 
@@ -666,6 +686,15 @@ int pow2_ceil(int64_t v) {
   return p;
 }
 
+template <typename T>
+void launch_partial_sums_finalize(const float* partial, int64_t stride, int64_t nparts, int64_t cols, T* out,
+                                  cudaStream_t stream) {
+  const int64_t blocks = std::min<int64_t>(ceil_div(cols, int64_t{kFinalizeCols}), 65535);
+  partial_sums_finalize_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(partial, stride, nparts,
+                                                                                        cols, out);
+  FD_CHECK_LAUNCH();
+}
+
 template <typename T, Activation A, int V, bool kAct>
 void launch_backward_colsum(const T* grad, const void* pre_act, T* grad_in, T* act_out, T* bias_grad, int64_t rows,
                             int64_t cols, float* partial, int64_t nchunks, cudaStream_t stream) {
@@ -686,10 +715,7 @@ void launch_backward_colsum(const T* grad, const void* pre_act, T* grad_in, T* a
                                                                          rows, cols, relu_mask_row_bytes(cols),
                                                                          rows_per_chunk, nchunks, ntiles);
   FD_CHECK_LAUNCH();
-  const int64_t fblocks = std::max<int64_t>(1, std::min<int64_t>(ceil_div(cols, kThreads), 65535));
-  colsum_finalize_kernel<T><<<static_cast<unsigned>(fblocks), kThreads, 0, stream>>>(partial, bias_grad, cols,
-                                                                                    nchunks);
-  FD_CHECK_LAUNCH();
+  launch_partial_sums_finalize<T>(partial, cols, nchunks, cols, bias_grad, stream);
 }
 
 }  // namespace
@@ -924,6 +950,24 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
           launch_backward_colsum<T, A, 1, kAct>(gt, pre_act, git, aot, bgt, rows, cols, ws, nchunks, stream);
       });
     });
+  });
+}
+
+void sum_partials(DType dtype, const float* partial, int64_t stride, int64_t nparts, int64_t cols, void* out,
+                  cudaStream_t stream) {
+  constexpr const char* fn = "sum_partials";
+  check_codes(fn, dtype, Activation::kNone);
+  check_shape(fn, nparts, cols);
+  if (cols == 0) return;
+  if (out == nullptr || (nparts > 0 && partial == nullptr)) fail(fn, "partial and out must be non-null");
+  if (stride < cols) {
+    std::ostringstream m;
+    m << "stride must be >= cols (" << cols << "), got " << stride;
+    fail(fn, m.str());
+  }
+  dispatch_dtype(dtype, [&](auto ttag) {
+    using T = typename decltype(ttag)::type;
+    launch_partial_sums_finalize<T>(partial, stride, nparts, cols, static_cast<T*>(out), stream);
   });
 }
 

@@ -33,4 +33,10 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
                             void* workspace, std::size_t workspace_bytes, cudaStream_t stream,
                             void* act_out = nullptr);
 
+// out[j] = sum over p < nparts of partial[p * stride + j] for j < cols (fp32 partial sums, e.g.
+// per-tile column sums written by a GEMM epilogue), in an order fixed by nparts alone, converted
+// to dtype. stride >= cols.
+void sum_partials(DType dtype, const float* partial, int64_t stride, int64_t nparts, int64_t cols, void* out,
+                  cudaStream_t stream);
+
 }  // namespace fused_dense::core

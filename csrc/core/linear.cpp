@@ -258,14 +258,12 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
   own.dtype = ctx.dtype;
   own.activation = a.activation;
   own.weight = a.weight, own.d_output = a.d_output, own.pre_act = a.pre_act, own.d_input = a.d_input;
+  own.d_bias = a.d_bias;
 
   auto run_choice = [&](const Choice& c) -> bool {
     if (c.own >= 0) {
-      if (!own_act_dgrad(c.own, own, ws, ctx.stream)) return false;
-      // Its bias gradient sums the rounded d_input: CUTLASS's in-epilogue reduction was slower.
-      if (a.d_bias != nullptr)
-        act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_input, nullptr, nullptr, a.d_bias, B, K,
-                               ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+      // the whole workspace: CUTLASS's scratch, then the epilogue's partial bias-gradient sums
+      if (!own_act_dgrad(c.own, own, ctx.workspace, ctx.stream)) return false;
       rebuild_act_out();
       return true;
     }

@@ -6,6 +6,9 @@
 
 #include "own_dgrad_sm90.h"
 
+#include <array>
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda_check.h"
@@ -22,9 +25,9 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "activation_math.cuh"
+#include "elementwise.h"
 
-namespace fused_dense::core {
-namespace {
+namespace fused_dense::core::own_dgrad_detail {
 
 // CUTLASS calls the epilogue's activation as Fn<Array<float, n>>{}(d_act, pre_act) and looks for
 // hyper-parameters in Fn<float>, so both forms exist. kFast = true: the math the elementwise
@@ -46,6 +49,77 @@ struct GeluApproxGrad<cutlass::Array<float, n>> {
     return out;
   }
 };
+
+// The GELU backward's epilogue that also sums each output tile's rows (fc1's bias gradient, in
+// CUTLASS's column-major terms a per-row reduction of D[K, B]) in the fp32 accumulator and
+// stores one partial sum per (row, tile column): plain stores, no atomics, no tile counters.
+// CUTLASS's own LinCombDeEltActDePerRowBias finishes the reduction inside the kernel instead:
+// the last tile of each row block to arrive adds every other tile's partials one after the other,
+// a chain of dependent L2 loads at the end of the kernel that cost more than the separate
+// column-sum pass it replaced (session 7's probe). Here a small kernel (sum_partials) adds them.
+template <class Element>
+struct DeGeluPartialRowSums
+    : cutlass::epilogue::fusion::LinCombDeEltActDePerRowBias<cutlass::layout::ColumnMajor, GeluApproxGrad, Element,
+                                                             float, /*aux*/ Element, /*bias*/ float,
+                                                             /*source*/ Element, float> {};
+
+}  // namespace fused_dense::core::own_dgrad_detail
+
+namespace cutlass::epilogue::fusion {
+
+template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class Element,
+          class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom, class CopyOpS2R>
+struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
+                       fused_dense::core::own_dgrad_detail::DeGeluPartialRowSums<Element>, CtaTileShapeMNK,
+                       EpilogueTile, SmemLayoutAtom, CopyOpS2R>
+    : Sm90EVT<Sm90Compute<epilogue::thread::Identity, Element, float, FloatRoundStyle::round_to_nearest>,
+              Sm90EVT<Sm90ColReduction<plus, plus, plus, /*Stages*/ 0, CtaTileShapeMNK, /*partials*/ float, float,
+                                       FloatRoundStyle::round_to_nearest, Stride<_1, _0, int64_t>,
+                                       /*Alignment*/ 4, /*EnableNullptr*/ true, /*FinalReduction*/ false>,
+                      Sm90LinCombDeEltAct<CtaTileShapeMNK, EpilogueTile, StagesC,
+                                          gemm::TagToStrideC_t<layout::ColumnMajor>, SmemLayoutAtom, CopyOpS2R,
+                                          fused_dense::core::own_dgrad_detail::GeluApproxGrad, float, float,
+                                          Element, Element, float>>> {
+  using Impl =
+      Sm90EVT<Sm90Compute<epilogue::thread::Identity, Element, float, FloatRoundStyle::round_to_nearest>,
+              Sm90EVT<Sm90ColReduction<plus, plus, plus, 0, CtaTileShapeMNK, float, float,
+                                       FloatRoundStyle::round_to_nearest, Stride<_1, _0, int64_t>, 4, true, false>,
+                      Sm90LinCombDeEltAct<CtaTileShapeMNK, EpilogueTile, StagesC,
+                                          gemm::TagToStrideC_t<layout::ColumnMajor>, SmemLayoutAtom, CopyOpS2R,
+                                          fused_dense::core::own_dgrad_detail::GeluApproxGrad, float, float,
+                                          Element, Element, float>>>;
+  using Operation = fused_dense::core::own_dgrad_detail::DeGeluPartialRowSums<Element>;
+
+  struct Arguments {
+    float alpha = 1.f;
+    float beta = 0.f;
+    using StrideAux = gemm::TagToStrideC_t<layout::ColumnMajor>;
+    Element const* aux_ptr = nullptr;  // the pre-activation
+    StrideAux dAux = {};
+    // [ceil(B / tile N)][ceil(K / tile M) * tile M] fp32 partial row sums; null: none computed
+    float* partial_ptr = nullptr;
+
+    operator typename Impl::Arguments() const {
+      return {
+          {                                                 // partial row sums of
+           {                                                // gelu'(aux) * (beta * C + alpha * acc)
+            {{{beta}, {nullptr}, {}}, {}, {{{alpha}, {nullptr}, {}}, {}, {}}, {}},
+            {aux_ptr, Element(0), dAux},
+            {}},
+           {partial_ptr, 0.f, {}}},
+          {}};  // conversion to Element
+    }
+  };
+
+  using Impl::Impl;
+};
+
+}  // namespace cutlass::epilogue::fusion
+
+namespace fused_dense::core {
+namespace {
+
+using own_dgrad_detail::DeGeluPartialRowSums;
 
 // In CUTLASS's column-major terms the data gradient is D[K, B] = W^T[K, N] * dY^T[N, B]: the
 // weight is an M-major A, d_output a K-major B, d_input and pre_act M-major [K, B]. Two kernels,
@@ -70,8 +144,7 @@ struct DgradKernel {
 
   using Fusion = cute::conditional_t<
       kGelu,
-      cutlass::epilogue::fusion::LinCombDeEltAct<LayoutD, GeluApproxGrad, Element, float, /*aux*/ Element,
-                                                 /*source*/ Element>,
+      DeGeluPartialRowSums<Element>,
       cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -97,6 +170,25 @@ struct SchedulerOrder {
 constexpr SchedulerOrder kOrders[] = {{1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
 constexpr int kNumOrders = sizeof(kOrders) / sizeof(kOrders[0]);
 
+// Multiprocessor count per device, asked once: CUTLASS's persistent scheduler sizes its grid by
+// it, and the attribute query would otherwise run on every call.
+int sm_count(int device) {
+  constexpr int kCachedDevices = 64;
+  static std::array<std::atomic<int>, kCachedDevices> cached{};
+  if (device >= 0 && device < kCachedDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < kCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+constexpr std::size_t kPartialsAlignment = 256;
+
+std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to * to; }
+
 template <class Element, bool kGelu>
 bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
   using Kernel = DgradKernel<Element, kGelu>;
@@ -119,16 +211,34 @@ bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStre
     fusion.aux_ptr = static_cast<const Element*>(a.pre_act);
     fusion.dAux = stride_d;
   }
-  int sms = 0;
-  FD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device));
   args.hw_info.device_id = a.device;
-  args.hw_info.sm_count = sms;
+  args.hw_info.sm_count = sm_count(a.device);
   args.scheduler.max_swizzle_size = kOrders[variant].swizzle;
   args.scheduler.raster_order = kOrders[variant].raster;
 
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
-  if (Gemm::get_workspace_size(args) > ws.bytes) return false;
+  const std::size_t gemm_ws = Gemm::get_workspace_size(args);
+  if (gemm_ws > ws.bytes) return false;
+
+  // The bias gradient: partial sums from the epilogue where they fit in the workspace after
+  // CUTLASS's own part, else the column-sum kernel over the finished d_input.
+  float* partials = nullptr;
+  int64_t partial_stride = 0, partial_count = 0;
+  if constexpr (kGelu) {
+    constexpr int64_t tile_m = cute::size<0>(typename Kernel::TileShape{});
+    constexpr int64_t tile_n = cute::size<1>(typename Kernel::TileShape{});
+    partial_stride = (a.in_features + tile_m - 1) / tile_m * tile_m;
+    partial_count = (a.batch + tile_n - 1) / tile_n;
+    const std::size_t offset = round_up(gemm_ws, kPartialsAlignment);
+    const std::size_t bytes = static_cast<std::size_t>(partial_stride) * partial_count * sizeof(float);
+    if (a.d_bias != nullptr && ws.ptr != nullptr && offset + bytes <= ws.bytes &&
+        reinterpret_cast<std::uintptr_t>(ws.ptr) % kPartialsAlignment == 0) {
+      partials = reinterpret_cast<float*>(static_cast<char*>(ws.ptr) + offset);
+      fusion.partial_ptr = partials;
+    }
+  }
+
   cutlass::Status status = gemm.initialize(args, ws.ptr, stream);
   if (status != cutlass::Status::kSuccess)
     throw_status("CUTLASS GemmUniversalAdapter::initialize", cutlassGetStatusString(status), __FILE__, __LINE__);
@@ -136,6 +246,13 @@ bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStre
   if (status != cutlass::Status::kSuccess)
     throw_status("CUTLASS GemmUniversalAdapter::run", cutlassGetStatusString(status), __FILE__, __LINE__);
   FD_CHECK_LAUNCH();
+
+  if (a.d_bias == nullptr) return true;
+  if (partials != nullptr)
+    sum_partials(a.dtype, partials, partial_stride, partial_count, a.in_features, a.d_bias, stream);
+  else  // sums the rounded d_input
+    act_backward_bias_grad(a.dtype, Activation::kNone, a.d_input, nullptr, nullptr, a.d_bias, a.batch,
+                           a.in_features, ws.ptr, ws.bytes, stream);
   return true;
 }
 

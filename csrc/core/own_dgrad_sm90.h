@@ -4,8 +4,10 @@
 // with activation none, the plain product (CUTLASS's GEMM beat torch.mm's at these layouts).
 // cuBLASLt's DGELU epilogues are slower than its plain GEMM + fused_dense's elementwise pass on
 // the H200; this kernel measured 0.72-0.79x that pair at d <= 4096 (bench/cutlass_dgrad_probe.py,
-// docs/gpu_runs/s7r4_cutlass_dgrad_probe.log). It computes no bias gradient: CUTLASS's
-// in-epilogue reduction made the kernel slower than the pair, so the caller reduces d_input.
+// docs/gpu_runs/s7r4_cutlass_dgrad_probe.log). With gelu_approx the epilogue also writes fp32
+// partial sums of each output tile's columns, and a small kernel adds them into the bias
+// gradient; CUTLASS's stock in-epilogue reduction, which finishes the sums inside the GEMM, made
+// the kernel slower than the pair. Activation none sums the finished d_input instead.
 //
 // Compiled in when the build finds CUTLASS's headers and targets sm_90a
 // (FUSED_DENSE_WITH_CUTLASS_SM90A, setup.py); otherwise it offers no variant.
@@ -29,6 +31,7 @@ struct OwnDgradArgs {
   const void* d_output = nullptr;  // [B, N]
   const void* pre_act = nullptr;   // [B, K]
   void* d_input = nullptr;         // [B, K]
+  void* d_bias = nullptr;          // [K], the column sums of d_input; null: not computed
 };
 
 // How many variants the tuner may time for this problem (tile-scheduler orders of one kernel);
@@ -37,9 +40,12 @@ struct OwnDgradArgs {
 // (16 bytes) do not fit.
 int own_dgrad_variants(const OwnDgradArgs& a);
 
-// Enqueues variant `variant` on the stream. False, with nothing launched, when the problem does
-// not fit (checked on every call: a tuned shape may come back at another offset), CUTLASS
-// refuses it, or the workspace is too small.
+// Enqueues variant `variant` on the stream, and the bias gradient when d_bias is set. The
+// workspace holds CUTLASS's own scratch and then the epilogue's partial sums (B * K / 32 bytes
+// with gelu_approx); when these do not fit, the bias gradient comes from the column-sum kernel,
+// which needs K * 4 bytes. False, with nothing launched, when the problem does not fit (checked
+// on every call: a tuned shape may come back at another offset), CUTLASS refuses it, or the
+// workspace is too small for CUTLASS.
 bool own_act_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream);
 
 }  // namespace fused_dense::core

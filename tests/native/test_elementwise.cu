@@ -501,6 +501,51 @@ void test_backward_act_out(DType d, Activation a, int64_t rows, int64_t cols, bo
 }
 
 // ----------------------------------------------------------------------------------------------
+// sum_partials: out[j] = sum over p of partial[p * stride + j] (the own GEMM's bias gradient).
+// The padding columns [cols, stride) hold 1e30 so that reading them shows; out has one poisoned
+// element past cols that must stay poisoned.
+
+void test_sum_partials(DType d, int64_t nparts, int64_t stride, int64_t cols, uint64_t seed) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "sum_partials[%s,nparts=%lld,stride=%lld,cols=%lld]", dtype_name(d),
+                static_cast<long long>(nparts), static_cast<long long>(stride), static_cast<long long>(cols));
+  const std::string name = buf;
+  g_current = name;
+  Rng rng(seed);
+  const size_t n = static_cast<size_t>(nparts) * static_cast<size_t>(stride);
+  std::vector<float> hp(n);
+  for (size_t i = 0; i < n; ++i) hp[i] = (static_cast<int64_t>(i % stride) < cols) ? rng.uniform(-1.f, 1.f) : 1e30f;
+  std::vector<uint8_t> hp_bytes(n * sizeof(float));
+  if (n) std::memcpy(hp_bytes.data(), hp.data(), hp_bytes.size());
+  const size_t es = esize(d);
+  DevBuf dp(hp_bytes.size(), 0), out((cols + 1) * es, 0), out2((cols + 1) * es, 0);
+  dp.upload(hp_bytes);
+  out.poison();
+  out2.poison();
+  sum_partials(d, reinterpret_cast<const float*>(dp.ptr), stride, nparts, cols, out.ptr, nullptr);
+  sum_partials(d, reinterpret_cast<const float*>(dp.ptr), stride, nparts, cols, out2.ptr, nullptr);
+  CK(cudaDeviceSynchronize());
+  const auto got = out.download(), again = out2.download();
+  // the output's own rounding, plus fp32 summation error over nparts terms
+  const double tol = (d == DType::kFloat32 ? 0.0 : d == DType::kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8));
+  std::string detail;
+  for (int64_t j = 0; j < cols && detail.empty(); ++j) {
+    double ref = 0, mag = 0;
+    for (int64_t p = 0; p < nparts; ++p) {
+      ref += hp[p * stride + j];
+      mag += std::fabs(hp[p * stride + j]);
+    }
+    const double v = get(d, got, j);
+    if (!(std::fabs(v - ref) <= tol * std::fabs(ref) + 1e-5 * (mag + 1.0)))
+      detail = "out[" + std::to_string(j) + "]=" + std::to_string(v) + " ref=" + std::to_string(ref);
+  }
+  for (size_t b = static_cast<size_t>(cols) * es; b < got.size() && detail.empty(); ++b)
+    if (got[b] != 0xFF) detail = "wrote past cols";
+  if (detail.empty() && got != again) detail = "two runs differ";
+  record(detail.empty(), name, detail);
+}
+
+// ----------------------------------------------------------------------------------------------
 // Error paths.
 
 void expect_throw(const std::string& name, const std::function<void()>& f) {
@@ -558,6 +603,12 @@ void test_errors() {
     act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, nullptr, 4, 64, nullptr, 0,
                            nullptr, c.ptr + 64);
   });
+  expect_throw("error/sum_partials stride < cols", [&] {
+    sum_partials(DType::kFloat32, reinterpret_cast<const float*>(a.ptr), 63, 2, 64, b.ptr, nullptr);
+  });
+  expect_throw("error/sum_partials null out", [&] {
+    sum_partials(DType::kFloat16, reinterpret_cast<const float*>(a.ptr), 64, 2, 64, nullptr, nullptr);
+  });
   // Empty problems are legal no-ops.
   bool ok = true;
   try {
@@ -601,7 +652,7 @@ void test_errors() {
 // kernels vectorize at cols % 8 == 0. Thresholds in elementwise.cu: a flat kernel takes
 // ceil(items / 512) blocks; the bias gradient uses ceil(rows / 64) row chunks (kMinRowsPerChunk;
 // the other cap, ceil(1056 / column tiles), binds only past 22528 rows at 600 columns), column
-// tiles of at most 64 (scalar) or 256 (vector) columns, finalize blocks of 256 columns; the
+// tiles of at most 64 (scalar) or 256 (vector) columns, finalize blocks of 32 columns; the
 // 4-rows-in-flight loop of the column sum runs when a chunk has more than 3 * (256 / tile
 // threads) rows. So 257 and 300 rows already take the multi-chunk workspace path (5 chunks; 2
 // with half the workspace, 1 with the minimum) with several column tiles and finalize blocks:
@@ -615,7 +666,7 @@ void test_errors() {
 //   33 x 64     vector paths everywhere (mask vectorized), 2 blocks for fp32; warps partly past
 //               the end in the fp32 mask kernel (528 vectors)
 //   257 x 599   prime width, scalar paths, 301 blocks, 5 row chunks (last one shorter),
-//               10 column tiles (last partial), 3 finalize blocks, partial mask byte (7 bits)
+//               10 column tiles (last partial), 19 finalize blocks, partial mask byte (7 bits)
 //   300 x 600   vector paths, 44-88 blocks, 5 / 2 / 1 row chunks (workspace preferred / half /
 //               minimal), 3 column tiles (last partial), misaligned scalar column sum
 // Per dtype x activation: 35 entry-point calls (13 forward, 22 backward, G and H counted twice),
@@ -829,6 +880,17 @@ int main(int argc, char** argv) {
       test_forward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, Alias::kXisOut, false, ++seed);
       test_backward(DType::kBFloat16, Activation::kSquaredRelu, 9001, 4104, true, true, false, Ws::kHalf, ++seed);
     }
+  }
+
+  // The own GEMM's shapes (parts = row tiles of 128 over B, stride = K padded to 128) and edges:
+  // no parts (zeros), one column, a stride wider than cols, several column blocks of 32, more
+  // column blocks than the grid (its column-block loop), parts not a multiple of the 8 part lanes.
+  {
+    const int64_t cases[][3] = {{0, 8, 5},     {1, 1, 1},        {1, 128, 1},  {3, 256, 136},
+                                {64, 4096, 4096}, {8, 1024, 1000}, {67, 640, 600}, {2, 2097280, 2097153}};
+    for (DType d : dtypes)
+      for (const auto& c : cases)
+        if (!sanitize || c[2] < 100000) test_sum_partials(d, c[0], c[1], c[2], ++seed);
   }
 
   test_errors();
