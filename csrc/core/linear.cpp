@@ -6,6 +6,7 @@
 #include "cuda_check.h"
 #include "elementwise.h"
 #include "own_dgrad_sm90.h"
+#include "own_forward_sm90.h"
 #include "tuner.h"
 
 namespace fused_dense::core {
@@ -135,8 +136,15 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
   const bool fused_possible = a.activation != Activation::kSquaredRelu &&
                               (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
   const Workspace ws = gemm_part(ctx);
+  OwnForwardArgs own;
+  own.device = ctx.device;
+  own.batch = B, own.in_features = K, own.out_features = N;
+  own.dtype = ctx.dtype;
+  own.activation = a.activation;
+  own.input = a.input, own.weight = a.weight, own.bias = a.bias, own.out = a.out, own.pre_act = a.pre_act;
 
   auto run_choice = [&](const Choice& c) -> bool {
+    if (c.own >= 0) return own_linear_act_forward(c.own, own, ws, ctx.stream);
     GemmPointers ptrs;
     ptrs.a = a.weight;
     ptrs.b = a.input;
@@ -172,8 +180,9 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
                        ctx.stream);
     return true;
   };
-  // Rule without measurement: the fused epilogue, cuBLASLt's first choice.
-  dispatch(a.heuristic, fused_possible, fused, plain, [] { return 0; }, Choice{true, 0}, ctx,
+  // Rule without measurement: the fused epilogue, cuBLASLt's first choice. Only 'auto' takes the
+  // own GEMM (gelu_approx with bias and saved pre-activation), and only where measured faster.
+  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return own_forward_variants(own); }, Choice{true, 0}, ctx,
            tuning_key(OpKind::kForward, ctx, B, K, N, a.activation, a.bias != nullptr, a.pre_act != nullptr),
            [&] { return describe("forward", ctx, B, K, N, a.activation); }, run_choice);
 }

@@ -1,54 +1,14 @@
-// CUTLASS's device code asserts; an assert is a call, across which ptxas serializes the wgmma
-// pipeline (warning C7510, a large slowdown). Release builds of this file go without them.
-#ifndef NDEBUG
-#define NDEBUG
-#endif
-
+#include "own_gemm_sm90_common.cuh"  // first: it turns CUTLASS's device asserts off
 #include "own_dgrad_sm90.h"
 
-#include <array>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda_check.h"
+#include "elementwise.h"
 
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
 
-#include <cute/tensor.hpp>
-#include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/operations.hpp>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
-#include <cutlass/util/packed_stride.hpp>
-
-#include "activation_math.cuh"
-#include "elementwise.h"
-
-namespace fused_dense::core::own_dgrad_detail {
-
-// CUTLASS calls the epilogue's activation as Fn<Array<float, n>>{}(d_act, pre_act) and looks for
-// hyper-parameters in Fn<float>, so both forms exist. kFast = true: the math the elementwise
-// kernels use for 16-bit outputs.
-template <class T>
-struct GeluApproxGrad {
-  CUTLASS_DEVICE T operator()(T const& d_act, T const& p) const {
-    return d_act * act_derivative<Activation::kGeluTanh, true>(p);
-  }
-};
-
-template <int n>
-struct GeluApproxGrad<cutlass::Array<float, n>> {
-  CUTLASS_DEVICE cutlass::Array<float, n> operator()(cutlass::Array<float, n> const& d_act,
-                                                     cutlass::Array<float, n> const& p) const {
-    cutlass::Array<float, n> out;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < n; ++i) out[i] = d_act[i] * act_derivative<Activation::kGeluTanh, true>(p[i]);
-    return out;
-  }
-};
+namespace fused_dense::core::own_gemm {
 
 // The GELU backward's epilogue that also sums each output tile's rows (fc1's bias gradient, in
 // CUTLASS's column-major terms a per-row reduction of D[K, B]) in the fp32 accumulator and
@@ -63,32 +23,32 @@ struct DeGeluPartialRowSums
                                                              float, /*aux*/ Element, /*bias*/ float,
                                                              /*source*/ Element, float> {};
 
-}  // namespace fused_dense::core::own_dgrad_detail
+}  // namespace fused_dense::core::own_gemm
 
 namespace cutlass::epilogue::fusion {
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore, class Element,
           class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom, class CopyOpS2R>
 struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
-                       fused_dense::core::own_dgrad_detail::DeGeluPartialRowSums<Element>, CtaTileShapeMNK,
-                       EpilogueTile, SmemLayoutAtom, CopyOpS2R>
+                       fused_dense::core::own_gemm::DeGeluPartialRowSums<Element>, CtaTileShapeMNK, EpilogueTile,
+                       SmemLayoutAtom, CopyOpS2R>
     : Sm90EVT<Sm90Compute<epilogue::thread::Identity, Element, float, FloatRoundStyle::round_to_nearest>,
               Sm90EVT<Sm90ColReduction<plus, plus, plus, /*Stages*/ 0, CtaTileShapeMNK, /*partials*/ float, float,
                                        FloatRoundStyle::round_to_nearest, Stride<_1, _0, int64_t>,
                                        /*Alignment*/ 4, /*EnableNullptr*/ true, /*FinalReduction*/ false>,
                       Sm90LinCombDeEltAct<CtaTileShapeMNK, EpilogueTile, StagesC,
                                           gemm::TagToStrideC_t<layout::ColumnMajor>, SmemLayoutAtom, CopyOpS2R,
-                                          fused_dense::core::own_dgrad_detail::GeluApproxGrad, float, float,
-                                          Element, Element, float>>> {
+                                          fused_dense::core::own_gemm::GeluApproxGrad, float, float, Element,
+                                          Element, float>>> {
   using Impl =
       Sm90EVT<Sm90Compute<epilogue::thread::Identity, Element, float, FloatRoundStyle::round_to_nearest>,
               Sm90EVT<Sm90ColReduction<plus, plus, plus, 0, CtaTileShapeMNK, float, float,
                                        FloatRoundStyle::round_to_nearest, Stride<_1, _0, int64_t>, 4, true, false>,
                       Sm90LinCombDeEltAct<CtaTileShapeMNK, EpilogueTile, StagesC,
                                           gemm::TagToStrideC_t<layout::ColumnMajor>, SmemLayoutAtom, CopyOpS2R,
-                                          fused_dense::core::own_dgrad_detail::GeluApproxGrad, float, float,
-                                          Element, Element, float>>>;
-  using Operation = fused_dense::core::own_dgrad_detail::DeGeluPartialRowSums<Element>;
+                                          fused_dense::core::own_gemm::GeluApproxGrad, float, float, Element,
+                                          Element, float>>>;
+  using Operation = fused_dense::core::own_gemm::DeGeluPartialRowSums<Element>;
 
   struct Arguments {
     float alpha = 1.f;
@@ -119,7 +79,7 @@ struct FusionCallbacks<epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, Fragme
 namespace fused_dense::core {
 namespace {
 
-using own_dgrad_detail::DeGeluPartialRowSums;
+using namespace own_gemm;
 
 // In CUTLASS's column-major terms the data gradient is D[K, B] = W^T[K, N] * dY^T[N, B]: the
 // weight is an M-major A, d_output a K-major B, d_input and pre_act M-major [K, B]. Two kernels,
@@ -142,10 +102,8 @@ struct DgradKernel {
   using EpilogueSchedule = cute::conditional_t<kGelu, cutlass::epilogue::TmaWarpSpecialized,
                                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
-  using Fusion = cute::conditional_t<
-      kGelu,
-      DeGeluPartialRowSums<Element>,
-      cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
+  using Fusion = cute::conditional_t<kGelu, DeGeluPartialRowSums<Element>,
+                                     cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element, LayoutD,
@@ -158,32 +116,6 @@ struct DgradKernel {
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
-
-// The tile scheduler's orders the tuner times (the variants): CUTLASS's default, and tiles
-// grouped 8 at a time along M or along N, which decides how much of A and of B the tiles running
-// at once share in L2. Each won at some shape in the probe.
-using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
-struct SchedulerOrder {
-  int swizzle;
-  RasterOrder raster;
-};
-constexpr SchedulerOrder kOrders[] = {{1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
-constexpr int kNumOrders = sizeof(kOrders) / sizeof(kOrders[0]);
-
-// Multiprocessor count per device, asked once: CUTLASS's persistent scheduler sizes its grid by
-// it, and the attribute query would otherwise run on every call.
-int sm_count(int device) {
-  constexpr int kCachedDevices = 64;
-  static std::array<std::atomic<int>, kCachedDevices> cached{};
-  if (device >= 0 && device < kCachedDevices) {
-    const int known = cached[device].load(std::memory_order_relaxed);
-    if (known > 0) return known;
-  }
-  int sms = 0;
-  FD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < kCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
 
 constexpr std::size_t kPartialsAlignment = 256;
 
@@ -211,15 +143,7 @@ bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStre
     fusion.aux_ptr = static_cast<const Element*>(a.pre_act);
     fusion.dAux = stride_d;
   }
-  args.hw_info.device_id = a.device;
-  args.hw_info.sm_count = sm_count(a.device);
-  args.scheduler.max_swizzle_size = kOrders[variant].swizzle;
-  args.scheduler.raster_order = kOrders[variant].raster;
-
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
-  const std::size_t gemm_ws = Gemm::get_workspace_size(args);
-  if (gemm_ws > ws.bytes) return false;
+  set_scheduler(args, variant, a.device, sm_count(a.device));
 
   // The bias gradient: partial sums from the epilogue where they fit in the workspace after
   // CUTLASS's own part, else the column-sum kernel over the finished d_input.
@@ -230,7 +154,7 @@ bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStre
     constexpr int64_t tile_n = cute::size<1>(typename Kernel::TileShape{});
     partial_stride = (a.in_features + tile_m - 1) / tile_m * tile_m;
     partial_count = (a.batch + tile_n - 1) / tile_n;
-    const std::size_t offset = round_up(gemm_ws, kPartialsAlignment);
+    const std::size_t offset = round_up(Gemm::get_workspace_size(args), kPartialsAlignment);
     const std::size_t bytes = static_cast<std::size_t>(partial_stride) * partial_count * sizeof(float);
     if (a.d_bias != nullptr && ws.ptr != nullptr && offset + bytes <= ws.bytes &&
         reinterpret_cast<std::uintptr_t>(ws.ptr) % kPartialsAlignment == 0) {
@@ -238,14 +162,7 @@ bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStre
       fusion.partial_ptr = partials;
     }
   }
-
-  cutlass::Status status = gemm.initialize(args, ws.ptr, stream);
-  if (status != cutlass::Status::kSuccess)
-    throw_status("CUTLASS GemmUniversalAdapter::initialize", cutlassGetStatusString(status), __FILE__, __LINE__);
-  status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess)
-    throw_status("CUTLASS GemmUniversalAdapter::run", cutlassGetStatusString(status), __FILE__, __LINE__);
-  FD_CHECK_LAUNCH();
+  if (!launch<Gemm>(args, ws.ptr, ws.bytes, stream)) return false;
 
   if (a.d_bias == nullptr) return true;
   if (partials != nullptr)
@@ -256,27 +173,16 @@ bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStre
   return true;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
 bool fits(const OwnDgradArgs& a) {
   const bool gelu = a.activation == Activation::kGeluTanh;
   if (!(gelu || a.activation == Activation::kNone) || a.dtype == DType::kFloat32) return false;
-  // TMA needs every row stride a multiple of 16 bytes; CUTLASS's problem shape is int.
-  if (a.in_features % 8 != 0 || a.out_features % 8 != 0 || a.batch <= 0 || a.batch > INT32_MAX ||
-      a.in_features > INT32_MAX || a.out_features > INT32_MAX)
-    return false;
-  return aligned16(a.weight) && aligned16(a.d_output) && (!gelu || aligned16(a.pre_act)) && aligned16(a.d_input);
+  return widths_fit(a.batch, a.in_features, a.out_features) && aligned16(a.weight) && aligned16(a.d_output) &&
+         (!gelu || aligned16(a.pre_act)) && aligned16(a.d_input);
 }
 
 }  // namespace
 
-int own_dgrad_variants(const OwnDgradArgs& a) {
-  if (!fits(a)) return 0;
-  int major = 0, minor = 0;
-  FD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device));
-  FD_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a.device));
-  return (major == 9 && minor == 0) ? kNumOrders : 0;  // an sm_90a cubin runs on 9.0 only
-}
+int own_dgrad_variants(const OwnDgradArgs& a) { return fits(a) && is_sm90(a.device) ? kNumOrders : 0; }
 
 bool own_act_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
   if (variant < 0 || variant >= kNumOrders || !fits(a)) return false;

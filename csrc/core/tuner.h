@@ -1,7 +1,7 @@
 // Measured choice for heuristic = auto: on the first call of a problem, time each candidate
 // (the fused epilogue with several of cuBLASLt's algorithms, plain GEMM + elementwise kernel
 // with several plain algorithms, and where it applies each variant of fused_dense's own GEMM,
-// own_dgrad_sm90.h) on the caller's stream and keep the fastest, process-wide.
+// own_dgrad_sm90.h, own_forward_sm90.h) on the caller's stream and keep the fastest, process-wide.
 // FUSED_DENSE_TUNING_CACHE=path persists choices across processes (one line per problem).
 // FUSED_DENSE_TUNING=0 disables measuring (the fixed rule is used instead).
 // FUSED_DENSE_TUNING_CANDIDATES=own,fused,unfused (any subset, comma-separated) restricts the

@@ -26,8 +26,8 @@ TORCH_LIBRARY(fused_dense, m) {
         "bool save_pre_act, int heuristic) -> Tensor[]");
   m.def("bias_act_linear_dgrad_bgrad(Tensor weight, Tensor d_output, Tensor pre_act, bool is_gelu, "
         "int heuristic) -> Tensor[]");
-  // Whether this build holds fused_dense's own CUTLASS data-gradient GEMM (own_dgrad_sm90.h),
-  // one more candidate of 'auto' on compute capability 9.0.
+  // Whether this build holds fused_dense's own CUTLASS GEMMs (own_dgrad_sm90.h,
+  // own_forward_sm90.h), more candidates of 'auto' on compute capability 9.0.
   m.def("own_gemm_compiled() -> bool", [] {
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
     return true;

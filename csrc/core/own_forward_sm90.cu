@@ -1,0 +1,92 @@
+#include "own_gemm_sm90_common.cuh"  // first: it turns CUTLASS's device asserts off
+#include "own_forward_sm90.h"
+
+#if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
+
+namespace fused_dense::core {
+namespace {
+
+using namespace own_gemm;
+
+// In CUTLASS's column-major terms the forward is D[N, B] = W[N, K] * x^T[K, B]: the weight is a
+// K-major A, the input a K-major B, out and pre_act M-major [N, B], the bias one value per row
+// of D. The tile configuration of the data gradient's GELU kernel, whose epilogue also moves a
+// second 16-bit matrix: 128 x 128 tiles, 2 x 1 clusters, ping-pong.
+template <class Element>
+struct ForwardKernel {
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::ColumnMajor;
+  static constexpr int kAlign = 16 / sizeof(Element);
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using Fusion = cutlass::epilogue::fusion::LinCombPerRowBiasEltActAux<LayoutD, GeluApprox, Element, float,
+                                                                       /*aux*/ Element, /*bias*/ Element,
+                                                                       /*source*/ Element, float>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element, LayoutD,
+      kAlign, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+
+template <class Element>
+bool run_forward(int variant, const OwnForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
+  using Kernel = ForwardKernel<Element>;
+  using Gemm = typename Kernel::Gemm;
+  using StrideA = typename Kernel::GemmKernel::StrideA;
+  using StrideB = typename Kernel::GemmKernel::StrideB;
+  using StrideD = typename Kernel::GemmKernel::StrideD;
+  const int m = static_cast<int>(a.out_features), n = static_cast<int>(a.batch), k = static_cast<int>(a.in_features);
+  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {static_cast<const Element*>(a.weight), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1)),
+       static_cast<const Element*>(a.input), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1))},
+      {{}, nullptr, stride_d, static_cast<Element*>(a.out), stride_d}};
+  auto& fusion = args.epilogue.thread;
+  fusion.alpha = 1.f;
+  fusion.beta = 0.f;
+  fusion.bias_ptr = static_cast<const Element*>(a.bias);
+  fusion.aux_ptr = static_cast<Element*>(a.pre_act);
+  fusion.dAux = stride_d;
+  set_scheduler(args, variant, a.device, sm_count(a.device));
+  return launch<Gemm>(args, ws.ptr, ws.bytes, stream);
+}
+
+bool fits(const OwnForwardArgs& a) {
+  return a.activation == Activation::kGeluTanh && a.dtype != DType::kFloat32 && a.bias != nullptr &&
+         a.pre_act != nullptr && widths_fit(a.batch, a.in_features, a.out_features) && aligned16(a.input) &&
+         aligned16(a.weight) && aligned16(a.bias) && aligned16(a.out) && aligned16(a.pre_act);
+}
+
+}  // namespace
+
+int own_forward_variants(const OwnForwardArgs& a) { return fits(a) && is_sm90(a.device) ? kNumOrders : 0; }
+
+bool own_linear_act_forward(int variant, const OwnForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
+  if (variant < 0 || variant >= kNumOrders || !fits(a)) return false;
+  if (a.dtype == DType::kBFloat16) return run_forward<cutlass::bfloat16_t>(variant, a, ws, stream);
+  return run_forward<cutlass::half_t>(variant, a, ws, stream);
+}
+
+}  // namespace fused_dense::core
+
+#else  // built without CUTLASS or without sm_90a: no variant
+
+namespace fused_dense::core {
+
+int own_forward_variants(const OwnForwardArgs&) { return 0; }
+
+bool own_linear_act_forward(int, const OwnForwardArgs&, const Workspace&, cudaStream_t) { return false; }
+
+}  // namespace fused_dense::core
+
+#endif

@@ -1,0 +1,150 @@
+// What fused_dense's own CUTLASS GEMMs for Hopper share (own_dgrad_sm90.cu, own_forward_sm90.cu):
+// the CUTLASS headers, the tile-scheduler orders the tuner times as variants, the device checks
+// and the operand rules. Include it first: it turns CUTLASS's device asserts off.
+#pragma once
+
+// CUTLASS's device code asserts; an assert is a call, across which ptxas serializes the wgmma
+// pipeline (warning C7510, a large slowdown). Release builds of these files go without them.
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda_check.h"
+
+#if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "activation_math.cuh"
+
+namespace fused_dense::core::own_gemm {
+
+// CUTLASS calls an epilogue's activation as Fn<Array<float, n>>{}(args...) and looks for
+// hyper-parameters in Fn<float>, so each functor has both forms. kFast = true: the math the
+// elementwise kernels use for 16-bit outputs.
+template <class T>
+struct GeluApprox {
+  CUTLASS_DEVICE T operator()(T const& p) const { return act_forward<Activation::kGeluTanh, true>(p); }
+};
+
+template <int n>
+struct GeluApprox<cutlass::Array<float, n>> {
+  CUTLASS_DEVICE cutlass::Array<float, n> operator()(cutlass::Array<float, n> const& p) const {
+    cutlass::Array<float, n> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < n; ++i) out[i] = act_forward<Activation::kGeluTanh, true>(p[i]);
+    return out;
+  }
+};
+
+template <class T>
+struct GeluApproxGrad {
+  CUTLASS_DEVICE T operator()(T const& d_act, T const& p) const {
+    return d_act * act_derivative<Activation::kGeluTanh, true>(p);
+  }
+};
+
+template <int n>
+struct GeluApproxGrad<cutlass::Array<float, n>> {
+  CUTLASS_DEVICE cutlass::Array<float, n> operator()(cutlass::Array<float, n> const& d_act,
+                                                     cutlass::Array<float, n> const& p) const {
+    cutlass::Array<float, n> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < n; ++i) out[i] = d_act[i] * act_derivative<Activation::kGeluTanh, true>(p[i]);
+    return out;
+  }
+};
+
+// The tile scheduler's orders the tuner times (the variants): CUTLASS's default, and tiles
+// grouped 8 at a time along M or along N, which decides how much of A and of B the tiles running
+// at once share in L2. Each won at some shape in session 7's probe.
+using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+struct SchedulerOrder {
+  int swizzle;
+  RasterOrder raster;
+};
+inline constexpr SchedulerOrder kOrders[] = {
+    {1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
+inline constexpr int kNumOrders = sizeof(kOrders) / sizeof(kOrders[0]);
+
+template <class Arguments>
+void set_scheduler(Arguments& args, int variant, int device, int sms) {
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sms;
+  args.scheduler.max_swizzle_size = kOrders[variant].swizzle;
+  args.scheduler.raster_order = kOrders[variant].raster;
+}
+
+// Runs an initialized-on-the-spot CUTLASS GEMM; false, with nothing launched, when CUTLASS
+// refuses the problem or its workspace does not fit.
+template <class Gemm>
+bool launch(typename Gemm::Arguments const& args, void* workspace, std::size_t workspace_bytes,
+            cudaStream_t stream) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+  if (Gemm::get_workspace_size(args) > workspace_bytes) return false;
+  cutlass::Status status = gemm.initialize(args, workspace, stream);
+  if (status != cutlass::Status::kSuccess)
+    throw_status("CUTLASS GemmUniversalAdapter::initialize", cutlassGetStatusString(status), __FILE__, __LINE__);
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess)
+    throw_status("CUTLASS GemmUniversalAdapter::run", cutlassGetStatusString(status), __FILE__, __LINE__);
+  FD_CHECK_LAUNCH();
+  return true;
+}
+
+}  // namespace fused_dense::core::own_gemm
+
+#endif  // FUSED_DENSE_WITH_CUTLASS_SM90A
+
+namespace fused_dense::core::own_gemm {
+
+// Multiprocessor count per device, asked once: CUTLASS's persistent scheduler sizes its grid by
+// it, and the attribute query would otherwise run on every call.
+inline int sm_count(int device) {
+  constexpr int kCachedDevices = 64;
+  static std::array<std::atomic<int>, kCachedDevices> cached{};
+  if (device >= 0 && device < kCachedDevices) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  int sms = 0;
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (device >= 0 && device < kCachedDevices) cached[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+// True on compute capability 9.0 exactly: an sm_90a cubin runs there only. Asked only when
+// tuning (the variant count), so not cached.
+inline bool is_sm90(int device) {
+  int major = 0, minor = 0;
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// TMA needs every row stride a multiple of 16 bytes (8 16-bit elements); CUTLASS's problem
+// shape is int.
+inline bool widths_fit(int64_t rows, int64_t a, int64_t b) {
+  return a % 8 == 0 && b % 8 == 0 && rows > 0 && rows <= INT32_MAX && a > 0 && a <= INT32_MAX && b > 0 &&
+         b <= INT32_MAX;
+}
+
+}  // namespace fused_dense::core::own_gemm
