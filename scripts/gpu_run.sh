@@ -83,6 +83,11 @@ if want ab; then
 fi
 
 if want bench; then
+  # figures taken beside another process on the GPU are not the card's; refuse rather than record them
+  others=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>/dev/null)
+  if [ -n "$others" ]; then
+    echo "benchmark: not run, other processes hold the GPU:"; echo "$others"; exit 1
+  fi
   stamp "benchmark: python bench/run.py --out $OUT ${BENCH_ARGS:-}"
   python bench/run.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -80
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
@@ -226,6 +231,15 @@ if want sanitize; then
     for p in "${probes[@]}"; do sanitized "$tool" "$gpu" "probe_$p" -- python scripts/sanitizer_probe.py "$p"; done
   done
   wait
+  # A target can outlive its tool's time limit: in session 10 the instrumented pytest processes
+  # kept running after compute-sanitizer returned, and the benchmark started next measured the
+  # 8192^3 ceiling at 285 TF/s instead of 680. Nothing of this script holds the GPU now, so every
+  # process still on it is such a leftover.
+  sleep 5
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    echo "sanitize: killing leftover GPU process $pid ($(ps -o args= -p "$pid" 2>/dev/null | cut -c1-120))"
+    kill -9 "$pid" 2>/dev/null
+  done
   stamp "sanitizer summaries"
   python scripts/sanitize_summary.py "$OUT"/sanitize/*.log --json "$OUT/sanitize_summary.json" \
     --union --passed-lists "$OUT/sanitize_passed" | tee "$OUT/sanitize_summary.txt"
