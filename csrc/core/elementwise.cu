@@ -12,7 +12,8 @@
 //  * The 16-bit GELU paths are issue-bound rather than memory-bound unless the math is lean:
 //    sigmoid-form GELU with hardware ex2/rcp and paired dtype conversions.
 //  * The bias gradient is reduced deterministically: per (column tile, row chunk) partial sums
-//    in a fixed order into an fp32 workspace, then a second kernel adds the chunks in order.
+//    in a fixed order into an fp32 workspace, then a second kernel adds the chunks in an order
+//    fixed by their count (partial_sums_finalize_kernel).
 //    The chunk count depends only on (rows, cols, workspace size), never on the GPU, so the
 //    same inputs give bit-identical bias gradients on every device.
 //  * No implicit __half/__nv_bfloat16 conversions or operators are used: PyTorch's extension
