@@ -29,7 +29,8 @@ def has_cuda_kernels() -> bool:
 
 
 def has_own_gemm() -> bool:
-    """True when the build holds fused_dense's own CUTLASS data-gradient GEMM for Hopper (sm_90a),
-    which heuristic='auto' then also measures on compute capability 9.0 GPUs."""
+    """True when the build holds fused_dense's own CUTLASS GEMMs for Hopper (sm_90a): the data
+    gradient (gelu_approx or no activation) and the forward with gelu_approx, a bias and the saved
+    pre-activation, which heuristic='auto' then also measures on compute capability 9.0 GPUs."""
     load_library()
     return bool(torch.ops.fused_dense.own_gemm_compiled())
