@@ -6,7 +6,8 @@
 #
 # ab: the same benchmark sections twice in one call, first with this tree's extension, then with
 # .prebuilt_branch/_C*.so (another branch's build of the extension, made here and carried), each
-# run tuning afresh with its choices printed; AB_BENCH_ARGS replaces the default sections.
+# run tuning afresh with its choices printed (AB_TUNING_VERBOSE=2: every candidate's time too);
+# AB_BENCH_ARGS replaces the default sections.
 #
 # parallel (needs >= 2 GPUs): the tensor-parallel tests with NCCL, bench/parallel_mlp.py and the
 # torchrun GPT example, on every visible GPU. sanitize: compute-sanitizer memcheck / racecheck /
@@ -74,7 +75,7 @@ if want ab; then
     for variant in main branch; do
       if [ "$variant" = branch ]; then rm -f fused_dense/_C*.so && cp .prebuilt_branch/_C*.so fused_dense/; fi
       stamp "A/B benchmark, $variant extension"
-      FUSED_DENSE_TUNING_VERBOSE=1 python bench/run.py --out "$OUT/ab_$variant" \
+      FUSED_DENSE_TUNING_VERBOSE="${AB_TUNING_VERBOSE:-1}" python bench/run.py --out "$OUT/ab_$variant" \
         ${AB_BENCH_ARGS:---sections mlp,ops --no-compile --no-accuracy} >"$OUT/ab_$variant.log" 2>&1 || rc=1
       grep -A20 "^## Targets" "$OUT/ab_$variant/bench.md"
     done

@@ -1,6 +1,6 @@
 """fused_dense's own CUTLASS GEMMs (csrc/core/own_dgrad_sm90.cu, own_forward_sm90.cu), run through
-the existing op, functional and module tests: a fresh pytest process with
-FUSED_DENSE_TUNING_CANDIDATES=own, where heuristic='auto' measures only the own GEMMs' variants
+the existing op, functional and module tests: a fresh pytest process per tile configuration c with
+FUSED_DENSE_TUNING_CANDIDATES=own:<c>, where heuristic='auto' measures only that configuration's variants
 wherever they apply (data gradients with gelu_approx or no activation; forwards with gelu_approx,
 a bias and the pre-activation saved; fp16 / bf16, widths multiples of 8, compute capability 9.0)
 and keeps the fixed rule everywhere else. The tuner's verbose lines show which problems took them."""
@@ -27,7 +27,11 @@ SELECTION = ["tests/test_ops.py", "tests/test_functional.py", "tests/test_module
 OWN_SHAPES = [(1, 64, 64), (256, 128, 128), (1000, 1024, 1024), (256, 1024, 64), (1000, 64, 1024),
               (1, 1024, 128), (17, 128, 256), (256, 136, 1024)]
 TUNED = re.compile(r"fused_dense: tuned (dgrad|forward) (\w+) (\w+) B=(\d+) K=(\d+) N=(\d+): "
-                   r"(own GEMM variant|fused|unfused) ")
+                   r"(own GEMM variant|fused|unfused) (\d+)(?: \(tile configuration (\d+), order (\d+)\))?")
+# tile configurations (epilogue sub-tiles) of the GELU kernels, own_gemm_sm90_common.cuh's
+# kNumEpilogueTiles; the plain data gradient has one
+GELU_CONFIGS = 2
+ORDERS = 3
 
 
 def own_gemm_expected():
@@ -35,33 +39,71 @@ def own_gemm_expected():
         and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.mark.cuda
-def test_own_dgrad_through_the_suite():
-    if not own_gemm_expected():
-        pytest.skip("needs a build with the own GEMM (fused_dense.has_own_gemm()) and a compute capability 9.0 GPU")
-    env = dict(os.environ, FUSED_DENSE_TUNING_CANDIDATES="own", FUSED_DENSE_TUNING_VERBOSE="1",
+def run_pinned(candidates, args, timeout=1800):
+    env = dict(os.environ, FUSED_DENSE_TUNING_CANDIDATES=candidates, FUSED_DENSE_TUNING_VERBOSE="1",
                FUSED_DENSE_TUNING="1")
     env.pop("FUSED_DENSE_TUNING_CACHE", None)  # measure afresh, never reuse another run's choices
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "cuda",
-                           *SELECTION], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", range(GELU_CONFIGS))
+def test_own_gemm_through_the_suite(config):
+    """Each tile configuration of the own GEMMs, pinned, through the op, functional and module
+    tests; every aligned problem it applies to must have run it."""
+    if not own_gemm_expected():
+        pytest.skip("needs a build with the own GEMM (fused_dense.has_own_gemm()) and a compute capability 9.0 GPU")
+    proc = run_pinned(f"own:{config}", ["-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-m", "cuda",
+                                        *SELECTION])
     tail = (proc.stdout[-3000:] + proc.stderr[-3000:])
-    assert proc.returncode == 0, f"the suite with the own GEMM pinned failed:\n{tail}"
+    assert proc.returncode == 0, f"the suite with the own GEMM's configuration {config} pinned failed:\n{tail}"
     assert re.search(r"\d+ passed", proc.stdout) and "failed" not in proc.stdout.splitlines()[-1], tail
     tuned = [m.groups() for m in TUNED.finditer(proc.stdout + proc.stderr)]
     # with only own candidates allowed, nothing else can be chosen by measurement
     others = [t for t in tuned if t[6] != "own GEMM variant"]
     assert not others, f"tuned to something other than the own GEMM: {others[:5]}"
+    # and only variants of the pinned configuration, numbered configuration * ORDERS + order
+    wrong = [t for t in tuned if t[8] is None or int(t[8]) != config or int(t[7]) != config * ORDERS + int(t[9])]
+    assert not wrong, f"tuned to another configuration than {config}: {wrong[:5]}"
     took_own = {(t[0], t[1], t[2], int(t[3]), int(t[4]), int(t[5])) for t in tuned}
+    # the plain data gradient has configuration 0 only
+    acts = ("gelu_approx", "none") if config == 0 else ("gelu_approx",)
     for dtype in ("bfloat16", "float16"):
         for shape in OWN_SHAPES:
-            for act in ("gelu_approx", "none"):
+            for act in acts:
                 assert ("dgrad", dtype, act, *shape) in took_own, \
-                    f"dgrad {dtype} {act} B, K, N = {shape} did not run the own GEMM"
+                    f"dgrad {dtype} {act} B, K, N = {shape} did not run the own GEMM's configuration {config}"
             assert ("forward", dtype, "gelu_approx", *shape) in took_own, \
-                f"forward {dtype} gelu_approx B, K, N = {shape} did not run the own GEMM"
+                f"forward {dtype} gelu_approx B, K, N = {shape} did not run the own GEMM's configuration {config}"
+    if config > 0:
+        plain = [t for t in tuned if t[2] == "none"]
+        assert not plain, f"the plain data gradient has one configuration, yet tuned to {plain[:5]}"
     # widths it cannot take (K or N = 33) never reach it
     misfits = [t for t in tuned if int(t[4]) % 8 or int(t[5]) % 8]
     assert not misfits, f"the own GEMM took widths it must refuse: {misfits[:5]}"
+
+
+@pytest.mark.cuda
+def test_own_gemm_configuration_count():
+    """The GELU kernels have exactly GELU_CONFIGS tile configurations: own:<last> tunes a GELU data
+    gradient to it, own:<one past> finds no candidate and measures nothing."""
+    if not own_gemm_expected():
+        pytest.skip("needs a build with the own GEMM (fused_dense.has_own_gemm()) and a compute capability 9.0 GPU")
+    script = ("import torch, fused_dense\n"
+              "from fused_dense import ops\n"
+              "w = torch.randn(256, 512, device='cuda', dtype=torch.bfloat16)\n"
+              "g = torch.randn(384, 256, device='cuda', dtype=torch.bfloat16)\n"
+              "pre = torch.randn(384, 512, device='cuda', dtype=torch.bfloat16)\n"
+              "ops.act_linear_dgrad(w, g, pre, 'gelu_approx', True, 'auto')\n"
+              "torch.cuda.synchronize()\n")
+    last = run_pinned(f"own:{GELU_CONFIGS - 1}", ["-c", script], timeout=300)
+    assert last.returncode == 0, last.stderr[-2000:]
+    tuned = [m.groups() for m in TUNED.finditer(last.stderr)]
+    assert len(tuned) == 1 and tuned[0][8] == str(GELU_CONFIGS - 1), last.stderr[-2000:]
+    past = run_pinned(f"own:{GELU_CONFIGS}", ["-c", script], timeout=300)
+    assert past.returncode == 0, past.stderr[-2000:]
+    assert not TUNED.search(past.stderr), f"own:{GELU_CONFIGS} measured something:\n{past.stderr[-2000:]}"
 
 
 @pytest.mark.cuda
@@ -77,10 +119,7 @@ def test_tuning_candidates_typo_is_a_clear_error():
               "pre = torch.randn(32, 128, device='cuda', dtype=torch.bfloat16)\n"
               "ops.act_linear_dgrad(w, g, pre, 'gelu_approx', True, 'auto')\n"
               "torch.cuda.synchronize()\n")
-    env = dict(os.environ, FUSED_DENSE_TUNING_CANDIDATES="own,fusd", FUSED_DENSE_TUNING="1")
-    env.pop("FUSED_DENSE_TUNING_CACHE", None)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_pinned("own,fusd", ["-c", script], timeout=300)
     assert proc.returncode != 0, "a misspelt FUSED_DENSE_TUNING_CANDIDATES was accepted"
-    assert "FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, unfused and own, got 'own,fusd'" \
-        in proc.stderr, proc.stderr[-2000:]
+    assert "FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, unfused and own (or " \
+        "own:<tile configuration>, a number), got 'own,fusd'" in proc.stderr, proc.stderr[-2000:]

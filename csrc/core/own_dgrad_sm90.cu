@@ -85,10 +85,11 @@ using namespace own_gemm;
 // weight is an M-major A, d_output a K-major B, d_input and pre_act M-major [K, B]. Two kernels,
 // each the fastest of the probe's tile configurations for its epilogue at d <= 4096:
 //  * GELU backward: 128 x 128 tiles, 2 x 1 clusters, ping-pong (one warp group's epilogue, which
-//    reads pre_act, runs under the other's MMAs);
+//    reads pre_act, runs under the other's MMAs), one per epilogue sub-tile (with_epilogue_tile);
 //  * plain (activation none, e.g. fc1's data gradient): 128 x 256 tiles, 2 x 1 clusters,
-//    cooperative; 0.81-0.95x torch.mm's time for fc2's shapes in the probe.
-template <class Element, bool kGelu>
+//    cooperative, CUTLASS's epilogue sub-tile; 0.81-0.95x torch.mm's time for fc2's shapes in
+//    the probe. One tile configuration.
+template <class Element, bool kGelu, class EpilogueTile>
 struct DgradKernel {
   using LayoutA = cutlass::layout::ColumnMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
@@ -105,9 +106,8 @@ struct DgradKernel {
   using Fusion = cute::conditional_t<kGelu, DeGeluPartialRowSums<Element>,
                                      cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element, LayoutD,
-      kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float,
+      void, LayoutD, kAlign, Element, LayoutD, kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, TileShape, ClusterShape,
@@ -121,29 +121,19 @@ constexpr std::size_t kPartialsAlignment = 256;
 
 std::size_t round_up(std::size_t v, std::size_t to) { return (v + to - 1) / to * to; }
 
-template <class Element, bool kGelu>
-bool run_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
-  using Kernel = DgradKernel<Element, kGelu>;
+template <class Element, bool kGelu, class EpilogueTile>
+bool run_dgrad(int order, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
+  using Kernel = DgradKernel<Element, kGelu, EpilogueTile>;
   using Gemm = typename Kernel::Gemm;
-  using StrideA = typename Kernel::GemmKernel::StrideA;
-  using StrideB = typename Kernel::GemmKernel::StrideB;
-  using StrideD = typename Kernel::GemmKernel::StrideD;
   const int m = static_cast<int>(a.in_features), n = static_cast<int>(a.batch), k = static_cast<int>(a.out_features);
-  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<const Element*>(a.weight), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1)),
-       static_cast<const Element*>(a.d_output), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1))},
-      {{}, nullptr, stride_d, static_cast<Element*>(a.d_input), stride_d}};
+  auto args = gemm_arguments<Gemm>(m, n, k, static_cast<const Element*>(a.weight),
+                                   static_cast<const Element*>(a.d_output), static_cast<Element*>(a.d_input));
   auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.f;
-  fusion.beta = 0.f;
   if constexpr (kGelu) {
     fusion.aux_ptr = static_cast<const Element*>(a.pre_act);
-    fusion.dAux = stride_d;
+    fusion.dAux = args.epilogue.dD;
   }
-  set_scheduler(args, variant, a.device, sm_count(a.device));
+  set_scheduler(args, order, a.device, sm_count(a.device));
 
   // The bias gradient: partial sums from the epilogue where they fit in the workspace after
   // CUTLASS's own part, else the column-sum kernel over the finished d_input.
@@ -180,18 +170,28 @@ bool fits(const OwnDgradArgs& a) {
          (!gelu || aligned16(a.pre_act)) && aligned16(a.d_input);
 }
 
+// The GELU kernel has kNumEpilogueTiles tile configurations, the plain one a single one.
+int configurations(const OwnDgradArgs& a) { return a.activation == Activation::kGeluTanh ? kNumEpilogueTiles : 1; }
+
 }  // namespace
 
-int own_dgrad_variants(const OwnDgradArgs& a) { return fits(a) && is_sm90(a.device) ? kNumOrders : 0; }
+int own_dgrad_variants(const OwnDgradArgs& a) {
+  return fits(a) && is_sm90(a.device) ? configurations(a) * kOwnOrders : 0;
+}
 
 bool own_act_dgrad(int variant, const OwnDgradArgs& a, const Workspace& ws, cudaStream_t stream) {
-  if (variant < 0 || variant >= kNumOrders || !fits(a)) return false;
-  const bool gelu = a.activation == Activation::kGeluTanh;
-  if (a.dtype == DType::kBFloat16)
-    return gelu ? run_dgrad<cutlass::bfloat16_t, true>(variant, a, ws, stream)
-                : run_dgrad<cutlass::bfloat16_t, false>(variant, a, ws, stream);
-  return gelu ? run_dgrad<cutlass::half_t, true>(variant, a, ws, stream)
-              : run_dgrad<cutlass::half_t, false>(variant, a, ws, stream);
+  if (variant < 0 || !fits(a) || variant >= configurations(a) * kOwnOrders) return false;
+  const int order = variant % kOwnOrders;
+  if (a.activation != Activation::kGeluTanh) {
+    using Tile = cutlass::epilogue::collective::EpilogueTileAuto;
+    return a.dtype == DType::kBFloat16 ? run_dgrad<cutlass::bfloat16_t, false, Tile>(order, a, ws, stream)
+                                       : run_dgrad<cutlass::half_t, false, Tile>(order, a, ws, stream);
+  }
+  return with_epilogue_tile(variant / kOwnOrders, [&](auto tile) {
+    using Tile = decltype(tile);
+    return a.dtype == DType::kBFloat16 ? run_dgrad<cutlass::bfloat16_t, true, Tile>(order, a, ws, stream)
+                                       : run_dgrad<cutlass::half_t, true, Tile>(order, a, ws, stream);
+  });
 }
 
 }  // namespace fused_dense::core

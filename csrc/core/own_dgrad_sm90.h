@@ -34,7 +34,9 @@ struct OwnDgradArgs {
   void* d_bias = nullptr;          // [K], the column sums of d_input; null: not computed
 };
 
-// How many variants the tuner may time for this problem (tile-scheduler orders of one kernel);
+// How many variants the tuner may time for this problem (tile configurations times kOwnOrders
+// tile-scheduler orders, numbered as tuner.h says: two epilogue sub-tiles with gelu_approx, one
+// configuration without activation);
 // 0 when the kernel is not compiled in, the device is not compute capability 9.0, or the dtype
 // (fp16 / bf16), activation (gelu_approx or none), widths (multiples of 8) or pointer alignment
 // (16 bytes) do not fit.

@@ -11,8 +11,9 @@ using namespace own_gemm;
 // In CUTLASS's column-major terms the forward is D[N, B] = W[N, K] * x^T[K, B]: the weight is a
 // K-major A, the input a K-major B, out and pre_act M-major [N, B], the bias one value per row
 // of D. The tile configuration of the data gradient's GELU kernel, whose epilogue also moves a
-// second 16-bit matrix: 128 x 128 tiles, 2 x 1 clusters, ping-pong.
-template <class Element>
+// second 16-bit matrix: 128 x 128 tiles, 2 x 1 clusters, ping-pong; one kernel per epilogue
+// sub-tile (with_epilogue_tile).
+template <class Element, class EpilogueTile>
 struct ForwardKernel {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
@@ -24,9 +25,8 @@ struct ForwardKernel {
                                                                        /*aux*/ Element, /*bias*/ Element,
                                                                        /*source*/ Element, float>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, kAlign, Element, LayoutD,
-      kAlign, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float,
+      void, LayoutD, kAlign, Element, LayoutD, kAlign, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, TileShape, ClusterShape,
@@ -36,28 +36,17 @@ struct ForwardKernel {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
-template <class Element>
-bool run_forward(int variant, const OwnForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
-  using Kernel = ForwardKernel<Element>;
-  using Gemm = typename Kernel::Gemm;
-  using StrideA = typename Kernel::GemmKernel::StrideA;
-  using StrideB = typename Kernel::GemmKernel::StrideB;
-  using StrideD = typename Kernel::GemmKernel::StrideD;
+template <class Element, class EpilogueTile>
+bool run_forward(int order, const OwnForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
+  using Gemm = typename ForwardKernel<Element, EpilogueTile>::Gemm;
   const int m = static_cast<int>(a.out_features), n = static_cast<int>(a.batch), k = static_cast<int>(a.in_features);
-  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
-  typename Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, n, k, 1},
-      {static_cast<const Element*>(a.weight), cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1)),
-       static_cast<const Element*>(a.input), cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1))},
-      {{}, nullptr, stride_d, static_cast<Element*>(a.out), stride_d}};
+  auto args = gemm_arguments<Gemm>(m, n, k, static_cast<const Element*>(a.weight),
+                                   static_cast<const Element*>(a.input), static_cast<Element*>(a.out));
   auto& fusion = args.epilogue.thread;
-  fusion.alpha = 1.f;
-  fusion.beta = 0.f;
   fusion.bias_ptr = static_cast<const Element*>(a.bias);
   fusion.aux_ptr = static_cast<Element*>(a.pre_act);
-  fusion.dAux = stride_d;
-  set_scheduler(args, variant, a.device, sm_count(a.device));
+  fusion.dAux = args.epilogue.dD;
+  set_scheduler(args, order, a.device, sm_count(a.device));
   return launch<Gemm>(args, ws.ptr, ws.bytes, stream);
 }
 
@@ -69,12 +58,18 @@ bool fits(const OwnForwardArgs& a) {
 
 }  // namespace
 
-int own_forward_variants(const OwnForwardArgs& a) { return fits(a) && is_sm90(a.device) ? kNumOrders : 0; }
+int own_forward_variants(const OwnForwardArgs& a) {
+  return fits(a) && is_sm90(a.device) ? kNumEpilogueTiles * kOwnOrders : 0;
+}
 
 bool own_linear_act_forward(int variant, const OwnForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
-  if (variant < 0 || variant >= kNumOrders || !fits(a)) return false;
-  if (a.dtype == DType::kBFloat16) return run_forward<cutlass::bfloat16_t>(variant, a, ws, stream);
-  return run_forward<cutlass::half_t>(variant, a, ws, stream);
+  if (variant < 0 || variant >= kNumEpilogueTiles * kOwnOrders || !fits(a)) return false;
+  const int order = variant % kOwnOrders;
+  return with_epilogue_tile(variant / kOwnOrders, [&](auto tile) {
+    using Tile = decltype(tile);
+    if (a.dtype == DType::kBFloat16) return run_forward<cutlass::bfloat16_t, Tile>(order, a, ws, stream);
+    return run_forward<cutlass::half_t, Tile>(order, a, ws, stream);
+  });
 }
 
 }  // namespace fused_dense::core

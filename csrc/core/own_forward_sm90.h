@@ -30,7 +30,8 @@ struct OwnForwardArgs {
   void* pre_act = nullptr;       // [B, N]
 };
 
-// How many variants the tuner may time (tile-scheduler orders of one kernel); 0 unless the
+// How many variants the tuner may time (kNumEpilogueTiles epilogue sub-tiles times kOwnOrders
+// tile-scheduler orders, numbered as tuner.h says); 0 unless the
 // kernel is compiled in, the device is compute capability 9.0, the activation is gelu_approx
 // with a bias and a saved pre-activation, the dtype fp16 / bf16, K and N multiples of 8 and every
 // pointer 16-byte aligned.

@@ -1,6 +1,6 @@
 // What fused_dense's own CUTLASS GEMMs for Hopper share (own_dgrad_sm90.cu, own_forward_sm90.cu):
-// the CUTLASS headers, the tile-scheduler orders the tuner times as variants, the device checks
-// and the operand rules. Include it first: it turns CUTLASS's device asserts off.
+// the CUTLASS headers, the tile-scheduler orders and epilogue sub-tiles the tuner times as
+// variants, the GEMM arguments, the device checks and the operand rules. Include it first: it turns CUTLASS's device asserts off.
 #pragma once
 
 // CUTLASS's device code asserts; an assert is a call, across which ptxas serializes the wgmma
@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "cuda_check.h"
+#include "tuner.h"
 
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
 
@@ -70,9 +71,10 @@ struct GeluApproxGrad<cutlass::Array<float, n>> {
   }
 };
 
-// The tile scheduler's orders the tuner times (the variants): CUTLASS's default, and tiles
-// grouped 8 at a time along M or along N, which decides how much of A and of B the tiles running
-// at once share in L2. Each won at some shape in session 7's probe.
+// The tile scheduler's orders the tuner times, each with every tile configuration of a kernel
+// (variant = configuration * kOwnOrders + order, tuner.h): CUTLASS's default, and tiles grouped
+// 8 at a time along M or along N, which decides how much of A and of B the tiles running at once
+// share in L2. Each won at some shape in session 7's probe.
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
 struct SchedulerOrder {
   int swizzle;
@@ -80,14 +82,53 @@ struct SchedulerOrder {
 };
 inline constexpr SchedulerOrder kOrders[] = {
     {1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
-inline constexpr int kNumOrders = sizeof(kOrders) / sizeof(kOrders[0]);
+static_assert(sizeof(kOrders) / sizeof(kOrders[0]) == kOwnOrders, "tuner.h numbers the variants by kOwnOrders");
 
 template <class Arguments>
-void set_scheduler(Arguments& args, int variant, int device, int sms) {
+void set_scheduler(Arguments& args, int order, int device, int sms) {
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sms;
-  args.scheduler.max_swizzle_size = kOrders[variant].swizzle;
-  args.scheduler.raster_order = kOrders[variant].raster;
+  args.scheduler.max_swizzle_size = kOrders[order].swizzle;
+  args.scheduler.raster_order = kOrders[order].raster;
+}
+
+// The epilogue sub-tiles of the ping-pong 128 x 128 kernels with a second 16-bit matrix in the
+// epilogue (the GELU data gradient reads pre_act, the GELU forward writes it): their tile
+// configurations. 64 x 32 is CUTLASS's default for that tile (8 sub-tiles; ping-pong allows 64
+// rows only); 64 x 64 cuts a tile into 4, so half as many epilogue barriers and TMA issues per
+// tile, for twice the registers per sub-tile. Neither wins everywhere (s11r1: 64 x 64 took fc2's
+// data gradient and fc1's forward at d = 1024, 6% and 2.5% faster; 64 x 32 most shapes at
+// d = 2048 and 4096), so the tuner times both. 64 x 128 won nowhere in s11r1 and was dropped.
+inline constexpr int kNumEpilogueTiles = 2;
+
+template <class Fn>
+bool with_epilogue_tile(int config, Fn&& fn) {
+  using cute::_32;
+  using cute::_64;
+  switch (config) {
+    case 0: return fn(cute::Shape<_64, _32>{});
+    case 1: return fn(cute::Shape<_64, _64>{});
+    default: return false;
+  }
+}
+
+// The arguments of a GEMM D[M, N] = A[M, K] * B[K, N] (CUTLASS's terms; the layouts are the
+// kernel's) with packed strides and no source C; the caller fills in the epilogue's fusion.
+template <class Gemm, class Element>
+typename Gemm::Arguments gemm_arguments(int m, int n, int k, const Element* a, const Element* b, Element* d) {
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  using StrideD = typename Gemm::GemmKernel::StrideD;
+  const StrideD stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, n, k, 1},
+      {a, cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1)), b,
+       cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1))},
+      {{}, nullptr, stride_d, d, stride_d}};
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = 0.f;
+  return args;
 }
 
 // Runs an initialized-on-the-spot CUTLASS GEMM; false, with nothing launched, when CUTLASS

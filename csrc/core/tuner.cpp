@@ -54,7 +54,10 @@ bool env_flag(const char* name, bool default_value) {
   return !(v[0] == '0' && v[1] == '\0');
 }
 
-// A persisted choice is only valid for the same GPU model and cuBLASLt build.
+// A persisted choice is only valid for the same GPU model and cuBLASLt build, and for the same
+// numbering of the own GEMMs' variants (kOwnVariantLayout: raise it when that numbering changes,
+// so a file written by an older build is ignored rather than read as other kernels).
+constexpr int kOwnVariantLayout = 2;
 std::string device_tag(int device) {
   cudaDeviceProp prop{};
   FD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
@@ -62,7 +65,8 @@ std::string device_tag(int device) {
   for (char& c : name)
     if (c == ' ' || c == '\t') c = '_';
   std::ostringstream tag;
-  tag << name << "/sm" << prop.major << prop.minor << "/cublasLt" << cublasLtGetVersion();
+  tag << name << "/sm" << prop.major << prop.minor << "/cublasLt" << cublasLtGetVersion() << "/own"
+      << kOwnVariantLayout;
   return tag.str();
 }
 
@@ -146,6 +150,7 @@ void announce_first_tuning() {
 // FUSED_DENSE_TUNING_CANDIDATES: which kinds of candidate to measure (all when unset).
 struct CandidateKinds {
   bool fused = true, unfused = true, own = true;
+  int own_config = -1;  // >= 0: only the own variants of this tile configuration (own:<c>)
 };
 
 CandidateKinds candidate_kinds() {
@@ -161,12 +166,23 @@ CandidateKinds candidate_kinds() {
       kinds.unfused = true;
     } else if (word == "own") {
       kinds.own = true;
+    } else if (word.size() > 4 && word.size() <= 6 && word.compare(0, 4, "own:") == 0 &&
+               word.find_first_not_of("0123456789", 4) == std::string::npos) {
+      kinds.own = true;
+      kinds.own_config = std::stoi(word.substr(4));
     } else {
       throw Error("fused_dense: FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, "
-                  "unfused and own, got '" + std::string(v) + "'");
+                  "unfused and own (or own:<tile configuration>, a number), got '" + std::string(v) + "'");
     }
   }
   return kinds;
+}
+
+// " (tile configuration c, order o)" for an own GEMM variant, else empty.
+std::string own_variant_detail(const Choice& c) {
+  if (c.own < 0) return {};
+  return " (tile configuration " + std::to_string(c.own / kOwnOrders) + ", order " +
+         std::to_string(c.own % kOwnOrders) + ")";
 }
 
 const char* choice_kind(const Choice& c) { return c.own >= 0 ? "own GEMM variant" : c.fused ? "fused" : "unfused"; }
@@ -192,7 +208,8 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
   if (kinds.unfused)
     for (int i = 0; i < std::min(plain_algorithms, kMaxPlainCandidates); ++i) candidates.push_back({false, i});
   if (kinds.own)
-    for (int i = 0; i < own_variants; ++i) candidates.push_back({false, 0, i});
+    for (int i = 0; i < own_variants; ++i)
+      if (kinds.own_config < 0 || i / kOwnOrders == kinds.own_config) candidates.push_back({false, 0, i});
 
   Event start = make_event(), stop = make_event();
   const auto t0 = std::chrono::steady_clock::now();
@@ -265,12 +282,18 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     best_ms = fallback_ms;
   }
   if (measured == 0) return fallback;
-  if (env_flag("FUSED_DENSE_TUNING_VERBOSE", false)) {
+  const char* verbose = std::getenv("FUSED_DENSE_TUNING_VERBOSE");
+  if (verbose != nullptr && *verbose != '\0' && std::string(verbose) != "0") {
     std::fprintf(stderr,
-                 "fused_dense: tuned %s: %s %d, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
+                 "fused_dense: tuned %s: %s %d%s, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
                  "rounds\n",
-                 description.c_str(), choice_kind(best), best.own >= 0 ? best.own : best.algorithm, best_ms,
-                 fallback_ms, measured, rounds);
+                 description.c_str(), choice_kind(best), best.own >= 0 ? best.own : best.algorithm,
+                 own_variant_detail(best).c_str(), best_ms, fallback_ms, measured, rounds);
+    if (std::string(verbose) == "2")  // every candidate's best batch, for probing the variants
+      for (std::size_t i = 0; i < candidates.size(); ++i)
+        std::fprintf(stderr, "fused_dense:   candidate %s %d%s: %.4f ms\n", choice_kind(candidates[i]),
+                     candidates[i].own >= 0 ? candidates[i].own : candidates[i].algorithm,
+                     own_variant_detail(candidates[i]).c_str(), rejected[i] ? -1.f : best_of[i]);
   }
   choice_cache().insert(device, key, best);
   return best;

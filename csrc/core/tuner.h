@@ -5,7 +5,8 @@
 // FUSED_DENSE_TUNING_CACHE=path persists choices across processes (one line per problem).
 // FUSED_DENSE_TUNING=0 disables measuring (the fixed rule is used instead).
 // FUSED_DENSE_TUNING_CANDIDATES=own,fused,unfused (any subset, comma-separated) restricts the
-// kinds of candidates measured; the tests use it to pin a path.
+// kinds of candidates measured; the tests use it to pin a path. own:<c> in place of own measures
+// only the own GEMMs' variants of tile configuration c (the tests pin each configuration so).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +17,10 @@
 #include <string>
 
 namespace fused_dense::core {
+
+// fused_dense's own GEMMs number their variants configuration * kOwnOrders + order: one of the
+// kernel's tile configurations, run with one of kOwnOrders tile-scheduler orders.
+inline constexpr int kOwnOrders = 3;
 
 struct Choice {
   bool fused = false;
