@@ -191,7 +191,8 @@ def markdown(res):
     L.append(f"{gpu}; driver {env.get('driver', '–')}; torch {env.get('torch')}; CUDA {env.get('torch_cuda')}; "
              f"cuBLASLt {env.get('cublasLt_version_str', '–')}; triton {env.get('triton', '–')}; "
              f"{env.get('date_utc')}; fused_dense commit {str(env.get('git_commit') or 'unknown')[:12]}"
-             f"{' (dirty)' if env.get('git_dirty') else ''}.\n")
+             f"{' (dirty)' if env.get('git_dirty') else ''}"
+             f"{'; source tree ' + env['git_tree'][:12] if env.get('git_tree') else ''}.\n")
     if env.get("clock_sm_mhz"):
         L.append(f"Clocks at start: SM {env.get('clock_sm_mhz')} (max {env.get('clock_max_sm_mhz')}), "
                  f"memory {env.get('clock_mem_mhz')}; power limit {env.get('power_limit')}; "

@@ -32,6 +32,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import zlib
@@ -313,6 +314,21 @@ def _run(cmd):
         return None
 
 
+def source_tree_id():
+    """git's tree id of the checkout's files as they are (tracked and untracked-not-ignored, through
+    a throw-away index), whatever HEAD says: a copy whose .git lags its files (the GPU machine's)
+    still names the tree that ran, equal to `git rev-parse <commit>^{tree}` of the commit it was."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        try:
+            subprocess.run(["git", "-C", ROOT, "add", "-A"], env=env, capture_output=True, timeout=60, check=True)
+            tree = subprocess.run(["git", "-C", ROOT, "write-tree"], env=env, capture_output=True, text=True,
+                                  timeout=20, check=True).stdout.strip()
+        except Exception:  # noqa: BLE001  (no git, no .git: the commit field says what is known)
+            return None
+    return tree if len(tree) == 40 else None
+
+
 def cublaslt_version():
     """cublasLtGetVersion() of the libcublasLt this process uses (read from /proc/self/maps)."""
     paths = []
@@ -373,6 +389,7 @@ def environment(args, device):
     env["git_dirty"] = None if st is None else bool(st)
     if args.commit:
         env["git_commit_from"] = "--commit"
+    env["git_tree"] = source_tree_id()
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         env.update({

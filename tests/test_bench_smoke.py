@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,3 +190,29 @@ def test_report_shows_each_ratio_per_round():
     row = [r for r in report.targets(res) if "not slower than eager" in r[0]]
     assert row == [("bf16 gelu 8192×4096: auto not slower than eager (eager / auto ≥ 1)",
                     "1.050 (rounds 0.950–1.100)", True)], row
+
+
+def test_bench_names_the_source_tree_that_ran(tmp_path):
+    """The recorded tree id is git's id of the files as they are, not of HEAD: it equals HEAD's tree
+    on a clean checkout and changes with an uncommitted edit (the GPU machine's copy can carry an
+    old .git under newer files)."""
+    git = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD^{tree}"], capture_output=True, text=True)
+    if git.returncode != 0:
+        pytest.skip("not a git checkout: there is no tree id to record (the report then leaves it out)")
+    bench = _load("run")
+    tree = bench.source_tree_id()
+    assert tree is not None and len(tree) == 40 and all(c in "0123456789abcdef" for c in tree), tree
+    clean = subprocess.run(["git", "-C", ROOT, "status", "--porcelain"], capture_output=True, text=True).stdout
+    if not clean.strip():
+        assert tree == git.stdout.strip(), "a clean checkout's tree id differs from HEAD's"
+    # an untracked, not ignored file is part of the files that run
+    extra = os.path.join(ROOT, "bench", f"_tree_id_probe_{os.getpid()}.txt")
+    try:
+        with open(extra, "w") as f:
+            f.write("changes the tree\n")
+        assert bench.source_tree_id() != tree
+    finally:
+        os.remove(extra)
+    report = _load("report")
+    header = report.markdown({"env": {"git_commit": "c07a00b268b5", "git_dirty": True, "git_tree": tree}})
+    assert f"source tree {tree[:12]}" in header.splitlines()[2], header[:400]
