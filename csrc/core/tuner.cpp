@@ -81,9 +81,12 @@ class ChoiceCache {
     return true;
   }
 
-  void insert(int device, const TuningKey& key, const Choice& choice) {
+  // persist = false keeps the choice for this process only: the rule's choice taken because
+  // nothing could be measured says nothing another process should reuse.
+  void insert(int device, const TuningKey& key, const Choice& choice, bool persist = true) {
     std::lock_guard<std::mutex> lock(mutex_);
     table_for(device)[key] = choice;
+    if (!persist) return;
     const char* path = std::getenv("FUSED_DENSE_TUNING_CACHE");
     if (path == nullptr || *path == '\0') return;
     std::ofstream file(path, std::ios::app);
@@ -210,6 +213,12 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
   if (kinds.own)
     for (int i = 0; i < own_variants; ++i)
       if (kinds.own_config < 0 || i / kOwnOrders == kinds.own_config) candidates.push_back({false, 0, i});
+  // Nothing of the kinds asked for applies (e.g. own:<c> past a kernel's configurations): the
+  // rule's choice, remembered so later calls skip the warm-up below.
+  if (candidates.empty()) {
+    choice_cache().insert(device, key, fallback, /*persist=*/false);
+    return fallback;
+  }
 
   Event start = make_event(), stop = make_event();
   const auto t0 = std::chrono::steady_clock::now();
@@ -235,12 +244,15 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
   // Warm-up: the GPU's clocks ramp under load, so whichever candidate went first would look slow.
   // Run the rule's choice (else the first accepted candidate) for kWarmupMs before timing anything.
   // (With the candidate kinds restricted, the rule's choice may not be among them.)
-  Choice warm = candidates.empty() ? fallback : candidates.front();
+  Choice warm = candidates.front();
   for (const Choice& c : candidates)
     if (c == fallback) warm = fallback;
   float warm_ms = time_ms(warm, 1);
   for (std::size_t i = 0; warm_ms < 0.f && i < candidates.size(); ++i) warm_ms = time_ms(warm = candidates[i], 1);
-  if (warm_ms < 0.f) return fallback;
+  if (warm_ms < 0.f) {  // every candidate rejected at launch: measuring again would not change that
+    choice_cache().insert(device, key, fallback, /*persist=*/false);
+    return fallback;
+  }
   const int warm_runs = std::clamp(static_cast<int>(kWarmupMs / std::max(warm_ms, 1e-3f)), 0, kMaxWarmupRuns);
   if (warm_runs > 0) time_ms(warm, warm_runs);
 
@@ -281,7 +293,10 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     best = fallback;
     best_ms = fallback_ms;
   }
-  if (measured == 0) return fallback;
+  if (measured == 0) {
+    choice_cache().insert(device, key, fallback, /*persist=*/false);
+    return fallback;
+  }
   const char* verbose = std::getenv("FUSED_DENSE_TUNING_VERBOSE");
   if (verbose != nullptr && *verbose != '\0' && std::string(verbose) != "0") {
     std::fprintf(stderr,
