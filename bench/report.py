@@ -66,6 +66,20 @@ def _status_cell(v):
     return st if st != "ok" else "?"
 
 
+def _same_shape(records, r):
+    """The record of records with r's dtype, activation and shape, or None."""
+    for o in records or []:
+        if (o["dtype"], o["activation"], o["M"], o["d"]) == (r["dtype"], r["activation"], r["M"], r["d"]):
+            return o
+    return None
+
+
+def _sustained_warmup_label(res):
+    """'1000 ms': the sustained section's warm-up per block, as this run recorded it."""
+    w = (res.get("method") or {}).get("sustained_warmup_ms")
+    return "a long warm-up" if w is None else f"{w:.0f} ms"
+
+
 # ----------------------------------------------------------------------------------------------
 # targets of issue 5
 
@@ -106,13 +120,26 @@ def targets(res):
         e = r["variants"].get("eager")
         ef = e.get("x_floor") if _ok(e) else None
         floor = r["variants"].get("floor")
+        # the sustained section's figure for the same shape, beside the standard one, which stays the
+        # verdict's figure (the run of record)
+        sv = (_same_shape(res.get("sustained"), r) or {}).get("variants", {})
+        s_auto, s_eager, s_floor = (sv.get(k) if _ok(sv.get(k)) else None for k in ("auto_l0", "eager", "floor"))
+        sus_floor = sus_eager = ""
+        if s_auto is not None:
+            if s_auto.get("x_floor") is not None:
+                s_ef = s_eager.get("x_floor") if s_eager else None
+                sus_floor = (f"; sustained {s_auto['x_floor']:.3f}{round_range(s_auto, s_floor)} "
+                             f"(eager {_f(s_ef, '{:.3f}')})")
+            if s_auto.get("speedup_vs_eager") is not None:
+                sus_eager = f"; sustained {s_auto['speedup_vs_eager']:.3f}{round_range(s_eager, s_auto)}"
         rows.append((f"bf16 gelu {shape}: auto / six GEMMs ≤ {lim:.2f}",
-                     f"{_f(xf, '{:.3f}')}{round_range(a, floor)} (eager {_f(ef, '{:.3f}')})",
+                     f"{_f(xf, '{:.3f}')}{round_range(a, floor)} (eager {_f(ef, '{:.3f}')}){sus_floor}",
                      None if xf is None else xf <= lim))
         need = {1024: 1.20, 2048: 1.08}.get(d)
         se = a.get("speedup_vs_eager")
         if need:
-            rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}", _f(se, "{:.3f}") + round_range(e, a),
+            rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}",
+                         _f(se, "{:.3f}") + round_range(e, a) + sus_eager,
                          None if se is None else se >= need))
         for lvl, lim2 in ((1, 1.05), (2, 1.25)):
             v = r["variants"].get(f"auto_l{lvl}")
@@ -183,6 +210,51 @@ def targets(res):
 # markdown
 
 
+SUSTAINED_KEYS = ("floor", "eager", "compile", "auto_l0")
+
+
+def sustained_table(res):
+    """Markdown lines of the sustained section's table (none when the run has no such records)."""
+    recs = res.get("sustained") or []
+    if not recs:
+        return []
+    L = [f"## Sustained load (each block after {_sustained_warmup_label(res)} of its own steps)\n"]
+    method = (res.get("method") or {}).get("sustained")
+    configs = ", ".join(dict.fromkeys(f"{r['dtype']} {r['activation']}" for r in recs))
+    L.append((method[:1].upper() + method[1:] + ". " if method else f"{configs}. ")
+             + "ms, lower is better; ÷: ratio of the two medians; 'standard' is auto ÷ floor in the MLP table "
+             "above (the usual warm-up per block), the run of record.\n")
+    clocks = any("clocks" in v for r in recs for v in r["variants"].values())
+    head = ["M × d"] + [f"{label(k)} ms" for k in SUSTAINED_KEYS] + [
+        "eager ÷ auto", "compile ÷ auto", "auto ÷ floor", "auto ÷ floor, standard"]
+    if clocks:
+        head += ["SM MHz floor / eager / compile / auto", "W floor / eager / compile / auto"]
+    L.append("| " + " | ".join(head) + " |")
+    L.append("|---" * len(head) + "|")
+    for r in recs:
+        vs = r["variants"]
+        cells = [f"{r['M']} × {r['d']}"]
+        cells += [f"{vs[k]['ms']:.3f}" if _ok(vs.get(k)) else _status_cell(vs.get(k)) for k in SUSTAINED_KEYS]
+        a = vs.get("auto_l0") if _ok(vs.get("auto_l0")) else {}
+        std = ((_same_shape(res.get("mlp"), r) or {}).get("variants") or {}).get("auto_l0")
+        cells += [_f(a.get("speedup_vs_eager")), _f(a.get("speedup_vs_compile")), _f(a.get("x_floor")),
+                  _f(std.get("x_floor") if _ok(std) else None)]
+        if clocks:
+            for field in ("sm_mhz", "power_w"):
+                cells.append(" / ".join(_f((vs.get(k) or {}).get("clocks", {}).get(field), "{:.0f}")
+                                        for k in SUSTAINED_KEYS))
+        L.append("| " + " | ".join(cells) + " |")
+    L.append("")
+    if clocks:
+        L.append("SM clock and power: medians of the nvidia-smi samples (every "
+                 f"{next((r['clock_sampling'].get('interval_ms') for r in recs if r.get('clock_sampling')), '–')} ms) "
+                 "taken inside each variant's timed blocks and the end of their warm-ups (at most 300 ms); samples per variant: "
+                 + "; ".join(f"{r['M']} × {r['d']} " + " / ".join(
+                     str((r["variants"].get(k) or {}).get("clocks", {}).get("samples", 0)) for k in SUSTAINED_KEYS)
+                     for r in recs) + ".\n")
+    return L
+
+
 def markdown(res):
     env = res.get("env", {})
     L = []
@@ -240,6 +312,8 @@ def markdown(res):
                     cells.append(f"{v['ms']:.3f} ({v['tflops']:.0f})" if _ok(v) else _status_cell(v))
                 L.append(f"| {r['M']} × {r['d']} | " + " | ".join(cells) + " |")
             L.append("")
+    L += sustained_table(res)
+    if mlp:
         L.append("## MLP detail: ratios, memory kept for backward, accuracy\n")
         L.append("× floor = time / six-GEMM time; vs eager = eager time / time; vs compile = compile time / time "
                  "(> 1: faster). saved = unique non-parameter storages saved for backward (saved_tensors_hooks, "
@@ -359,6 +433,11 @@ def markdown(res):
     return "\n".join(L) + "\n"
 
 
+def _ms_cell(v):
+    """A figure's ms for the console table, or its status cut to the column."""
+    return f"{v['ms']:.3f}" if _ok(v) else (v or {}).get("status", "-")[:7]
+
+
 def summary(res):
     """A short plain-text table for the end of the console output."""
     L = ["", "=== summary ==="]
@@ -373,8 +452,7 @@ def summary(res):
         vs = r["variants"]
 
         def ms(k):
-            v = vs.get(k)
-            return f"{v['ms']:.3f}" if _ok(v) else (v or {}).get("status", "-")[:7]
+            return _ms_cell(vs.get(k))
         hs = [(vs[k]["ms"], k) for k in ("h-1_l0", "h0_l0", "h1_l0", "h2_l0") if _ok(vs.get(k))]
         best = f"{min(hs)[0]:.3f}" if hs else "-"
         a = vs.get("auto_l0", {})
@@ -383,6 +461,20 @@ def summary(res):
                  f"{ms('auto_l0'):>9}{ms('auto_l1'):>9}{ms('auto_l2'):>9}{best:>9}"
                  f" {_f(a.get('x_floor'), '{:.3f}', '-'):>8} {_f(a.get('speedup_vs_eager'), '{:.3f}', '-'):>7}"
                  f" {_f(a.get('speedup_vs_compile'), '{:.3f}', '-'):>7}")
+    sus = res.get("sustained") or []
+    if sus:
+        L.append(f"sustained (each block after {_sustained_warmup_label(res)} of its own steps):")
+        L.append(f"{'cfg':<11}{'M x d':>12}{'floor':>9}{'eager':>9}{'compile':>9}{'auto':>9}"
+                 f" {'xfloor':>8} {'vs eag':>7} {'vs cmp':>7} {'SM MHz auto':>12} {'W auto':>7}")
+        for r in sus:
+            vs = r["variants"]
+            a = vs.get("auto_l0") if _ok(vs.get("auto_l0")) else {}
+            c = a.get("clocks", {})
+            L.append(f"{r['dtype'] + ' ' + ACT_SHORT.get(r['activation'], r['activation']):<11}"
+                     f"{str(r['M']) + 'x' + str(r['d']):>12}" + "".join(f"{_ms_cell(vs.get(k)):>9}" for k in SUSTAINED_KEYS)
+                     + f" {_f(a.get('x_floor'), '{:.3f}', '-'):>8} {_f(a.get('speedup_vs_eager'), '{:.3f}', '-'):>7}"
+                     f" {_f(a.get('speedup_vs_compile'), '{:.3f}', '-'):>7} {_f(c.get('sm_mhz'), '{:.0f}', '-'):>12}"
+                     f" {_f(c.get('power_w'), '{:.0f}', '-'):>7}")
     trg = targets(res)
     if trg:
         L.append("targets:")

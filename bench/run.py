@@ -17,6 +17,9 @@ Sections, in the order they run (the most important first, so a time budget cut 
   ops       linear_act / act_linear_dgrad / linear_bias_wgrad against torch.mm at the MLP's GEMMs
   host      host CPU time per forward + backward at M=512, d=512: FusedMLP against eager
   reduced   fp16 gelu_approx, bf16 relu, fp16 relu at M=8192: FusedMLP auto, eager, compile, floor
+  sustained the bf16 gelu_approx shapes again (floor, eager, compile, FusedMLP auto), each block after
+            --sustained-warmup-ms (1000) of its own steps: the power-capped steady state; SM clock and
+            power from nvidia-smi where it exists
 """
 import argparse
 import ctypes
@@ -29,6 +32,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -98,6 +102,10 @@ def fused_spec(key):
     """'auto_l1' -> ('auto', 1); 'h-1_l0' -> (-1, 0); 'auto_l0_again' -> ('auto', 0)."""
     h, lvl = key.removesuffix("_again").split("_l")
     return ("auto" if h == "auto" else int(h[1:])), int(lvl)
+
+
+def _f0(x):
+    return "?" if x is None else f"{x:.0f}"
 
 
 def errstr(exc, limit=400):
@@ -240,7 +248,7 @@ class Bench:
         reset()  # between blocks a variant holds no gradients (interleaved: all variants stay alive)
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
-    def interleaved(self, fns, rounds, before_each=None):
+    def interleaved(self, fns, rounds, before_each=None, windows=None):
         """Times every function of fns ({key: (fn, grad_to_none)}) in `rounds` rounds. Each round
         gives each function a full warm-up and its share of the repetitions, in an order rotated by
         one place per round, so a slow drift of clocks or temperature, or a transient left by one
@@ -250,7 +258,11 @@ class Bench:
 
         Returns {key: summary}: median, p20 and p80 over all its repetitions, the median of each
         round (round_ms), allocator_calls on CUDA; or {"error": exception} for a function that
-        raised, which then leaves the later rounds. before_each(key) runs before each block."""
+        raised, which then leaves the later rounds. before_each(key) runs before each block.
+
+        windows: a dict that receives, per key, the wall-clock span (time.time() seconds) of each
+        block's timed repetitions and the end of its warm-up, to match against samples taken beside
+        the run (nvidia-smi's)."""
         keys = list(fns)
         est = {}
         times = {k: [] for k in keys}
@@ -279,6 +291,15 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001 - recorded for this variant; the others go on
                     failed[k] = exc
                     continue
+                if windows is not None:
+                    # _timed synchronizes at its end, so its repetitions ended just now and began
+                    # their summed time earlier (the L2 flushes between them left out). The span
+                    # also takes in the last third of the warm-up, at most 300 ms, the same
+                    # variant's steps in the same state: nvidia-smi updates about every 100 ms, so
+                    # a 40 ms timed block alone mostly catches no sample (s12: 'auto' got none)
+                    end = time.time()
+                    lead = min(0.3, self.warmup_ms / 1e3 / 3)
+                    windows.setdefault(k, []).append((end - sum(block) / 1e3 - lead, end))
                 if self.cuda:
                     allocs[k] += self._allocator_calls() - before
                 times[k] += block
@@ -413,6 +434,155 @@ def environment(args, device):
 
 
 # ----------------------------------------------------------------------------------------------
+# clocks under load: nvidia-smi sampled beside the sustained section's timing
+
+SMI_INTERVAL_MS = 100
+SMI_FIELDS = ("timestamp", "clocks.sm", "power.draw")
+# why the clock is below its maximum (bit 0x4: the software power cap); newer drivers call the field
+# clocks_event_reasons, and the first name that this nvidia-smi accepts is used
+SMI_REASON_FIELDS = ("clocks_throttle_reasons.active", "clocks_event_reasons.active")
+SMI_TIMESTAMP_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
+_smi_fields_found = {}
+
+
+def _smi_number(cell):
+    """'1410' or '1410 MHz' -> 1410.0; '[N/A]', '[Not Supported]', '' -> None."""
+    try:
+        return float(cell.split()[0])
+    except (IndexError, ValueError):
+        return None
+
+
+def parse_smi_samples(lines):
+    """nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw[,<reasons>] --format=csv,noheader
+    lines -> [{"t": epoch seconds, "sm_mhz", "power_w", "reasons"}], lines that do not parse left out.
+
+    The timestamp ("2026/11/30 08:50:48.122") is the machine's local time without a zone, read here as
+    local time too: nvidia-smi inherits this process's TZ, so it lands on time.time()'s clock."""
+    samples = []
+    for line in lines:
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) < 3:
+            continue
+        try:
+            t = datetime.datetime.strptime(cells[0], SMI_TIMESTAMP_FORMAT).timestamp()
+        except ValueError:
+            continue
+        reasons = cells[3] if len(cells) > 3 and cells[3].lower().startswith("0x") else None
+        samples.append({"t": t, "sm_mhz": _smi_number(cells[1]), "power_w": _smi_number(cells[2]),
+                        "reasons": reasons})
+    return samples
+
+
+def clocks_in_windows(samples, windows):
+    """Per key of windows ({key: [(start, end) epoch seconds]}): the median SM clock and power of the
+    samples taken inside one of its spans, their count, and the clock-limit reasons seen there. A key
+    with no sample inside its spans is left out, as is a sample that falls in no span (the start of
+    each warm-up, the host's gaps between blocks)."""
+    res = {}
+    for key, spans in windows.items():
+        inside = [smp for smp in samples if any(a <= smp["t"] <= b for a, b in spans)]
+        if not inside:
+            continue
+        c = {"samples": len(inside)}
+        for field, name in (("sm_mhz", "sm_mhz"), ("power_w", "power_w")):
+            vals = [smp[field] for smp in inside if smp[field] is not None]
+            if vals:
+                c[name] = statistics.median(vals)
+        reasons = sorted({smp["reasons"] for smp in inside if smp["reasons"]})
+        if reasons:
+            c["clock_limit_reasons"] = reasons
+        res[key] = c
+    return res
+
+
+def _smi_query(exe, fields, gpu_index):
+    return [exe, "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits", f"--id={gpu_index}"]
+
+
+def smi_fields(exe, gpu_index):
+    """The query fields this nvidia-smi answers for this GPU, each reasons field name tried in turn
+    with one sample, then none; None when even the clock and power query fails."""
+    if (exe, gpu_index) not in _smi_fields_found:
+        found = None
+        for reasons in SMI_REASON_FIELDS + (None,):
+            fields = SMI_FIELDS + ((reasons,) if reasons else ())
+            try:
+                got = subprocess.run(_smi_query(exe, fields, gpu_index), capture_output=True, text=True,
+                                     timeout=20)
+            except (OSError, subprocess.SubprocessError):
+                break
+            if got.returncode == 0 and parse_smi_samples(got.stdout.splitlines()):
+                found = fields
+                break
+        _smi_fields_found[(exe, gpu_index)] = found
+    return _smi_fields_found[(exe, gpu_index)]
+
+
+class ClockSampler:
+    """nvidia-smi writing the GPU's timestamp, SM clock, power and clock-limit reasons every
+    interval_ms, in a background process between start() and stop(); stop() returns the parsed
+    samples. Where there is no nvidia-smi (CPU runs, CI) or it cannot query the GPU, start() starts
+    nothing, `note` says why and stop() returns []: the run goes on without clock figures."""
+
+    def __init__(self, gpu_index=0, interval_ms=SMI_INTERVAL_MS, exe="nvidia-smi", max_s=3600):
+        self.gpu_index = gpu_index
+        self.interval_ms = interval_ms
+        self.exe = exe
+        self.max_s = max_s
+        self.fields = None
+        self.note = None
+        self.samples = []
+        self._proc = None
+        self._out = None
+
+    @property
+    def running(self):
+        return self._proc is not None
+
+    def start(self):
+        path = shutil.which(self.exe)
+        if path is None:
+            self.note = f"no {self.exe} on PATH"
+            return self
+        self.fields = smi_fields(path, self.gpu_index)
+        if self.fields is None:
+            self.note = f"{path} did not answer --query-gpu={','.join(SMI_FIELDS)} for GPU {self.gpu_index}"
+            return self
+        cmd = _smi_query(path, self.fields, self.gpu_index) + ["-lms", str(int(self.interval_ms))]
+        # a worker killed by a kernel under test never reaches stop(): `timeout` ends the sampler then
+        bound = shutil.which("timeout")
+        if bound:
+            cmd = [bound, str(int(self.max_s))] + cmd
+        self._out = tempfile.TemporaryFile(mode="w+")
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.DEVNULL,
+                                          stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            self.note = f"{path} did not start: {errstr(exc, 160)}"
+            self._out.close()
+            self._out = None
+        return self
+
+    def stop(self):
+        """Ends the sampling process (its own id only) and parses what it wrote; safe to call twice."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if self._out is not None:
+            self._out.seek(0)
+            self.samples = parse_smi_samples(self._out.read().splitlines())
+            self._out.close()
+            self._out = None
+        return self.samples
+
+
+# ----------------------------------------------------------------------------------------------
 # models
 
 
@@ -469,9 +639,14 @@ class Ctx:
         self.device = device
         self.cuda = device.type == "cuda"
         self.bench = Bench(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, timer=args.timer)
+        # the sustained section's timing: the same rounds, each block after a warm-up long enough for
+        # the card to reach its power-capped clock (Bench.interleaved warms up before every block)
+        self.sustained_bench = Bench(device, warmup_ms=args.sustained_warmup_ms, rep_ms=args.rep_ms,
+                                     timer=args.timer)
         self.deadline = T0 + args.budget
         self.results = results or {"schema": 1, "env": {}, "method": {}, "ceiling": None, "mlp": [], "ops": [],
-                                   "host": None, "done": [], "skipped": [], "crashed": [], "in_progress": None}
+                                   "host": None, "sustained": [], "done": [], "skipped": [], "crashed": [],
+                                   "in_progress": None}
         self.crashed = {(c["item"], c["variant"]): c for c in self.results.get("crashed", [])}
 
     def time_left(self):
@@ -708,16 +883,24 @@ def ratios(variants):
                 v[name] = (b / v["ms"]) if inv else (v["ms"] / b)
 
 
-def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
+def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
+    """One MLP shape's variants: their first calls, memory and accuracy, then their timing in
+    interleaved rounds, into results[section]. section 'sustained' times with ctx.sustained_bench
+    (each block after --sustained-warmup-ms of its own steps), samples the SM clock and power beside
+    it where nvidia-smi exists, and leaves out the float32 reference and the memory pass, which the
+    'mlp' section takes for the same shapes."""
+    sustained = section == "sustained"
+    bench = ctx.sustained_bench if sustained else ctx.bench
     dtype = DTYPES[dtype_name]
     h = 4 * d
     flops = 12 * M * d * h
-    rec = ctx.find("mlp", item_id)
+    records = ctx.results.setdefault(section, [])  # a bench.json from before the section lacks the list
+    rec = ctx.find(section, item_id)
     if rec is None:
         rec = {"id": item_id, "dtype": dtype_name, "activation": act, "M": M, "d": d, "h": h, "flops": flops,
                "variants": {}}
-        ctx.results["mlp"].append(rec)
-    tag = f"mlp {dtype_name} {act} M={M} d={d}"
+        records.append(rec)
+    tag = f"{section} {dtype_name} {act} M={M} d={d}"
     todo = [k for k in variants if rec["variants"].get(k, {}).get("status") not in FINAL]
     log(f"{tag}: start ({len(todo)} of {len(variants)} variants to run)")
     ctx.seed(item_id)
@@ -726,7 +909,7 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
     x = ctx.randn(M, d, dtype=dtype).requires_grad_(True)
     dy = ctx.randn(M, d, dtype=dtype)
     ref = None
-    if not ctx.args.no_accuracy and any(k != "floor" for k in todo):
+    if not ctx.args.no_accuracy and not sustained and any(k != "floor" for k in todo):
         try:
             ref = reference(ctx, eager, x, dy)
             x.grad = None
@@ -782,12 +965,13 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
             except Exception as exc:  # noqa: BLE001
                 raise (_Unavailable(exc) if fused else exc) from exc
             v["first_call_s"] = round(time.perf_counter() - t0, 3)
-            mem, outs = measure_pass(ctx, mod, x, dy, params, use_hooks=(key != "compile"))
-            v["memory"] = mem
-            if ref is not None:
-                v["rel_err"] = {k: rel_err(outs[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")
-                                if outs.get(k) is not None}
-            del outs
+            if not sustained:
+                mem, outs = measure_pass(ctx, mod, x, dy, params, use_hooks=(key != "compile"))
+                v["memory"] = mem
+                if ref is not None:
+                    v["rel_err"] = {k: rel_err(outs[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")
+                                    if outs.get(k) is not None}
+                del outs
             prepared[key] = (step, params + [x], v, fused)
         except Exception as exc:  # noqa: BLE001
             record_failure(ctx, rec, tag, key, v, exc)
@@ -804,10 +988,25 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
     # 2. the timing, all prepared variants in interleaved rounds (Bench.interleaved says why)
     if prepared:
         rounds = ctx.args.rounds
-        log(f"{tag}: timing {len(prepared)} variants in {rounds} interleaved rounds")
-        timed = ctx.bench.interleaved({k: p[:2] for k, p in prepared.items()}, rounds,
-                                      before_each=lambda k: ctx.begin(item_id, k, prepared[k][3]))
+        log(f"{tag}: timing {len(prepared)} variants in {rounds} interleaved rounds"
+            + (f", each block after {bench.warmup_ms:.0f} ms of its own steps" if sustained else ""))
+        windows = {}
+        sampler = None
+        if sustained and ctx.cuda:
+            # max_s only ends a sampler whose worker died; generous beside the item's own time
+            item_s = len(prepared) * rounds * (bench.warmup_ms + bench.rep_ms) / 1e3
+            sampler = ClockSampler(ctx.device.index or 0, max_s=600 + 2 * item_s)
+        try:
+            if sampler is not None:
+                sampler.start()
+            timed = bench.interleaved({k: p[:2] for k, p in prepared.items()}, rounds,
+                                      before_each=lambda k: ctx.begin(item_id, k, prepared[k][3]), windows=windows)
+        finally:
+            if sampler is not None:
+                sampler.stop()
         ctx.end()
+        if sampler is not None:
+            record_clocks(rec, {k: p[2] for k, p in prepared.items()}, sampler, windows)
         if "floor" in timed and "error" not in timed["floor"] and variants == FULL_VARIANTS and not ctx.args.quick:
             timed["floor"]["parts_ms"] = {name: ctx.bench(fn)["ms"] for name, fn in floor_parts.items()}
         for key, (_, _, v, _) in prepared.items():
@@ -829,6 +1028,10 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
             extra += f", p20-p80 {v['p20']:.3f}-{v['p80']:.3f}, {v['reps']} reps"
             if v.get("allocator_calls"):
                 extra += f", {v['allocator_calls']} cudaMalloc/cudaFree calls during warm-up and timing"
+            if "clocks" in v:
+                c = v["clocks"]
+                extra += (f", SM {_f0(c.get('sm_mhz'))} MHz, {_f0(c.get('power_w'))} W (median of "
+                          f"{c['samples']} nvidia-smi samples in its blocks)")
             log(f"{tag} {key}: {v['ms']:.3f} ms, {v['tflops']:.0f} TF/s{extra}")
             rec["variants"][key] = v
     ratios(rec["variants"])
@@ -837,6 +1040,21 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants):
     torch._dynamo.reset()
     eager = x = dy = ref = None  # noqa: F841
     ctx.free()
+
+
+def record_clocks(rec, variant_records, sampler, windows):
+    """A stopped ClockSampler's samples into an item's records: per variant of variant_records
+    ({key: record}) the medians over its blocks (windows, from Bench.interleaved), and the item's
+    clock_sampling (what was queried, how many samples). Without nvidia-smi nothing is added; with an
+    nvidia-smi that did not answer, clock_sampling says why."""
+    if sampler.fields:
+        rec["clock_sampling"] = {"tool": "nvidia-smi", "fields": list(sampler.fields),
+                                 "interval_ms": sampler.interval_ms, "samples": len(sampler.samples)}
+        for key, clocks in clocks_in_windows(sampler.samples, windows).items():
+            if key in variant_records:
+                variant_records[key]["clocks"] = clocks
+    elif sampler.note and shutil.which(sampler.exe):
+        rec["clock_sampling"] = {"error": sampler.note}
 
 
 def record_failure(ctx, rec, tag, key, v, exc):
@@ -1150,9 +1368,35 @@ def build_plan(args):
         for dt, act in reduced:
             for (M, d) in red_shapes:
                 plan.append((f"mlp:{dt}:{act}:{M}x{d}", "mlp", (dt, act, M, d, REDUCED_VARIANTS)))
+    if "sustained" in sections:
+        for (M, d) in full_shapes:
+            plan.append((f"sustained:bf16:gelu_approx:{M}x{d}", "sustained",
+                         ("bf16", "gelu_approx", M, d, REDUCED_VARIANTS)))
     if "ceiling" in sections:
         plan.append(("ceiling_end", "ceiling", ("ceiling_end",)))
     return plan
+
+
+SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained")
+# the first calls of a shape again (torch.compile compiles anew, 2-4 s on the H200 in s11r3), data
+SUSTAINED_PREPARE_S = 5.0
+# the MLP step's rate on the H200 (s11r3: 640-670 TF/s), to size a block's share of the repetitions
+ESTIMATE_TFLOPS = 650.0
+
+
+def sustained_estimate_s(plan, args):
+    """Rough seconds the plan's sustained items take on the GPU: per shape, every variant's block in
+    every round (the warm-up, then its share of the repetitions, at least 2 steps), and the first
+    calls. A guide for --budget, not a promise: on the CPU the step time is not modelled."""
+    total = 0.0
+    for _, section, payload in plan:
+        if section != "sustained":
+            continue
+        _, _, M, d, variants = payload
+        step_s = 12 * M * d * 4 * d / (ESTIMATE_TFLOPS * 1e12) if args.device != "cpu" else 0.0
+        timed_s = max(max(args.rep_ms / 1e3, 8 * step_s) / args.rounds, 2 * step_s)
+        total += len(variants) * args.rounds * (args.sustained_warmup_ms / 1e3 + timed_s) + SUSTAINED_PREPARE_S
+    return total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1169,16 +1413,19 @@ def parse_args(argv):
     ap.add_argument("--shapes", nargs="+", type=parse_shape, metavar="MxD",
                     help="MLP shapes (M tokens x d) instead of the default 8192x{1024,2048,4096} + 16384x8192")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test at tiny sizes)")
-    ap.add_argument("--sections", default="ceiling,mlp,ops,host,reduced",
-                    help="comma list of sections to run (default all: ceiling,mlp,ops,host,reduced)")
-    ap.add_argument("--budget", type=float, default=330.0,
-                    help="seconds after which measurements not yet started are recorded as skipped (default 330)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma list of sections to run (default all: {','.join(SECTIONS)})")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds after which measurements not yet started are recorded as skipped (default 420)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the float32 reference / error figures")
     ap.add_argument("--warmup-ms", type=float, default=50.0, help="do_bench warm-up (ms, at least 2 calls)")
     ap.add_argument("--rep-ms", type=float, default=200.0, help="do_bench measuring time (ms, at least 8 calls)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved rounds over the variants of each MLP shape (default 5; Bench.interleaved)")
+    ap.add_argument("--sustained-warmup-ms", type=float, default=1000.0,
+                    help="sustained section: warm-up before each block, of that variant's own steps (ms, "
+                         "default 1000: the H200 settles at its power cap within about a second)")
     ap.add_argument("--timer", choices=["auto", "events"], default="auto",
                     help="auto: triton do_bench when importable, else CUDA events; events: CUDA events always")
     ap.add_argument("--commit", default=os.environ.get("FUSED_DENSE_COMMIT"),
@@ -1194,6 +1441,11 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.sustained_warmup_ms < 0:
+        ap.error(f"--sustained-warmup-ms must not be negative, got {args.sustained_warmup_ms:g}")
+    unknown = [name for name in args.sections.split(",") if name not in SECTIONS]
+    if unknown:
+        ap.error(f"--sections: unknown {', '.join(map(repr, unknown))}; known: {','.join(SECTIONS)}")
     return ap, args
 
 
@@ -1278,6 +1530,16 @@ def worker(ap, args):
                       "minus before, output excluded; peak_delta_bytes: max_memory_allocated over fwd+bwd "
                       "minus before",
             "accuracy": "rel. error ||v - ref|| / ||ref|| against a float32 (no tf32) eager reference",
+            "sustained_warmup_ms": args.sustained_warmup_ms,
+            "sustained": f"floor, eager, compile and FusedMLP auto at the bf16 gelu_approx shapes in {args.rounds} "
+                         "interleaved rounds as in the mlp section, but each block after "
+                         f"{args.sustained_warmup_ms:.0f} ms of that variant's own steps, so it is timed at the "
+                         "steady state of sustained load where training runs (on the H200 the 700 W power cap, "
+                         "SM clock 1380-1590 MHz instead of 1980); no float32 accuracy check or memory pass "
+                         "(the mlp section takes them for the same shapes). Where nvidia-smi exists it samples "
+                         f"SM clock and power every {SMI_INTERVAL_MS} ms, and each variant "
+                         "records their medians over the samples inside its timed blocks and the last third "
+                         "(at most 300 ms) of their warm-ups",
         }
         env = ctx.results["env"]
         log(f"env: {env.get('gpu', 'cpu')}, driver {env.get('driver')}, torch {torch.__version__}, "
@@ -1289,6 +1551,11 @@ def worker(ap, args):
     plan = build_plan(args)
     ctx.results["plan"] = [item_id for item_id, _, _ in plan]
     log(f"plan: {len(plan)} items, budget {args.budget:.0f} s ({ctx.time_left():.0f} s left)")
+    n_sustained = sum(1 for _, section, _ in plan if section == "sustained")
+    if n_sustained:
+        log(f"sustained section: {n_sustained} shapes x {len(REDUCED_VARIANTS)} variants x {args.rounds} rounds, "
+            f"each block after {args.sustained_warmup_ms:.0f} ms of warm-up: about "
+            f"{sustained_estimate_s(plan, args):.0f} s" + (" on the H200" if device.type == "cuda" else ""))
     ctx.save()
     for item_id, section, payload in plan:
         if item_id in ctx.results["done"]:
@@ -1301,8 +1568,8 @@ def worker(ap, args):
         try:
             if section == "ceiling":
                 run_ceiling(ctx, item_id, *payload)
-            elif section == "mlp":
-                run_mlp(ctx, item_id, *payload)
+            elif section in ("mlp", "sustained"):
+                run_mlp(ctx, item_id, *payload, section=section)
             elif section == "ops":
                 run_ops(ctx, item_id, *payload)
             elif section == "host":

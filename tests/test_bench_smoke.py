@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -29,8 +30,13 @@ def _run(cmd, timeout):
     return res
 
 
+# the sustained section's warm-up on the CPU: its length matters on the GPU only (the power cap)
+CPU_SUSTAINED_WARMUP = ["--sustained-warmup-ms", "20"]
+
+
 def test_bench_run_cpu_quick(tmp_path):
-    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)], timeout=600)
+    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)]
+         + CPU_SUSTAINED_WARMUP, timeout=600)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["mlp"], "no MLP figures"
     for item in data["mlp"]:
@@ -43,13 +49,32 @@ def test_bench_run_cpu_quick(tmp_path):
             if v["status"] == "ok":
                 assert v["rounds"] == 5 and len(v["round_ms"]) == 5 and v["reps"] >= 10, (item["id"], name, v)
     assert "interleaved rounds" in data["method"]["mlp_timer"]
-    assert (tmp_path / "bench.md").read_text().startswith("# fused_dense benchmark")
+    md = (tmp_path / "bench.md").read_text()
+    assert md.startswith("# fused_dense benchmark")
+    # the sustained section: the bf16 gelu shape again, its four variants timed after their own warm-up
+    assert [r["id"] for r in data["sustained"]] == ["sustained:bf16:gelu_approx:256x64"]
+    assert data["plan"].index("sustained:bf16:gelu_approx:256x64") == data["plan"].index("ceiling_end") - 1
+    sus = data["sustained"][0]["variants"]
+    assert sorted(sus) == sorted(["floor", "eager", "compile", "auto_l0"]), sorted(sus)
+    for name, v in sus.items():
+        assert v["status"] == "ok" and v["ms"] > 0, (name, v)
+        assert v["rounds"] == 5 and len(v["round_ms"]) == 5, (name, v)
+        assert "clocks" not in v and "rel_err" not in v and "memory" not in v, (name, v)  # CPU: no nvidia-smi
+    assert sus["floor"]["x_floor"] == 1.0 and sus["eager"]["speedup_vs_eager"] == 1.0
+    for k in ("x_floor", "speedup_vs_eager", "speedup_vs_compile"):
+        assert sus["auto_l0"][k] > 0, (k, sus["auto_l0"])
+    assert data["method"]["sustained_warmup_ms"] == 20.0 and "20 ms" in data["method"]["sustained"]
+    assert "## Sustained load (each block after 20 ms of its own steps)" in md
+    row = [ln for ln in md.split("## Sustained load")[1].splitlines() if ln.startswith("| 256 × 64 |")]
+    assert len(row) == 1 and row[0].count("|") == 10, row
+    assert "sustained " in next(ln for ln in md.splitlines() if "auto / six GEMMs" in ln)
 
 
 def test_report_names_figures_taken_with_allocator_calls(tmp_path):
     """A figure whose timing included cudaMalloc / cudaFree (counted on CUDA runs) is named in the
     report, and a CUDA run without any says "none"; a CPU run, which cannot count them, says nothing."""
-    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)], timeout=600)
+    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)]
+         + CPU_SUSTAINED_WARMUP, timeout=600)
     report = _load("report")
     res = json.loads((tmp_path / "bench.json").read_text())
     assert "cudaMalloc" not in report.markdown(res)
@@ -216,3 +241,137 @@ def test_bench_names_the_source_tree_that_ran(tmp_path):
     report = _load("report")
     header = report.markdown({"env": {"git_commit": "c07a00b268b5", "git_dirty": True, "git_tree": tree}})
     assert f"source tree {tree[:12]}" in header.splitlines()[2], header[:400]
+
+
+def _smi_line(t, sm, watts, reasons="0x0000000000000004"):
+    """One line as nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,<reasons> --format=csv,noheader,nounits
+    writes it: the timestamp in local time, milliseconds."""
+    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(t)) + f".{int(round(t % 1 * 1000)) % 1000:03d}"
+    return f"{stamp}, {sm}, {watts}, {reasons}"
+
+
+def test_clock_samples_parse_and_fall_into_timed_blocks():
+    """nvidia-smi's lines parse to epoch seconds on time.time()'s clock; each variant gets the medians
+    of the samples inside its timed blocks only, a sample outside every block is ignored, a variant
+    without samples gets nothing, and lines that do not parse are left out."""
+    run = _load("run")
+    t0 = float(int(time.time())) + 0.25  # whole milliseconds, so the round trip is exact
+    lines = [_smi_line(t0 + 0.0, 1980, 350.5, "0x0000000000000000"),  # warm-up of floor's block: ignored
+             _smi_line(t0 + 1.0, 1410, 699.0), _smi_line(t0 + 1.1, 1395, 700.2),  # floor, round 0
+             _smi_line(t0 + 2.5, 1500, 650.0),                                     # between blocks: ignored
+             _smi_line(t0 + 3.0, 1455, 698.0), _smi_line(t0 + 3.1, "[N/A]", "[N/A]"),  # auto_l0
+             _smi_line(t0 + 5.05, 1380, 701.0),                                    # floor, round 1
+             "", "garbage, 1, 2", "2026/13/45 99:00:00.000, 1400, 700, 0x0"]
+    samples = run.parse_smi_samples(lines)
+    assert len(samples) == 7
+    assert samples[0]["t"] == pytest.approx(t0, abs=1e-6) and samples[0]["sm_mhz"] == 1980.0
+    assert samples[0]["power_w"] == 350.5 and samples[0]["reasons"] == "0x0000000000000000"
+    assert samples[5]["sm_mhz"] is None and samples[5]["power_w"] is None
+    windows = {"floor": [(t0 + 0.95, t0 + 1.15), (t0 + 5.0, t0 + 5.1)], "auto_l0": [(t0 + 2.95, t0 + 3.15)],
+               "eager": [(t0 + 4.0, t0 + 4.04)]}
+    clocks = run.clocks_in_windows(samples, windows)
+    assert set(clocks) == {"floor", "auto_l0"}
+    assert clocks["floor"] == {"samples": 3, "sm_mhz": 1395.0, "power_w": 700.2,
+                               "clock_limit_reasons": ["0x0000000000000004"]}
+    assert clocks["auto_l0"] == {"samples": 2, "sm_mhz": 1455.0, "power_w": 698.0,
+                                 "clock_limit_reasons": ["0x0000000000000004"]}
+    assert run.clocks_in_windows([], windows) == {}
+
+
+def test_clock_sampler_without_nvidia_smi(tmp_path, monkeypatch):
+    """No nvidia-smi on PATH (CPU machines, CI): the sampler starts nothing, says why, returns no
+    samples, and so no variant gets clock fields; no error."""
+    run = _load("run")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sampler = run.ClockSampler().start()
+    assert not sampler.running and sampler.fields is None and "no nvidia-smi" in sampler.note
+    assert sampler.stop() == [] and sampler.stop() == []
+    rec, variants = {"id": "sustained:bf16:gelu_approx:256x64"}, {"floor": {"status": "ok"}, "auto_l0": {"status": "ok"}}
+    run.record_clocks(rec, variants, sampler, {"floor": [(0.0, time.time())], "auto_l0": [(0.0, time.time())]})
+    assert rec == {"id": "sustained:bf16:gelu_approx:256x64"}
+    assert variants == {"floor": {"status": "ok"}, "auto_l0": {"status": "ok"}}
+
+
+def test_clock_sampler_runs_and_stops_its_process(tmp_path):
+    """The sampler's background process (a stand-in nvidia-smi here, the same output format) is
+    started, writes samples while blocks run, and is ended by stop(); the samples of a block come back
+    attributed to it. The stand-in refuses the older reasons field name, as newer drivers may."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"""#!{sys.executable}
+import sys, time
+query = next(a for a in sys.argv if a.startswith("--query-gpu="))
+if "clocks_throttle_reasons" in query:
+    print("Field clocks_throttle_reasons.active is not a valid field to query.")
+    sys.exit(2)
+def line():
+    t = time.time()
+    return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(t)) + ".%03d, 1410, 699.50, 0x0000000000000004" % (t % 1 * 1000)
+if "-lms" not in sys.argv:
+    print(line())
+    sys.exit(0)
+interval = int(sys.argv[sys.argv.index("-lms") + 1]) / 1000
+while True:
+    print(line(), flush=True)
+    time.sleep(interval)
+""")
+    fake.chmod(0o755)
+    run = _load("run")
+    sampler = run.ClockSampler(exe=str(fake), interval_ms=20, max_s=60).start()
+    try:
+        assert sampler.running, sampler.note
+        assert sampler.fields[-1] == "clocks_event_reasons.active", sampler.fields
+        deadline = time.time() + 10
+        while os.fstat(sampler._out.fileno()).st_size == 0 and time.time() < deadline:
+            time.sleep(0.05)  # the stand-in's start: a Python interpreter
+        t0 = time.time()
+        time.sleep(0.3)
+        t1 = time.time()
+        proc = sampler._proc
+    finally:
+        samples = sampler.stop()
+    assert proc.poll() is not None, "the sampling process is still running after stop()"
+    rec, variants = {}, {"floor": {"status": "ok"}, "auto_l0": {"status": "ok"}}
+    run.record_clocks(rec, variants, sampler, {"auto_l0": [(t0, t1)], "floor": [(t1 + 60, t1 + 61)]})
+    assert rec["clock_sampling"]["samples"] == len(samples) and rec["clock_sampling"]["interval_ms"] == 20
+    clocks = variants["auto_l0"]["clocks"]
+    assert clocks["samples"] >= 3, (len(samples), clocks)
+    assert clocks["sm_mhz"] == 1410.0 and clocks["power_w"] == 699.5
+    assert clocks["clock_limit_reasons"] == ["0x0000000000000004"]
+    assert "clocks" not in variants["floor"]  # its block had no sample
+
+
+def test_report_puts_sustained_figures_beside_the_standard_ones():
+    """The sustained section's table (clock columns where nvidia-smi was sampled) and its ratios in
+    the targets, labelled 'sustained', next to the standard figures, whose verdict they do not change."""
+    report = _load("report")
+
+    def variants(floor, eager, compile_, auto, clocks=None):
+        vs = {k: {"status": "ok", "ms": ms, "tflops": 12 * 8192 * 2048 * 8192 / ms / 1e9, "round_ms": [ms] * 5}
+              for k, ms in (("floor", floor), ("eager", eager), ("compile", compile_), ("auto_l0", auto))}
+        vs["auto_l0"].update(x_floor=auto / floor, speedup_vs_eager=eager / auto, speedup_vs_compile=compile_ / auto)
+        vs["eager"]["x_floor"] = eager / floor
+        for k, c in (clocks or {}).items():
+            vs[k]["clocks"] = c
+        return vs
+    shape = {"dtype": "bf16", "activation": "gelu_approx", "M": 8192, "d": 2048, "h": 8192}
+    clocks = {k: {"samples": 3, "sm_mhz": mhz, "power_w": 699.0}
+              for k, mhz in (("floor", 1410.0), ("eager", 1440.0), ("compile", 1425.0), ("auto_l0", 1455.0))}
+    res = {"method": {"sustained_warmup_ms": 1000.0},
+           "mlp": [dict(shape, variants=variants(2.455, 2.697, 2.688, 2.585))],
+           "sustained": [dict(shape, id="sustained:bf16:gelu_approx:8192x2048",
+                              clock_sampling={"tool": "nvidia-smi", "interval_ms": 100, "samples": 250},
+                              variants=variants(2.900, 3.100, 3.080, 2.923, clocks))]}
+    rows = {t: (fig, met) for t, fig, met in report.targets(res)}
+    fig, met = rows["bf16 gelu 8192×2048: auto / six GEMMs ≤ 1.03"]
+    assert fig.startswith("1.053 (rounds 1.053–1.053) (eager 1.099); sustained 1.008 (rounds 1.008–1.008)"), fig
+    assert met is False  # the verdict stays on the standard figure
+    fig, _ = rows["bf16 gelu 8192×2048: eager / auto ≥ 1.08"]
+    assert fig.startswith("1.043") and "; sustained 1.061" in fig, fig
+    md = report.markdown(res)
+    table = md.split("## Sustained load (each block after 1000 ms of its own steps)")[1]
+    row = next(ln for ln in table.splitlines() if ln.startswith("| 8192 × 2048 |"))
+    assert row == ("| 8192 × 2048 | 2.900 | 3.100 | 3.080 | 2.923 | 1.061 | 1.054 | 1.008 | 1.053 | "
+                   "1410 / 1440 / 1425 / 1455 | 699 / 699 / 699 / 699 |"), row
+    assert "samples per variant: 8192 × 2048 3 / 3 / 3 / 3." in table
+    assert md.index("## Sustained load") < md.index("## MLP detail")
+    assert "sustained (each block after 1000 ms of its own steps):" in report.summary(res)
