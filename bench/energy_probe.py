@@ -15,6 +15,8 @@ ClockSampler); the variants alternate over ROUNDS rounds. Run it with own kernel
 'auto' and nothing else:
 
     FUSED_DENSE_TUNING_CANDIDATES=own python bench/energy_probe.py --shapes 8192x1024 8192x2048
+
+ENERGY_PROBE_ONLY=fc1 (or fc2) keeps one of the two problems.
 """
 import os
 import statistics
@@ -81,8 +83,11 @@ def main():
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, FUSED_DENSE_TUNING_CANDIDATES="
           f"{os.environ.get('FUSED_DENSE_TUNING_CANDIDATES', '(unset)')}; {ROUNDS} rounds of {WARM_S} s warm-up + "
           f"{TIMED_S} s timed per variant")
+    only = os.environ.get("ENERGY_PROBE_ONLY", "")
     for M, d in shapes:
         for problem, fns in variants(M, d).items():
+            if not problem.startswith(only):
+                continue
             for fn in fns.values():  # first calls: tuning, plans
                 fn()
             torch.cuda.synchronize()
