@@ -204,6 +204,13 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
   if (capture != cudaStreamCaptureStatusNone || !env_flag("FUSED_DENSE_TUNING", true)) return fallback;
   announce_first_tuning();
 
+  // When nothing can be measured, the rule's choice is remembered for this process (not persisted:
+  // another process may allow other candidates), so later calls skip the warm-up below.
+  auto keep_rule_choice = [&] {
+    choice_cache().insert(device, key, fallback, /*persist=*/false);
+    return fallback;
+  };
+
   const CandidateKinds kinds = candidate_kinds();
   std::vector<Choice> candidates;
   if (kinds.fused)
@@ -213,12 +220,8 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
   if (kinds.own)
     for (int i = 0; i < own_variants; ++i)
       if (kinds.own_config < 0 || i / kOwnOrders == kinds.own_config) candidates.push_back({false, 0, i});
-  // Nothing of the kinds asked for applies (e.g. own:<c> past a kernel's configurations): the
-  // rule's choice, remembered so later calls skip the warm-up below.
-  if (candidates.empty()) {
-    choice_cache().insert(device, key, fallback, /*persist=*/false);
-    return fallback;
-  }
+  // Nothing of the kinds asked for applies (e.g. own:<c> past a kernel's configurations).
+  if (candidates.empty()) return keep_rule_choice();
 
   Event start = make_event(), stop = make_event();
   const auto t0 = std::chrono::steady_clock::now();
@@ -249,10 +252,8 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     if (c == fallback) warm = fallback;
   float warm_ms = time_ms(warm, 1);
   for (std::size_t i = 0; warm_ms < 0.f && i < candidates.size(); ++i) warm_ms = time_ms(warm = candidates[i], 1);
-  if (warm_ms < 0.f) {  // every candidate rejected at launch: measuring again would not change that
-    choice_cache().insert(device, key, fallback, /*persist=*/false);
-    return fallback;
-  }
+  // Every candidate rejected at launch: measuring again would not change that.
+  if (warm_ms < 0.f) return keep_rule_choice();
   const int warm_runs = std::clamp(static_cast<int>(kWarmupMs / std::max(warm_ms, 1e-3f)), 0, kMaxWarmupRuns);
   if (warm_runs > 0) time_ms(warm, warm_runs);
 
@@ -293,10 +294,7 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     best = fallback;
     best_ms = fallback_ms;
   }
-  if (measured == 0) {
-    choice_cache().insert(device, key, fallback, /*persist=*/false);
-    return fallback;
-  }
+  if (measured == 0) return keep_rule_choice();
   const char* verbose = std::getenv("FUSED_DENSE_TUNING_VERBOSE");
   if (verbose != nullptr && *verbose != '\0' && std::string(verbose) != "0") {
     std::fprintf(stderr,
