@@ -20,7 +20,7 @@ enum class Epilogue : int {
   kGelu,         // D = gelu(AB [+ bias]); see with_bias
   kGeluAux,      // as kGelu, and aux = AB [+ bias] (the pre-activation)
   kRelu,
-  kReluAux,      // aux = bit-mask of AB [+ bias] > 0
+  kReluAux,      // aux = bit-mask of AB [+ bias] >= 0 (what cuBLASLt writes, measured on the H200)
   kDGelu,        // D = AB * gelu'(aux); with bias_grad: bias_grad = row sums of D
   kDRelu,        // D = AB * (aux bit set)
   kBGradB,       // bias_grad[n] = sum over k of B  (the wgrad bias gradient)
