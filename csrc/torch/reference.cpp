@@ -84,9 +84,10 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
   switch (act) {
     case ActivationCode::kNone: d_pre = d_act; break;
     case ActivationCode::kGeluTanh:
-      // ATen's formula takes 0 * inf (NaN) where a factor saturates (|p| >= ~1e13 in fp32, and
-      // +-inf); the CUDA kernels give the limits 1 and 0 there. The derivative is already exactly 1
-      // or 0 from |p| = 20 on in fp32 and fp64, so clamping there changes nothing else; clamp keeps NaN.
+      // ATen's formula takes 0 * inf (NaN) where p^2 overflows (|p| >= ~2e19 in fp32, ~1e154 in
+      // fp64, and +-inf); the CUDA kernels give the limits 1 and 0 there. The derivative is
+      // already exactly 1 or 0 from |p| = 20 on in fp32 and fp64, so clamping there changes
+      // nothing else; clamp keeps NaN.
       d_pre = at::gelu_backward(d_act, pre_act->to(mt).clamp(-20.0, 20.0), "tanh");
       break;
     case ActivationCode::kRelu: d_pre = d_act * unpack_mask(*pre_act, weight.size(1)).to(mt); break;
