@@ -1,4 +1,5 @@
-"""Build of fused_dense: one extension, fused_dense._C, holding the op registrations.
+"""Build of fused_dense's extension, fused_dense._C, holding the op registrations (the package
+metadata is in pyproject.toml).
 
 Install against the torch already in the environment:
     pip install --no-build-isolation .          (or -e . for development)
@@ -7,16 +8,16 @@ Environment:
                                CUDA toolkit is found
     FUSED_DENSE_CUDA_ARCHS     semicolon list of compute capabilities, default "8.0;9.0a"
                                (SASS for each, PTX for the highest); 9.0a (Hopper's arch-specific
-                               features) is what fused_dense's own CUTLASS GEMM needs, 9.0 leaves it out
+                               features) is what the cutlass_sm90 kernels need, 9.0 leaves it out
     CUTLASS_PATH               a CUTLASS checkout (its include/ and tools/util/include/); by default
                                the headers of the nvidia-cutlass package, when installed. Without
-                               them the own GEMM is left out (the library works without it)
+                               them the cutlass_sm90 kernels are left out (the library works without it)
     MAX_JOBS                   parallel compile jobs (ninja)
 """
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 
 try:
     import torch
@@ -66,12 +67,13 @@ def _cutlass_includes():
     return dirs if os.path.isfile(os.path.join(dirs[0], "cutlass", "cutlass.h")) else None
 
 
-torch_sources = ["csrc/torch/registration.cpp", "csrc/torch/checks.cpp", "csrc/torch/reference.cpp",
-                 "csrc/torch/meta.cpp", "csrc/torch/autograd_guard.cpp", "csrc/torch/mlp_autograd.cpp"]
+# Every csrc/torch/*.cpp is part of the build; the CUDA kernels' registration only with CUDA.
+CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp"}
+torch_sources = [s for s in _sources("csrc/torch/*.cpp") if s not in CUDA_ONLY_TORCH_SOURCES]
 cxx_flags = ["-O3", "-std=c++17"]
 
 if _want_cuda():
-    sources = torch_sources + ["csrc/torch/cuda_ops.cpp"] + _sources("csrc/core/*.cpp") + _sources("csrc/core/*.cu")
+    sources = torch_sources + sorted(CUDA_ONLY_TORCH_SOURCES) + _sources("csrc/core/*.cpp") + _sources("csrc/core/*.cu")
     archs = _cuda_archs()
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo"] + _gencode_flags(archs)
     include_dirs = []
@@ -80,9 +82,9 @@ if _want_cuda():
     if cutlass and "90a" in archs:
         include_dirs += cutlass
         nvcc_flags.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")
-        cxx.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")  # own_gemm_compiled() in registration.cpp
+        cxx.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")  # cutlass_gemms_compiled() in registration.cpp
     else:
-        print("fused_dense: building without the own CUTLASS GEMM (" +
+        print("fused_dense: building without the cutlass_sm90 kernels (" +
               ("needs 9.0a in FUSED_DENSE_CUDA_ARCHS" if cutlass else
                "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 --no-deps, or set CUTLASS_PATH") + ")")
     ext = cpp_extension.CUDAExtension(
@@ -96,13 +98,30 @@ else:
     ext = cpp_extension.CppExtension(name="fused_dense._C", sources=torch_sources,
                                      extra_compile_args={"cxx": cxx_flags})
 
+
+
+def _refuse_isolated_build():
+    """A build-isolated torch (pip's temporary build environment) is not the torch the package
+    will run with, and the extension's C++ ABI is tied to one torch release."""
+    if "pip-build-env" in torch.__file__ or "build-env-" in torch.__file__:
+        raise SystemExit(
+            "fused_dense must be built against the torch it will run with, but this build is "
+            f"isolated (torch {torch.__version__} from {os.path.dirname(torch.__file__)}). Install torch "
+            "first, then: pip install --no-build-isolation .")
+
+
+def _write_build_info():
+    """fused_dense/_build_info.py: what this build was compiled against, checked at import."""
+    with open(os.path.join(ROOT, "fused_dense", "_build_info.py"), "w") as f:
+        f.write("# Written by setup.py at build time.\n")
+        f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
+        f.write(f"CUDA_KERNELS = {_want_cuda()!r}\n")
+
+
+_refuse_isolated_build()
+_write_build_info()
+
 setup(
-    name="fused_dense",
-    version="0.1.0",
-    description="Fused GEMM + bias + activation (cuBLASLt) dense layers for PyTorch training",
-    packages=find_packages(include=["fused_dense", "fused_dense.*", "fused_dense_lib"]),
     ext_modules=[ext],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
 )

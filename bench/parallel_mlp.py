@@ -1,38 +1,26 @@
 #!/usr/bin/env python
-"""Tensor-parallel MLP benchmark: ParallelFusedMLP against the same MLP built from nn.Linear
-shards and plain torch.distributed collectives, forward + backward, one process per GPU.
+"""Tensor-parallel MLP benchmark: ParallelFusedMLP against the same MLP from nn.Linear shards and
+synchronous torch.distributed collectives, forward + backward, one process per GPU.
 
-    torchrun --standalone --nproc_per_node=2 bench/parallel_mlp.py --out DIR
-    torchrun --standalone --nproc_per_node=2 bench/parallel_mlp.py --device cpu --dims 256 --tokens 64
+    torchrun --standalone --nproc_per_node=2 bench/parallel_mlp.py --out docs/results
+    torchrun --standalone --nproc_per_node=2 bench/parallel_mlp.py --out DIR --device cpu --dims 256 --tokens 64
+    python bench/parallel_mlp.py --report docs/results/parallel-mlp-DATE.json   # the markdown again
 
-Per (d, sequence_parallel) it times, in one run (CUDA events, median of --reps after warm-up,
-the slowest rank's median reported, fresh random data, bf16, gelu_approx, hidden = 4d,
---tokens rows in total):
-
-  fused        ParallelFusedMLP forward + backward (fc1 column-, fc2 row-parallel; the input
-               gather and the input-gradient reduction are asynchronous and overlap GEMMs in
-               backward)
-  plain        nn.Linear shards + F.gelu(tanh), with synchronous collectives at the same places
-               (the way one writes it from torch.distributed directly)
-  fused_local  the fused MLP math on this rank's shards with no collectives (full rows as input)
-  plain_local  the same for the nn.Linear MLP
-  comm         the collectives one fused step issues, alone, back to back: with
-               sequence_parallel all-gather(x), reduce-scatter(out), all-gather(grad_out),
-               all-gather(x) again, reduce-scatter(grad_x); without it all-reduce(out) and
-               all-reduce(grad_x)
-
-hidden = (fused_local + comm - fused) / comm is the share of the communication time the
-overlap hides (0: none, 1: all); the same for plain tells the noise level (it cannot overlap).
-On CUDA the timeline measure is taken as well, which needs no differences of separate timings:
-torch.profiler records five steps of each MLP, and the share of NCCL kernel time during which
-other kernels ran on the same GPU is reported (for plain it should be near 0).
-Writes DIR/parallel_mlp.json and DIR/parallel_mlp.md (rank 0).
-Set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 on shared hosts.
+Per (d, sequence_parallel) it times fused (ParallelFusedMLP; the backward's input gather and
+input-gradient reduction overlap GEMMs), plain (nn.Linear shards, synchronous collectives at the
+same places), fused_local / plain_local (the same math on this rank's shards, no collectives) and
+comm (one fused step's collectives alone, back to back): bf16 (fp32 on the CPU), gelu_approx,
+hidden 4d, --tokens rows in all, the slowest rank's median of --reps, after checking that the two
+MLPs agree. hidden = (local + comm - step) / comm; on CUDA also the direct measure, the share of
+NCCL kernel time other kernels overlap in a torch.profiler timeline. Writes (rank 0)
+DIR/parallel-mlp-<YYYY-MM-DD>.json and .md and removes the other parallel-mlp-<date> files there.
+On shared hosts set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1.
 """
 import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -46,9 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import fused_dense  # noqa: E402
-from fused_dense.functional import fused_mlp_func  # noqa: E402
-from fused_dense.parallel import ParallelFusedMLP, shard_range  # noqa: E402
+RECORD = re.compile(r"^parallel-mlp-\d{4}-\d{2}-\d{2}\.(json|md)$")
 
 
 def log(msg):
@@ -58,63 +44,39 @@ def log(msg):
 
 # ---- the plain baseline: synchronous collectives as autograd functions ---------------------------------
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        return _reduce_scatter(g, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        out = g.new_empty((g.shape[0] * dist.get_world_size(ctx.group), *g.shape[1:]))
-        dist.all_gather_into_tensor(out, g.contiguous(), group=ctx.group)
-        return out, None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _Identity(torch.autograd.Function):
-    """Forward identity, backward all-reduce: the input of a column-parallel layer without SP."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+def _gather(x, group):
+    out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
 
 
 def _reduce_scatter(x, group):
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def _all_reduce(x, group):
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _identity(x, group):
+    return x.view_as(x)
+
+
+class _Collective(torch.autograd.Function):
+    """fwd(x, group) in forward, bwd(g, group) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.bwd(g, ctx.group), None, None, None
 
 
 class PlainParallelMLP(nn.Module):
@@ -132,9 +94,10 @@ class PlainParallelMLP(nn.Module):
         self.group, self.sp = group, sequence_parallel
 
     def forward(self, x):
-        x = _Gather.apply(x, self.group) if self.sp else _Identity.apply(x, self.group)
-        y = self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-        return _ReduceScatter.apply(y, self.group) if self.sp else _AllReduce.apply(y, self.group)
+        pre, post = ((_gather, _reduce_scatter), (_reduce_scatter, _gather)) if self.sp else \
+            ((_identity, _all_reduce), (_all_reduce, _identity))
+        y = self.fc2(F.gelu(self.fc1(_Collective.apply(x, self.group, *pre)), approximate="tanh"))
+        return _Collective.apply(y, self.group, *post)
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -231,6 +194,9 @@ def timeline_overlap(step, steps=5):
 
 
 def bench_case(args, device, group, d, sp, timer):
+    from fused_dense.functional import fused_mlp_func
+    from fused_dense.parallel import ParallelFusedMLP, shard_range
+
     ws, rank = dist.get_world_size(), dist.get_rank()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     h, rows = 4 * d, args.tokens
@@ -332,8 +298,10 @@ def bench_case(args, device, group, d, sp, timer):
 
 def markdown(env, results):
     lines = [f"# ParallelFusedMLP benchmark ({env['world_size']} x {env['gpu']})", "",
-             f"torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, driver {env['driver']}, "
-             f"{env['date']}. {results[0]['dtype'] if results else ''}, gelu_approx, hidden 4d, forward + backward, slowest rank's median.", "",
+             f"torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, driver {env['driver']}, {env['date']}"
+             + (f", source tree {env['git_tree'][:12]}" if env.get("git_tree") else "")
+             + f". {results[0]['dtype'] if results else ''}, gelu_approx, hidden 4d, forward + backward, slowest "
+             f"rank's median" + (f" of {env['reps']} repetitions" if env.get("reps") else "") + ".", "",
              "| d | tokens | SP | fused ms | plain ms | plain ÷ fused | fused local ms | comm ms | "
              "hidden by overlap (fused) | (plain) | TF/s per GPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -342,12 +310,14 @@ def markdown(env, results):
                      f"{r['fused_ms']:.3f} | {r['plain_ms']:.3f} | {r['plain_over_fused']:.3f} | "
                      f"{r['fused_local_ms']:.3f} | {r['comm_ms']:.3f} | {r['hidden_fused']:.0%} | "
                      f"{r['hidden_plain']:.0%} | {r['fused_tflops_per_gpu']:.0f} |")
-    lines += ["", "hidden = (local compute + communication alone − step) ÷ communication alone. "
-              "Fused and plain outputs and gradients agree (relative error in the JSON)."]
+    lines += ["", "hidden = (local compute + communication alone − step) ÷ communication alone, a difference of "
+              "separate timings: for plain, which cannot overlap, it shows the noise. Fused and plain outputs and "
+              "gradients agree (relative error in the JSON)."]
     timed = [r for r in results if "timeline_fused" in r]
     if timed:
-        lines += ["", "From the kernel timeline (torch.profiler, 5 steps): NCCL kernel time per step and the share "
-                  "of it during which other kernels ran on the same GPU.", "",
+        lines += ["", "The direct measure, from the kernel timeline (torch.profiler, 5 steps): NCCL kernel time per "
+                  "step (including the wait for the other ranks) and the share of it during which other kernels ran "
+                  "on the same GPU.", "",
                   "| d | SP | fused: NCCL ms | fused: overlapped | plain: NCCL ms | plain: overlapped |",
                   "|---|---|---|---|---|---|"]
         for r in timed:
@@ -357,15 +327,38 @@ def markdown(env, results):
     return "\n".join(lines) + "\n"
 
 
+def write(env, results, out):
+    """parallel-mlp-<date>.json and .md in out; the other runs of record there are removed."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"parallel-mlp-{env['date']}")
+    with open(stem + ".json", "w") as f:
+        json.dump({"env": env, "results": results}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(env, results))
+    for name in os.listdir(out):
+        if RECORD.match(name) and not os.path.join(out, name).startswith(stem + "."):
+            os.remove(os.path.join(out, name))
+    return stem
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--out", help="output directory (docs/results for the run of record)")
+    ap.add_argument("--report", metavar="JSON", help="only write the markdown of this JSON beside it")
     ap.add_argument("--dims", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--tokens", type=int, default=8192, help="rows over all ranks")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            data = json.load(f)
+        with open(os.path.splitext(args.report)[0] + ".md", "w") as f:
+            f.write(markdown(data["env"], data["results"]))
+        return
+    if not args.out:
+        ap.error("--out is required")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
@@ -375,39 +368,32 @@ def main():
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    group = dist.group.WORLD
+    import fused_dense
+    from bench import environment, power
+
     env = {"world_size": dist.get_world_size(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
            "gpu": torch.cuda.get_device_name(device) if use_cuda else "CPU",
-           "driver": None, "date": datetime.date.today().isoformat(),
-           "fused_dense_cuda": fused_dense.has_cuda_kernels()}
-    if use_cuda:
-        try:
-            import subprocess
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True).stdout.split("\n")[0].strip()
-        except OSError:
-            pass
+           "driver": power.gpu_state(local_rank).get("driver") if use_cuda else None,
+           "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+           "fused_dense_cuda": fused_dense.has_cuda_kernels(), "warmup": args.warmup, "reps": args.reps,
+           "git_tree": environment.source_tree_id() if dist.get_rank() == 0 else None}
     timer = Timer(device, args.warmup, args.reps)
     results = []
     for d in args.dims:
         for sp in (True, False):
             log(f"d={d} sequence_parallel={sp} tokens={args.tokens} world_size={env['world_size']}")
-            r = bench_case(args, device, group, d, sp, timer)
+            r = bench_case(args, device, group=dist.group.WORLD, d=d, sp=sp, timer=timer)
             results.append(r)
-            log(f"  fused {r['fused_ms']:.3f} ms  plain {r['plain_ms']:.3f} ms  (plain/fused {r['plain_over_fused']:.3f})"
-                f"  local {r['fused_local_ms']:.3f}  comm {r['comm_ms']:.3f}  hidden {r['hidden_fused']:.0%}"
+            log(f"  fused {r['fused_ms']:.3f} ms  plain {r['plain_ms']:.3f} ms"
+                f"  (plain/fused {r['plain_over_fused']:.3f})  local {r['fused_local_ms']:.3f}  comm {r['comm_ms']:.3f}  hidden {r['hidden_fused']:.0%}"
                 f" (plain {r['hidden_plain']:.0%})")
             if use_cuda:
                 torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "parallel_mlp.json"), "w") as f:
-            json.dump({"env": env, "results": results}, f, indent=1)
-        md = markdown(env, results)
-        with open(os.path.join(args.out, "parallel_mlp.md"), "w") as f:
-            f.write(md)
-        print(md)
+        stem = write(env, results, args.out)
+        print(markdown(env, results))
+        log(f"wrote {stem}.json, .md")
     dist.destroy_process_group()
 
 

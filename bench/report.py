@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Markdown report and console summary from bench.json (no torch needed).
+"""Markdown report, console summary and chart of a benchmark JSON (no torch needed).
 
-    python bench/report.py DIR/bench.json [-o DIR/bench.md]
+    python bench/report.py docs/results/mlp-2026-11-30.json     # rewrites mlp-2026-11-30.md and .png
+
+The chart needs matplotlib; without it only the markdown is written.
 """
 import argparse
 import json
@@ -9,23 +11,17 @@ import os
 import sys
 
 MIB = 1024 * 1024
-
-LABELS = {
-    "floor": "six GEMMs (floor)",
-    "eager": "eager PyTorch",
-    "compile": "torch.compile",
-    "auto_l0": "FusedMLP auto",
-    "auto_l1": "FusedMLP auto, ckpt 1",
-    "auto_l2": "FusedMLP auto, ckpt 2",
-    "h-1_l0": "FusedMLP h=-1 (unfused)",
-    "h0_l0": "FusedMLP h=0",
-    "h1_l0": "FusedMLP h=1",
-    "h2_l0": "FusedMLP h=2",
-    "auto_l0_again": "FusedMLP auto, again (last)",
-}
+LABELS = {"floor": "six GEMMs (floor)", "eager": "eager PyTorch", "compile": "torch.compile",
+          "auto_l0": "FusedMLP auto", "auto_l1": "FusedMLP auto, ckpt 1", "auto_l2": "FusedMLP auto, ckpt 2",
+          "h-1_l0": "FusedMLP h=-1 (unfused)", "h0_l0": "FusedMLP h=0", "h1_l0": "FusedMLP h=1",
+          "h2_l0": "FusedMLP h=2", "flash_attn": "flash-attn FusedMLP"}
+COLORS = {"floor": "#9e9e9e", "eager": "#ef6c00", "compile": "#c62828", "auto_l0": "#1565c0", "auto_l1": "#42a5f5",
+          "auto_l2": "#90caf9", "h-1_l0": "#2e7d32", "h0_l0": "#66bb6a", "h1_l0": "#a5d6a7", "h2_l0": "#c8e6c9",
+          "flash_attn": "#6a1b9a"}
 ORDER = list(LABELS)
-TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}  # DESIGN.md: relative error against the reference
-ACT_SHORT = {"gelu_approx": "gelu", "relu": "relu", "sqrelu": "sqrelu"}
+TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}  # relative error, docs/contract.md
+ACT = {"gelu_approx": "gelu", "relu": "relu", "sqrelu": "sqrelu"}
+SUSTAINED_KEYS = ("floor", "eager", "compile", "auto_l0")
 
 
 def label(key):
@@ -40,54 +36,32 @@ def _ok(v):
     return isinstance(v, dict) and v.get("status") == "ok" and v.get("ms") is not None
 
 
-def _configs(res):
-    """[(dtype, act)] in first-seen order."""
-    seen = []
-    for r in res.get("mlp", []):
-        c = (r["dtype"], r["activation"])
-        if c not in seen:
-            seen.append(c)
-    return seen
+def _cell(v):
+    return "–" if v is None else ("?" if v.get("status") == "ok" else v.get("status", "?"))
 
 
-def _variant_keys(records):
-    keys = []
-    for r in records:
-        for k in r["variants"]:
-            if k not in keys:
-                keys.append(k)
+def _cfg(r):
+    return f"{r['dtype']} {ACT.get(r['activation'], r['activation'])}"
+
+
+def _keys(records):
+    keys = list(dict.fromkeys(k for r in records for k in r["variants"]))
     return sorted(keys, key=lambda k: ORDER.index(k) if k in ORDER else 99)
 
 
-def _status_cell(v):
-    if v is None:
-        return "–"
-    st = v.get("status", "?")
-    return st if st != "ok" else "?"
-
-
 def _same_shape(records, r):
-    """The record of records with r's dtype, activation and shape, or None."""
-    for o in records or []:
-        if (o["dtype"], o["activation"], o["M"], o["d"]) == (r["dtype"], r["activation"], r["M"], r["d"]):
-            return o
-    return None
+    key = (r["dtype"], r["activation"], r["M"], r["d"])
+    return next((o for o in records or [] if (o["dtype"], o["activation"], o["M"], o["d"]) == key), None)
 
 
-def _sustained_warmup_label(res):
-    """'1000 ms': the sustained section's warm-up per block, as this run recorded it."""
+def _warmup(res):
     w = (res.get("method") or {}).get("sustained_warmup_ms")
     return "a long warm-up" if w is None else f"{w:.0f} ms"
 
 
-# ----------------------------------------------------------------------------------------------
-# targets of issue 5
-
-
 def round_range(num, den):
-    """' (rounds a–b)': the least and greatest of num / den per interleaved round, each a ratio of two
-    blocks timed close together, so a verdict on the medians can be read against the run's own
-    spread; '' when either lacks per-round figures (older runs, sequential timing)."""
+    """' (rounds a–b)': least and greatest num / den over the interleaved rounds (blocks timed close
+    together), to read a verdict on the medians against the run's own spread; '' without rounds."""
     a, b = (num or {}).get("round_ms"), (den or {}).get("round_ms")
     if not a or not b or len(a) != len(b):
         return ""
@@ -96,415 +70,380 @@ def round_range(num, den):
 
 
 def targets(res):
-    """[(target, figure, met: True/False/None)] computed from the run."""
-    rows = []
-    mlp = res.get("mlp", [])
-
-    def get(dtype, act, d, key):
-        for r in mlp:
-            if r["dtype"] == dtype and r["activation"] == act and r["d"] == d:
-                v = r["variants"].get(key)
-                return v if _ok(v) else None
-        return None
-
+    """[(target, figure, met: True / False / None)] computed from the run."""
+    rows, mlp = [], res.get("mlp", [])
     for r in mlp:
         if (r["dtype"], r["activation"]) != ("bf16", "gelu_approx"):
             continue
-        a, d, M = r["variants"].get("auto_l0"), r["d"], r["M"]
-        shape = f"{M}×{d}"
+        vs, d, shape = r["variants"], r["d"], f"{r['M']}×{r['d']}"
+        a, e, floor = vs.get("auto_l0"), vs.get("eager"), vs.get("floor")
         if not _ok(a):
-            rows.append((f"bf16 gelu {shape}: FusedMLP auto measured", _status_cell(a), False))
+            rows.append((f"bf16 gelu {shape}: FusedMLP auto measured", _cell(a), False))
             continue
-        lim = 1.11 if d <= 1024 else 1.03
-        xf = a.get("x_floor")
-        e = r["variants"].get("eager")
-        ef = e.get("x_floor") if _ok(e) else None
-        floor = r["variants"].get("floor")
-        # the sustained section's figure for the same shape, beside the standard one, which stays the
-        # verdict's figure (the run of record)
+        lim, xf = (1.11 if d <= 1024 else 1.03), a.get("x_floor")
+        # the sustained figure beside the standard one, whose verdict it does not change
         sv = (_same_shape(res.get("sustained"), r) or {}).get("variants", {})
         s_auto, s_eager, s_floor = (sv.get(k) if _ok(sv.get(k)) else None for k in ("auto_l0", "eager", "floor"))
         sus_floor = sus_eager = ""
-        if s_auto is not None:
-            if s_auto.get("x_floor") is not None:
-                s_ef = s_eager.get("x_floor") if s_eager else None
-                sus_floor = (f"; sustained {s_auto['x_floor']:.3f}{round_range(s_auto, s_floor)} "
-                             f"(eager {_f(s_ef, '{:.3f}')})")
-            if s_auto.get("speedup_vs_eager") is not None:
-                sus_eager = f"; sustained {s_auto['speedup_vs_eager']:.3f}{round_range(s_eager, s_auto)}"
+        if s_auto and s_auto.get("x_floor") is not None:
+            sus_floor = (f"; sustained {s_auto['x_floor']:.3f}{round_range(s_auto, s_floor)} "
+                         f"(eager {_f((s_eager or {}).get('x_floor'))})")
+        if s_auto and s_auto.get("speedup_vs_eager") is not None:
+            sus_eager = f"; sustained {s_auto['speedup_vs_eager']:.3f}{round_range(s_eager, s_auto)}"
         rows.append((f"bf16 gelu {shape}: auto / six GEMMs ≤ {lim:.2f}",
-                     f"{_f(xf, '{:.3f}')}{round_range(a, floor)} (eager {_f(ef, '{:.3f}')}){sus_floor}",
+                     f"{_f(xf)}{round_range(a, floor)} (eager {_f(e.get('x_floor') if _ok(e) else None)}){sus_floor}",
                      None if xf is None else xf <= lim))
-        need = {1024: 1.20, 2048: 1.08}.get(d)
-        se = a.get("speedup_vs_eager")
+        need, se = {1024: 1.20, 2048: 1.08}.get(d), a.get("speedup_vs_eager")
         if need:
-            rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}",
-                         _f(se, "{:.3f}") + round_range(e, a) + sus_eager,
+            rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}", _f(se) + round_range(e, a) + sus_eager,
                          None if se is None else se >= need))
         for lvl, lim2 in ((1, 1.05), (2, 1.25)):
-            v = r["variants"].get(f"auto_l{lvl}")
+            v, t = vs.get(f"auto_l{lvl}"), f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}"
             if _ok(v):
-                q = v["ms"] / a["ms"]
-                rows.append((f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}", f"{q:.3f}{round_range(v, a)}",
-                             q <= lim2))
+                rows.append((t, f"{v['ms'] / a['ms']:.3f}{round_range(v, a)}", v["ms"] / a["ms"] <= lim2))
             elif v is not None:
-                rows.append((f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}", _status_cell(v), False))
-    # not slower than eager / compile anywhere
+                rows.append((t, _cell(v), False))
     for r in mlp:
         a = r["variants"].get("auto_l0")
-        if not _ok(a):
-            continue
-        tag = f"{r['dtype']} {ACT_SHORT.get(r['activation'], r['activation'])} {r['M']}×{r['d']}"
         for base, k in (("eager", "speedup_vs_eager"), ("compile", "speedup_vs_compile")):
-            s = a.get(k)
-            if s is not None:
-                rows.append((f"{tag}: auto not slower than {base} ({base} / auto ≥ 1)",
-                             f"{s:.3f}{round_range(r['variants'].get(base), a)}", s >= 1.0))
-    # ReLU keeps a 1-bit mask: saved bytes at level 0 vs x + act_out + mask(1 bit)
-    for r in mlp:
+            if _ok(a) and a.get(k) is not None:
+                rows.append((f"{_cfg(r)} {r['M']}×{r['d']}: auto not slower than {base} ({base} / auto ≥ 1)",
+                             f"{a[k]:.3f}{round_range(r['variants'].get(base), a)}", a[k] >= 1.0))
+    for r in mlp:  # ReLU keeps a 1-bit mask instead of the pre-activation
         if r["activation"] != "relu":
             continue
         for key in ("auto_l0", "auto_l1"):
             a = r["variants"].get(key)
-            if not _ok(a) or "memory" not in a:
+            if not _ok(a) or "saved_bytes" not in a.get("memory", {}):
                 continue
-            es = 2  # fp16 / bf16 bytes
-            M, d, h = r["M"], r["d"], r["h"]
-            lvl = int(key[-1])
-            expect = M * d * es + M * h // 8 + (M * h * es if lvl == 0 else 0)
+            lvl, (M, d, h) = int(key[-1]), (r["M"], r["d"], r["h"])
+            expect = M * d * 2 + M * h // 8 + (M * h * 2 if lvl == 0 else 0)
             saved = a["memory"]["saved_bytes"]
             rows.append((f"{r['dtype']} relu {M}×{d} {label(key)}: saved ≤ x{' + act_out' if lvl == 0 else ''} + "
                          f"1-bit mask = {expect / MIB:.1f} MiB", f"{saved / MIB:.1f} MiB", saved <= expect * 1.01))
-    # accuracy against the float32 reference, DESIGN.md tolerances
     bad, n = [], 0
     for r in mlp:
         tol = TOLERANCE.get(r["dtype"])
         for k, v in r["variants"].items():
-            if not _ok(v) or not v.get("rel_err") or tol is None:
-                continue
-            n += 1
-            worst = max(v["rel_err"].values())
-            if not worst <= tol:  # NaN fails too
-                bad.append(f"{r['dtype']} {ACT_SHORT.get(r['activation'])} {r['M']}×{r['d']} {label(k)}: {worst:.1e}")
+            if _ok(v) and v.get("rel_err") and tol is not None:
+                n += 1
+                worst = max(v["rel_err"].values())
+                if not worst <= tol:  # NaN fails too
+                    bad.append(f"{_cfg(r)} {r['M']}×{r['d']} {label(k)}: {worst:.1e}")
     if n:
         rows.append((f"every measured variant within the accuracy tolerance (bf16 {TOLERANCE['bf16']:g}, fp16 "
                      f"{TOLERANCE['fp16']:g}; worst of out, dx, dW1, dW2 vs float32)",
                      f"{n - len(bad)} of {n}" + (": fails " + "; ".join(bad) if bad else ""), not bad))
     host = res.get("host") or {}
-    hv = host.get("variants", {})
-    inter = host.get("interleaved") or {}
+    hv, inter = host.get("variants", {}), host.get("interleaved") or {}
     if inter.get("status") == "ok":
         q = inter["x_eager"]["auto_l0"]
         rows.append((f"host CPU time M={host['M']} d={host['d']}: auto / eager ≤ 1 (interleaved rounds, median ratio)",
                      f"{inter['cpu_us']['auto_l0']:.0f} / {inter['cpu_us']['eager']:.0f} µs, ratio {q:.3f}", q <= 1.0))
-    elif hv.get("eager", {}).get("cpu_us") and hv.get("auto_l0", {}).get("cpu_us"):
-        q = hv["auto_l0"]["cpu_us"] / hv["eager"]["cpu_us"]
-        rows.append((f"host CPU time M={host['M']} d={host['d']}: auto / eager ≤ 1",
-                     f"{hv['auto_l0']['cpu_us']:.0f} / {hv['eager']['cpu_us']:.0f} µs = {q:.3f}", q <= 1.0))
     elif hv:
-        rows.append(("host CPU time: auto / eager ≤ 1", _status_cell(hv.get("auto_l0")), None))
+        rows.append(("host CPU time: auto / eager ≤ 1", _cell(hv.get("auto_l0")), None))
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# markdown
-
-
-SUSTAINED_KEYS = ("floor", "eager", "compile", "auto_l0")
-
-
-def sustained_table(res):
-    """Markdown lines of the sustained section's table (none when the run has no such records)."""
+def _sustained(res):
     recs = res.get("sustained") or []
     if not recs:
         return []
-    L = [f"## Sustained load (each block after {_sustained_warmup_label(res)} of its own steps)\n"]
     method = (res.get("method") or {}).get("sustained")
-    configs = ", ".join(dict.fromkeys(f"{r['dtype']} {r['activation']}" for r in recs))
-    L.append((method[:1].upper() + method[1:] + ". " if method else f"{configs}. ")
-             + "ms, lower is better; ÷: ratio of the two medians; 'standard' is auto ÷ floor in the MLP table "
-             "above (the usual warm-up per block), the run of record.\n")
+    L = [f"## Sustained load (each block after {_warmup(res)} of its own steps)\n",
+         (method[:1].upper() + method[1:] + ". " if method else "")
+         + "ms, lower is better; ÷: ratio of the two medians; 'standard' is auto ÷ floor in the MLP table "
+           "above (the usual warm-up per block), the run of record.\n"]
     clocks = any("clocks" in v for r in recs for v in r["variants"].values())
     head = ["M × d"] + [f"{label(k)} ms" for k in SUSTAINED_KEYS] + [
         "eager ÷ auto", "compile ÷ auto", "auto ÷ floor", "auto ÷ floor, standard"]
-    if clocks:
-        head += ["SM MHz floor / eager / compile / auto", "W floor / eager / compile / auto"]
-    L.append("| " + " | ".join(head) + " |")
-    L.append("|---" * len(head) + "|")
+    head += ["SM MHz floor / eager / compile / auto", "W floor / eager / compile / auto"] if clocks else []
+    L += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for r in recs:
         vs = r["variants"]
-        cells = [f"{r['M']} × {r['d']}"]
-        cells += [f"{vs[k]['ms']:.3f}" if _ok(vs.get(k)) else _status_cell(vs.get(k)) for k in SUSTAINED_KEYS]
-        a = vs.get("auto_l0") if _ok(vs.get("auto_l0")) else {}
+        a = vs["auto_l0"] if _ok(vs.get("auto_l0")) else {}
         std = ((_same_shape(res.get("mlp"), r) or {}).get("variants") or {}).get("auto_l0")
+        cells = [f"{r['M']} × {r['d']}"] + [f"{vs[k]['ms']:.3f}" if _ok(vs.get(k)) else _cell(vs.get(k))
+                                          for k in SUSTAINED_KEYS]
         cells += [_f(a.get("speedup_vs_eager")), _f(a.get("speedup_vs_compile")), _f(a.get("x_floor")),
                   _f(std.get("x_floor") if _ok(std) else None)]
         if clocks:
-            for field in ("sm_mhz", "power_w"):
-                cells.append(" / ".join(_f((vs.get(k) or {}).get("clocks", {}).get(field), "{:.0f}")
-                                        for k in SUSTAINED_KEYS))
+            cells += [" / ".join(_f((vs.get(k) or {}).get("clocks", {}).get(f), "{:.0f}") for k in SUSTAINED_KEYS)
+                      for f in ("sm_mhz", "power_w")]
         L.append("| " + " | ".join(cells) + " |")
     L.append("")
-    if clocks:
-        L.append("SM clock and power: medians of the nvidia-smi samples (every "
-                 f"{next((r['clock_sampling'].get('interval_ms') for r in recs if r.get('clock_sampling')), '–')} ms) "
-                 "taken inside each variant's timed blocks and the end of their warm-ups (at most 300 ms); samples per variant: "
-                 + "; ".join(f"{r['M']} × {r['d']} " + " / ".join(
-                     str((r["variants"].get(k) or {}).get("clocks", {}).get("samples", 0)) for k in SUSTAINED_KEYS)
-                     for r in recs) + ".\n")
+    sampling = next((r.get("clock_sampling") for r in recs if r.get("clock_sampling")), None)
+    if clocks and isinstance(sampling, dict):
+        counts = "; ".join(f"{r['M']} × {r['d']} " + " / ".join(
+            str((r["variants"].get(k) or {}).get("clocks", {}).get("samples", 0)) for k in SUSTAINED_KEYS)
+            for r in recs)
+        L.append(f"SM clock and power: medians of the {sampling.get('tool', '')} samples (every "
+                 f"{sampling.get('interval_ms', '–')} ms) taken inside each variant's timed blocks and the end of "
+                 f"their warm-ups (at most 300 ms); samples per variant: {counts}.\n")
+    elif isinstance(sampling, str):
+        L.append(f"SM clock and power: {sampling}.\n")
+    return L
+
+
+def _header(res):
+    env, m = res.get("env", {}), res.get("method", {})
+    gpu = env.get("gpu") or f"CPU ({env.get('cpu_threads')} threads) — smoke test, not a performance figure"
+    L = ["# fused_dense benchmark\n",
+         f"{gpu}; driver {env.get('driver', '–')}; torch {env.get('torch')}; CUDA {env.get('torch_cuda')}; "
+         f"cuBLASLt {env.get('cublasLt_version_str', '–')}; triton {env.get('triton', '–')}"
+         + (f"; flash-attn {env['flash_attn']}" if env.get("flash_attn") else "")
+         + f"; {env.get('date_utc')}; fused_dense commit {str(env.get('git_commit') or 'unknown')[:12]}"
+         + (" (dirty)" if env.get("git_dirty") else "")
+         + (f"; source tree {env['git_tree'][:12]}" if env.get("git_tree") else "") + ".\n"]
+    if env.get("clock_sm_mhz") is not None:
+        L.append(f"At the start: SM clock {env['clock_sm_mhz']} MHz (max {env.get('clock_max_sm_mhz')}), memory "
+                 f"{env.get('clock_mem_mhz')} MHz; power limit {_f(env.get('power_limit_w'), '{:.0f}')} W; "
+                 f"{env.get('temp_c')} °C; {env.get('pstate')}.\n")
+    elif env.get("nvml"):
+        L.append(f"GPU clocks and power: {env['nvml']}.\n")
+    if env.get("fused_dense_import_error"):
+        L.append(f"**fused_dense not available:** {env['fused_dense_import_error']}\n")
+    L.append("Method: " + "; ".join(filter(None, [
+        m.get("timer"), m.get("timer") and f"warm-up ≥ {m.get('warmup_ms')} ms, ≥ {m.get('rep_ms')} ms and ≥ "
+                                          f"{m.get('min_reps')} reps of measurement per figure",
+        m.get("mlp_timer"), "fresh random data (normal), never zeros", m.get("mlp"),
+        m.get("floor") and "floor = " + m["floor"]])) + ". Full method: bench/README.md.\n")
+    if m.get("budget_s") is not None:
+        L.append(f"Time budget {m['budget_s']:.0f} s; run time {_f(res.get('elapsed_s'), '{:.0f}')} s.\n")
+    c, ce = res.get("ceiling") or {}, res.get("ceiling_end") or {}
+    if c.get("tflops"):
+        L.append(f"**Ceiling:** {c['n']}³ {c['dtype']} torch.mm at the start {c['ms']:.3f} ms = **{c['tflops']:.0f} "
+                 "TF/s**" + (f"; at the end {ce['ms']:.3f} ms = {ce['tflops']:.0f} TF/s" if ce.get("tflops") else "")
+                 + ".\n")
+    return L
+
+
+def _mlp(res):
+    mlp, L = res.get("mlp", []), []
+    if not mlp:
+        return L
+    L += ["## MLP forward + backward: ms (TF/s)\n", "Linear(d, 4d) → act → Linear(4d, d), M tokens; "
+          "TF/s = 12·M·d·h / time.\n"]
+    for cfg in dict.fromkeys((r["dtype"], r["activation"]) for r in mlp):
+        recs = [r for r in mlp if (r["dtype"], r["activation"]) == cfg]
+        keys = _keys(recs)
+        L += [f"### {cfg[0]}, {cfg[1]}\n", "| M × d | " + " | ".join(map(label, keys)) + " |",
+              "|---" * (len(keys) + 1) + "|"]
+        for r in recs:
+            cells = [f"{v['ms']:.3f} ({v['tflops']:.0f})" if _ok(v) else _cell(v) for v in map(r["variants"].get, keys)]
+            L.append(f"| {r['M']} × {r['d']} | " + " | ".join(cells) + " |")
+        L.append("")
+    L += _sustained(res)
+    L += ["## MLP detail: ratios, memory kept for backward, accuracy\n",
+          "× floor = time / six-GEMM time; vs eager = eager time / time; vs compile = compile time / time (> 1: "
+          "faster). saved = unique non-parameter storages saved for backward (saved_tensors_hooks, x included); kept "
+          "= memory_allocated after forward − before, output excluded; peak Δ = max_memory_allocated over forward + "
+          "backward − before. err = ‖v − ref‖/‖ref‖ against float32, for out and dx. first = first call (compile / "
+          "tuning), excluded from the timing.\n",
+          "| dtype act | M × d | variant | ms | p20–p80 | TF/s | × floor | vs eager | vs compile | saved MiB | "
+          "kept MiB | peak Δ MiB | err out | err dx | first s |", "|---" * 15 + "|"]
+    for r in mlp:
+        for k in _keys([r]):
+            v, head = r["variants"][k], f"| {_cfg(r)} | {r['M']} × {r['d']} | {label(k)} |"
+            if not _ok(v):
+                err = str(v.get("error", ""))[:160].replace("|", "/")
+                err = f": {err}" if err and v.get("status") in ("unavailable", "error") else ""
+                L.append(f"{head} {v.get('status')}{err} |" + " |" * 11)
+                continue
+            mem, re = v.get("memory", {}), v.get("rel_err", {})
+
+            def mib(key):
+                return _f(mem.get(key) / MIB if mem.get(key) is not None else None, "{:.1f}")
+            L.append(f"{head} {v['ms']:.3f} | {_f(v.get('p20'))}–{_f(v.get('p80'))} | {v['tflops']:.0f} | "
+                     f"{_f(v.get('x_floor'))} | {_f(v.get('speedup_vs_eager'))} | {_f(v.get('speedup_vs_compile'))} | "
+                     f"{mib('saved_bytes')} | {mib('alloc_kept_bytes')} | {mib('peak_delta_bytes')} | "
+                     f"{_f(re.get('out'), '{:.1e}')} | {_f(re.get('dx'), '{:.1e}')} | "
+                     f"{_f(v.get('first_call_s'), '{:.2f}')} |")
+    L.append("")
+    if any("allocator_calls" in v for r in mlp for v in r["variants"].values()):  # CUDA runs count them
+        stalled = [f"{_cfg(r)} {r['M']} × {r['d']} {label(k)} ({v['allocator_calls']})"
+                   for r in mlp for k, v in r["variants"].items() if _ok(v) and v.get("allocator_calls")]
+        L.append("cudaMalloc / cudaFree calls of PyTorch's caching allocator during a figure's warm-up and timing "
+                 "(each stalls the GPU until the host catches up, so such a figure includes the allocator): "
+                 + ("; ".join(stalled) or "none") + ".\n")
+    parts = [r for r in mlp if _ok(r["variants"].get("floor")) and r["variants"]["floor"].get("parts_ms")]
+    if parts:
+        names = ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"]
+        L += ["### The six GEMMs one by one (ms)\n",
+              "| dtype act | M × d | x@W1ᵀ | h@W2ᵀ | dY@W2 | dYᵀ@h | dH@W1 | dHᵀ@x | sum | six together |",
+              "|---" * 10 + "|"]
+        for r in parts:
+            pm = r["variants"]["floor"]["parts_ms"]
+            L.append(f"| {_cfg(r)} | {r['M']} × {r['d']} | " + " | ".join(f"{pm[n]:.3f}" for n in names)
+                     + f" | {sum(pm.values()):.3f} | {r['variants']['floor']['ms']:.3f} |")
+        L.append("")
+    return L
+
+
+def _ops_and_host(res):
+    L, ops, host = [], res.get("ops", []), res.get("host")
+    if ops:
+        L += ["## Single ops against torch.mm: ms (× torch.mm)\n",
+              "x[M,K] @ W[N,K]ᵀ, GELU (tanh). fwd: linear_act with bias, pre-activation saved. dgrad: act_linear_dgrad "
+              "= (dY[M,N] @ W) ⊙ gelu'(pre[M,K]) with bias grad. wgrad: linear_bias_wgrad = dYᵀ @ x with bias grad. "
+              "h = heuristic (auto: measured choice; -1: unfused; k ≥ 0: cuBLASLt heuristic entry k).\n"]
+        for g in ("fwd", "dgrad", "wgrad"):
+            keys = list(dict.fromkeys(k for r in ops for k in r[g]))
+            L += [f"### {g} ({ops[0]['dtype']})\n", "| M, K, N | " + " | ".join(keys) + " |",
+                  "|---" * (len(keys) + 1) + "|"]
+            for r in ops:
+                cells = [f"{v['ms']:.3f} (×{v.get('x_mm', float('nan')):.2f})" if _ok(v) else
+                         _cell(v) + (f": {str(v['error'])[:80]}" if v and v.get("status") in ("unavailable", "error")
+                                     else "") for v in map(r[g].get, keys)]
+                L.append(f"| {r['M']}, {r['K']}, {r['N']} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+            L.append("")
+    if host:
+        L += [f"## Host CPU time per forward + backward (M={host['M']}, d={host['d']}, {host['dtype']})\n",
+              host.get("method", "") + ".\n",
+              "| variant | CPU µs / iter | × eager | issue wall µs / iter | wall incl. sync µs / iter |",
+              "|---|---|---|---|---|"]
+        for k, v in host["variants"].items():
+            L.append(f"| {label(k)} | {v['cpu_us']:.1f} | {_f(v.get('x_eager'))} | {v['issue_wall_us']:.1f} | "
+                     f"{v['wall_us']:.1f} |" if v.get("status") == "ok" else
+                     f"| {label(k)} | {v.get('status')}: {str(v.get('error'))[:120]} | | | |")
+        L.append("")
+        inter = host.get("interleaved") or {}
+        if inter.get("status") == "ok":
+            L += [f"Interleaved: {inter['method']} ({inter['rounds']} rounds of {inter['iters']} steps).\n",
+                  "| variant | CPU µs / iter (median of rounds) | × eager (median of per-round ratios) |",
+                  "|---|---|---|"]
+            L += [f"| {k} | {us:.1f} | {inter['x_eager'][k]:.3f} |" for k, us in inter["cpu_us"].items()]
+            L.append("")
+        elif inter:
+            L.append(f"Interleaved comparison: {inter.get('status')}: {str(inter.get('error'))[:200]}\n")
     return L
 
 
 def markdown(res):
-    env = res.get("env", {})
-    L = []
-    L.append("# fused_dense benchmark\n")
-    gpu = env.get("gpu") or f"CPU ({env.get('cpu_threads')} threads) — smoke test, not a performance figure"
-    L.append(f"{gpu}; driver {env.get('driver', '–')}; torch {env.get('torch')}; CUDA {env.get('torch_cuda')}; "
-             f"cuBLASLt {env.get('cublasLt_version_str', '–')}; triton {env.get('triton', '–')}; "
-             f"{env.get('date_utc')}; fused_dense commit {str(env.get('git_commit') or 'unknown')[:12]}"
-             f"{' (dirty)' if env.get('git_dirty') else ''}"
-             f"{'; source tree ' + env['git_tree'][:12] if env.get('git_tree') else ''}.\n")
-    if env.get("clock_sm_mhz"):
-        L.append(f"Clocks at start: SM {env.get('clock_sm_mhz')} (max {env.get('clock_max_sm_mhz')}), "
-                 f"memory {env.get('clock_mem_mhz')}; power limit {env.get('power_limit')}; "
-                 f"{env.get('temp_c')} °C; {env.get('pstate')}.\n")
-    if env.get("fused_dense_import_error"):
-        L.append(f"**fused_dense not fully available:** {env['fused_dense_import_error']}\n")
-    m = res.get("method", {})
-    L.append("Method: " + "; ".join(filter(None, [
-        m.get("timer"), f"warm-up ≥ {m.get('warmup_ms')} ms, ≥ {m.get('rep_ms')} ms and ≥ {m.get('min_reps')} reps "
-        "of measurement per figure" if m.get("timer") else None,
-        m.get("mlp_timer"), "fresh random data (normal), never zeros", m.get("mlp"), "floor = " + m.get("floor", ""),
-    ])) + ". Full method: bench/README.md.\n")
-    if res.get("elapsed_s") is not None:
-        L.append(f"Run time {res['elapsed_s']:.0f} s.\n")
-
-    c = res.get("ceiling")
-    if c and c.get("tflops"):
-        ce = res.get("ceiling_end") or {}
-        end = (f"; at the end of the run {ce['ms']:.3f} ms = {ce['tflops']:.0f} TF/s" if ce.get("tflops") else "")
-        L.append(f"**Ceiling:** {c['n']}³ {c['dtype']} torch.mm at the start {c['ms']:.3f} ms = "
-                 f"**{c['tflops']:.0f} TF/s**{end}.\n")
-
+    L = _header(res)
     trg = targets(res)
     if trg:
-        L.append("## Targets (issue 5), from this run\n")
-        L.append("| target | figure | met |\n|---|---|---|")
-        for t, fig, met in trg:
-            L.append(f"| {t} | {fig} | {'yes' if met else ('no' if met is False else '–')} |")
+        L += ["## Targets, from this run\n", "| target | figure | met |", "|---|---|---|"]
+        L += [f"| {t} | {fig} | {'yes' if met else ('no' if met is False else '–')} |" for t, fig, met in trg]
         L.append("")
-
-    mlp = res.get("mlp", [])
-    if mlp:
-        L.append("## MLP forward + backward: ms (TF/s)\n")
-        L.append("Linear(d, 4d) → act → Linear(4d, d), M tokens; TF/s = 12·M·d·h / time.\n")
-        for dtype, act in _configs(res):
-            recs = [r for r in mlp if r["dtype"] == dtype and r["activation"] == act]
-            keys = _variant_keys(recs)
-            L.append(f"### {dtype}, {act}\n")
-            L.append("| M × d | " + " | ".join(label(k) for k in keys) + " |")
-            L.append("|---" * (len(keys) + 1) + "|")
-            for r in recs:
-                cells = []
-                for k in keys:
-                    v = r["variants"].get(k)
-                    cells.append(f"{v['ms']:.3f} ({v['tflops']:.0f})" if _ok(v) else _status_cell(v))
-                L.append(f"| {r['M']} × {r['d']} | " + " | ".join(cells) + " |")
-            L.append("")
-    L += sustained_table(res)
-    if mlp:
-        L.append("## MLP detail: ratios, memory kept for backward, accuracy\n")
-        L.append("× floor = time / six-GEMM time; vs eager = eager time / time; vs compile = compile time / time "
-                 "(> 1: faster). saved = unique non-parameter storages saved for backward (saved_tensors_hooks, "
-                 "x included); kept = memory_allocated after forward − before, output excluded; peak Δ = "
-                 "max_memory_allocated over forward + backward − before. err = ‖v − ref‖/‖ref‖ against float32, "
-                 "for out and dx. first = first call (compile / tuning), excluded from the timing.\n")
-        L.append("| dtype act | M × d | variant | ms | p20–p80 | TF/s | × floor | vs eager | vs compile | "
-                 "saved MiB | kept MiB | peak Δ MiB | err out | err dx | first s |")
-        L.append("|---" * 15 + "|")
-        for r in mlp:
-            for k in _variant_keys([r]):
-                v = r["variants"][k]
-                head = f"| {r['dtype']} {ACT_SHORT.get(r['activation'], r['activation'])} | {r['M']} × {r['d']} | {label(k)} |"
-                if not _ok(v):
-                    err = str(v.get("error", ""))[:160].replace("|", "/")
-                    st = v.get("status")
-                    L.append(f"{head} {st}{': ' + err if st in ('unavailable', 'error') and err else ''} |" + " |" * 11)
-                    continue
-                mem = v.get("memory", {})
-                re = v.get("rel_err", {})
-                p = f"{_f(v.get('p20'))}–{_f(v.get('p80'))}" if v.get("p20") is not None else "–"
-                L.append(f"{head} {v['ms']:.3f} | {p} | {v['tflops']:.0f} | {_f(v.get('x_floor'))} | "
-                         f"{_f(v.get('speedup_vs_eager'))} | {_f(v.get('speedup_vs_compile'))} | "
-                         f"{_f(mem.get('saved_bytes') and mem['saved_bytes'] / MIB, '{:.1f}')} | "
-                         f"{_f(mem.get('alloc_kept_bytes') and mem['alloc_kept_bytes'] / MIB, '{:.1f}')} | "
-                         f"{_f(mem.get('peak_delta_bytes') and mem['peak_delta_bytes'] / MIB, '{:.1f}')} | "
-                         f"{_f(re.get('out'), '{:.1e}')} | {_f(re.get('dx'), '{:.1e}')} | "
-                         f"{_f(v.get('first_call_s'), '{:.2f}')} |")
-        L.append("")
-        stalled = [f"{r['dtype']} {ACT_SHORT.get(r['activation'], r['activation'])} {r['M']} × {r['d']} "
-                   f"{label(k)} ({v['allocator_calls']})"
-                   for r in mlp for k, v in r["variants"].items() if _ok(v) and v.get("allocator_calls")]
-        if any("allocator_calls" in v for r in mlp for v in r["variants"].values()):  # CUDA runs count them
-            L.append("cudaMalloc / cudaFree calls of PyTorch's caching allocator during a figure's warm-up and "
-                     "timing (each stalls the GPU until the host catches up, so such a figure includes the "
-                     "allocator): " + ("; ".join(stalled) if stalled else "none") + ".\n")
-        parts = [(r, r["variants"]["floor"].get("parts_ms")) for r in mlp
-                 if _ok(r["variants"].get("floor")) and r["variants"]["floor"].get("parts_ms")]
-        if parts:
-            L.append("### The six GEMMs one by one (ms)\n")
-            names = ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"]
-            L.append("| dtype act | M × d | x@W1ᵀ | h@W2ᵀ | dY@W2 | dYᵀ@h | dH@W1 | dHᵀ@x | sum | six together |")
-            L.append("|---" * 10 + "|")
-            for r, pm in parts:
-                L.append(f"| {r['dtype']} {ACT_SHORT.get(r['activation'])} | {r['M']} × {r['d']} | "
-                         + " | ".join(f"{pm[n]:.3f}" for n in names)
-                         + f" | {sum(pm.values()):.3f} | {r['variants']['floor']['ms']:.3f} |")
-            L.append("")
-
-    ops = res.get("ops", [])
-    if ops:
-        L.append("## Single ops against torch.mm: ms (× torch.mm)\n")
-        L.append("x[M,K] @ W[N,K]ᵀ, GELU (tanh). fwd: linear_act with bias, pre-activation saved. dgrad: "
-                 "act_linear_dgrad = (dY[M,N] @ W) ⊙ gelu'(pre[M,K]) with bias grad. wgrad: linear_bias_wgrad "
-                 "= dYᵀ @ x with bias grad. h = heuristic (auto: measured choice; -1: unfused; k ≥ 0: cuBLASLt "
-                 "heuristic entry k).\n")
-        for g in ("fwd", "dgrad", "wgrad"):
-            keys = []
-            for r in ops:
-                for k in r[g]:
-                    if k not in keys:
-                        keys.append(k)
-            L.append(f"### {g} ({ops[0]['dtype']})\n")
-            L.append("| M, K, N | " + " | ".join(keys) + " |")
-            L.append("|---" * (len(keys) + 1) + "|")
-            for r in ops:
-                cells = []
-                for k in keys:
-                    v = r[g].get(k)
-                    if _ok(v):
-                        cells.append(f"{v['ms']:.3f} (×{v.get('x_mm', float('nan')):.2f})")
-                    else:
-                        detail = v and v.get("status") in ("unavailable", "error") and v.get("error")
-                        cells.append(_status_cell(v) + (f": {str(v['error'])[:80]}" if detail else ""))
-                L.append(f"| {r['M']}, {r['K']}, {r['N']} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-            L.append("")
-
-    host = res.get("host")
-    if host:
-        L.append(f"## Host CPU time per forward + backward (M={host['M']}, d={host['d']}, {host['dtype']})\n")
-        L.append(host.get("method", "") + ".\n")
-        L.append("| variant | CPU µs / iter | × eager | issue wall µs / iter | wall incl. sync µs / iter |")
-        L.append("|---|---|---|---|---|")
-        for k, v in host["variants"].items():
-            if v.get("status") != "ok":
-                L.append(f"| {label(k)} | {v.get('status')}: {str(v.get('error'))[:120]} | | | |")
-                continue
-            L.append(f"| {label(k)} | {v['cpu_us']:.1f} | {_f(v.get('x_eager'))} | {v['issue_wall_us']:.1f} | "
-                     f"{v['wall_us']:.1f} |")
-        L.append("")
-        inter = host.get("interleaved") or {}
-        if inter.get("status") == "ok":
-            L.append(f"Interleaved: {inter['method']} ({inter['rounds']} rounds of {inter['iters']} steps).\n")
-            L.append("| variant | CPU µs / iter (median of rounds) | × eager (median of per-round ratios) |")
-            L.append("|---|---|---|")
-            for k, us in inter["cpu_us"].items():
-                L.append(f"| {k} | {us:.1f} | {inter['x_eager'][k]:.3f} |")
-            L.append("")
-        elif inter:
-            L.append(f"Interleaved comparison: {inter.get('status')}: {str(inter.get('error'))[:200]}\n")
-
-    skipped = res.get("skipped") or []
-    errors = res.get("errors") or []
-    crashed = res.get("crashed") or []
+    L += _mlp(res) + _ops_and_host(res)
+    skipped, errors, crashed = res.get("skipped") or [], res.get("errors") or [], res.get("crashed") or []
     if skipped or errors or crashed or not res.get("complete"):
         L.append("## Not measured\n")
-        if not res.get("complete"):
-            L.append("- **the run did not finish**: these results are partial")
-        for s in skipped:
-            L.append(f"- skipped (time budget): {s}")
-        for c in crashed:
-            L.append(f"- crashed the process (exit {c.get('rc')}): {c.get('item')} / {c.get('variant')}; the bench "
-                     "restarted and went on")
-        for e in errors:
-            L.append(f"- error: {e}")
+        L += ["- **the run did not finish**: these results are partial"] if not res.get("complete") else []
+        L += [f"- skipped (time budget): {s}" for s in skipped]
+        L += [f"- crashed the process (exit {c.get('rc')}): {c.get('item')} / {c.get('variant')}; the bench "
+              "restarted and went on" for c in crashed]
+        L += [f"- error: {e}" for e in errors]
         L.append("")
     return "\n".join(L) + "\n"
 
 
-def _ms_cell(v):
-    """A figure's ms for the console table, or its status cut to the column."""
-    return f"{v['ms']:.3f}" if _ok(v) else (v or {}).get("status", "-")[:7]
-
-
 def summary(res):
     """A short plain-text table for the end of the console output."""
-    L = ["", "=== summary ==="]
-    c = res.get("ceiling")
-    if c and c.get("tflops"):
-        ce = res.get("ceiling_end") or {}
-        L.append(f"ceiling {c['n']}^3 {c['dtype']}: {c['tflops']:.0f} TF/s"
-                 + (f" (at the end: {ce['tflops']:.0f})" if ce.get("tflops") else ""))
-    L.append(f"{'cfg':<11}{'M x d':>12}{'floor':>9}{'eager':>9}{'compile':>9}{'auto':>9}{'auto L1':>9}"
-             f"{'auto L2':>9}{'best h':>9} {'xfloor':>8} {'vs eag':>7} {'vs cmp':>7}")
+    def ms(v):
+        return f"{v['ms']:.3f}" if _ok(v) else (v or {}).get("status", "-")[:7]
+
+    def ratios(a):
+        return "".join(f" {_f(a.get(k), '{:.3f}', '-'):>7}"
+                       for k in ("x_floor", "speedup_vs_eager", "speedup_vs_compile"))
+    L, c = ["", "=== summary ==="], res.get("ceiling") or {}
+    if c.get("tflops"):
+        L.append(f"ceiling {c['n']}^3 {c['dtype']}: {c['tflops']:.0f} TF/s")
+    cols = ("floor", "eager", "compile", "auto_l0", "auto_l1", "auto_l2")
+    L.append(f"{'cfg':<11}{'M x d':>12}" + "".join(f"{k:>9}" for k in cols) + f"{'best h':>9} {'xfloor':>7} "
+             f"{'vs eag':>7} {'vs cmp':>7}")
     for r in res.get("mlp", []):
         vs = r["variants"]
-
-        def ms(k):
-            return _ms_cell(vs.get(k))
-        hs = [(vs[k]["ms"], k) for k in ("h-1_l0", "h0_l0", "h1_l0", "h2_l0") if _ok(vs.get(k))]
-        best = f"{min(hs)[0]:.3f}" if hs else "-"
-        a = vs.get("auto_l0", {})
-        L.append(f"{r['dtype'] + ' ' + ACT_SHORT.get(r['activation'], r['activation']):<11}"
-                 f"{str(r['M']) + 'x' + str(r['d']):>12}{ms('floor'):>9}{ms('eager'):>9}{ms('compile'):>9}"
-                 f"{ms('auto_l0'):>9}{ms('auto_l1'):>9}{ms('auto_l2'):>9}{best:>9}"
-                 f" {_f(a.get('x_floor'), '{:.3f}', '-'):>8} {_f(a.get('speedup_vs_eager'), '{:.3f}', '-'):>7}"
-                 f" {_f(a.get('speedup_vs_compile'), '{:.3f}', '-'):>7}")
-    sus = res.get("sustained") or []
-    if sus:
-        L.append(f"sustained (each block after {_sustained_warmup_label(res)} of its own steps):")
-        L.append(f"{'cfg':<11}{'M x d':>12}{'floor':>9}{'eager':>9}{'compile':>9}{'auto':>9}"
-                 f" {'xfloor':>8} {'vs eag':>7} {'vs cmp':>7} {'SM MHz auto':>12} {'W auto':>7}")
-        for r in sus:
+        hs = [vs[k]["ms"] for k in ("h-1_l0", "h0_l0", "h1_l0", "h2_l0") if _ok(vs.get(k))]
+        L.append(f"{_cfg(r):<11}{str(r['M']) + 'x' + str(r['d']):>12}" + "".join(f"{ms(vs.get(k)):>9}" for k in cols)
+                 + f"{_f(min(hs) if hs else None, '{:.3f}', '-'):>9}" + ratios(vs.get("auto_l0") or {}))
+    if res.get("sustained"):
+        L.append(f"sustained (each block after {_warmup(res)} of its own steps):")
+        for r in res["sustained"]:
             vs = r["variants"]
-            a = vs.get("auto_l0") if _ok(vs.get("auto_l0")) else {}
-            c = a.get("clocks", {})
-            L.append(f"{r['dtype'] + ' ' + ACT_SHORT.get(r['activation'], r['activation']):<11}"
-                     f"{str(r['M']) + 'x' + str(r['d']):>12}" + "".join(f"{_ms_cell(vs.get(k)):>9}" for k in SUSTAINED_KEYS)
-                     + f" {_f(a.get('x_floor'), '{:.3f}', '-'):>8} {_f(a.get('speedup_vs_eager'), '{:.3f}', '-'):>7}"
-                     f" {_f(a.get('speedup_vs_compile'), '{:.3f}', '-'):>7} {_f(c.get('sm_mhz'), '{:.0f}', '-'):>12}"
-                     f" {_f(c.get('power_w'), '{:.0f}', '-'):>7}")
-    trg = targets(res)
-    if trg:
-        L.append("targets:")
-        for t, fig, met in trg:
-            L.append(f"  [{'ok' if met else ('NO' if met is False else '--')}] {t}: {fig}")
-    host = res.get("host") or {}
-    for k, v in (host.get("variants") or {}).items():
-        if v.get("status") == "ok":
-            L.append(f"host {k}: {v['cpu_us']:.1f} us cpu / iter")
+            a = vs["auto_l0"] if _ok(vs.get("auto_l0")) else {}
+            L.append(f"{_cfg(r):<11}{str(r['M']) + 'x' + str(r['d']):>12}"
+                     + "".join(f"{ms(vs.get(k)):>9}" for k in SUSTAINED_KEYS) + ratios(a)
+                     + (f"  auto at {a['clocks'].get('sm_mhz', 0):.0f} MHz" if "clocks" in a else ""))
+    L += ["targets:"] + [f"  [{'ok' if met else ('NO' if met is False else '--')}] {t}: {fig}"
+                         for t, fig, met in targets(res)]
     if res.get("skipped"):
-        L.append(f"skipped (budget): {len(res['skipped'])} items: {', '.join(res['skipped'])}")
-    for c in res.get("crashed") or []:
-        L.append(f"CRASHED (exit {c.get('rc')}): {c.get('item')} / {c.get('variant')}")
+        L.append(f"skipped (budget): {', '.join(res['skipped'])}")
+    L += [f"CRASHED (exit {c.get('rc')}): {c.get('item')} / {c.get('variant')}" for c in res.get("crashed") or []]
     if not res.get("complete"):
         L.append("INCOMPLETE: the run did not finish")
     return "\n".join(L)
 
 
+def make_png(res, path):
+    """TF/s per shape per variant, one panel per dtype × activation, the ceiling dashed; raises
+    ImportError without matplotlib."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mlp, env = res.get("mlp", []), res.get("env", {})
+    configs = list(dict.fromkeys((r["dtype"], r["activation"]) for r in mlp))
+    if not configs:
+        raise ValueError("no MLP results to plot")
+    ceiling = (res.get("ceiling") or {}).get("tflops")
+    fig, axes = plt.subplots(len(configs), 1, figsize=(13, 3.6 * len(configs) + 0.8), squeeze=False)
+    for ax, cfg in zip(axes[:, 0], configs):
+        recs = [r for r in mlp if (r["dtype"], r["activation"]) == cfg]
+        keys = [k for k in _keys(recs) if any(_ok(r["variants"].get(k)) for r in recs)]
+        width = 0.8 / max(1, len(keys))
+        for i, k in enumerate(keys):
+            pts = [(j - 0.4 + width * (i + 0.5), r["variants"][k]["tflops"]) for j, r in enumerate(recs)
+                   if _ok(r["variants"].get(k))]
+            bars = ax.bar([p[0] for p in pts], [p[1] for p in pts], width * 0.95, label=label(k), color=COLORS.get(k))
+            if len(keys) * len(recs) <= 48:
+                ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1, rotation=90)
+        if ceiling:
+            ax.axhline(ceiling, color="k", ls="--", lw=0.8)
+            ax.text(0.995, ceiling, f"ceiling: {res['ceiling']['n']}³ {res['ceiling'].get('dtype', '')} mm "
+                    f"{ceiling:.0f} TF/s", transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7)
+        ax.set_xticks(range(len(recs)))
+        ax.set_xticklabels([f"M={r['M']}, d={r['d']}" for r in recs])
+        ax.set_ylabel("TF/s (12·M·d·h / time)")
+        ax.set_title(f"MLP forward + backward, {cfg[0]}, {cfg[1]}", fontsize=10)
+        top = max([ceiling or 0] + [v["tflops"] for r in recs for v in r["variants"].values() if _ok(v)])
+        ax.set_ylim(0, top * 1.18 or 1)
+        ax.legend(fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 1.07), frameon=False)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"fused_dense — {env.get('gpu') or 'CPU (smoke test)'}, torch {env.get('torch')}, CUDA "
+                 f"{env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str', '–')}, "
+                 f"{str(env.get('date_utc', ''))[:10]}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))  # room for the title
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write(res, json_path, png=True):
+    """The markdown (and the chart) beside json_path; returns the paths written."""
+    stem = os.path.splitext(json_path)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(res))
+    written = [stem + ".md"]
+    if png:
+        try:
+            written.append(make_png(res, stem + ".png"))
+        except ImportError as exc:
+            print(f"WARNING: no chart ({exc}); install matplotlib and run: python bench/report.py {json_path}")
+    return written
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json")
-    ap.add_argument("-o", "--out", help="markdown path (default: bench.md beside the JSON)")
+    ap.add_argument("--no-png", action="store_true", help="markdown only")
     a = ap.parse_args(argv)
     with open(a.json) as f:
         res = json.load(f)
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(a.json)), "bench.md")
-    with open(out, "w") as f:
-        f.write(markdown(res))
+    paths = write(res, a.json, png=not a.no_png)
     print(summary(res))
-    print(f"wrote {out}")
+    print("wrote " + ", ".join(paths))
     return 0
 
 

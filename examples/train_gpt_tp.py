@@ -23,8 +23,10 @@ flattened to ``batch * seq`` token rows and each rank embeds, normalises and sco
 and the row-parallel layers reduce-scatter their output back. Without it every rank holds all
 rows and the row-parallel outputs are all-reduced.
 
-The shards are cut from a single-process model of train_gpt.py (plain nn.Linear MLP) built from
-the same seed, and the data is train_gpt.py's generator, so after training rank 0 trains that
+The data is generated here, no downloads: every sequence is an arithmetic progression modulo the
+vocabulary size, ``t_i = (start + i * step) mod vocab`` with a random start and step per sequence,
+which a causal model learns to continue. The shards are cut from a single-process model of
+train_gpt.py (plain nn.Linear MLP) built from the same seed, so after training rank 0 trains that
 model alone on the same batches and compares the two loss curves over the first
 ``--check-steps`` steps (``--no-check`` skips it). Later steps are printed but not judged: the
 partial sums add up in another order across ranks, and training amplifies such last-bit
@@ -48,11 +50,42 @@ from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import train_gpt  # noqa: E402  (the model, the data and the progress bar; also makes the checkout's
-#                                  fused_dense importable)
+import train_gpt  # noqa: E402  (the model and the progress bar; also makes the checkout's fused_dense
+#                                  importable)
 
 from fused_dense.distributed import allreduce_sequence_parallel_grad, sync_shared_params  # noqa: E402
 from fused_dense.parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------
+# Data
+
+
+def batches(steps, batch, seq_len, vocab, seed, device):
+    """Yields (inputs, targets) [batch, seq_len]: arithmetic progressions mod vocab."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.arange(seq_len + 1)
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (batch, 1), generator=gen)
+        step = torch.randint(1, vocab, (batch, 1), generator=gen)
+        seq = (start + step * pos) % vocab
+        yield seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def moving_average(xs, window):
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def relative_gaps(a, b, window):
+    """|a - b| / |b| per step, after a moving average over `window` steps."""
+    sa, sb = moving_average(a, window), moving_average(b, window)
+    return [abs(x - y) / max(abs(y), 1e-8) for x, y in zip(sa, sb)]
+
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -190,8 +223,7 @@ def train_parallel(model, args, device, group):
     progress = train_gpt.Progress(args.steps, f"TP={dist.get_world_size(group)}") if rank == 0 else None
     losses, tokens = [], 0
     start = time.perf_counter()
-    for step, (inp, tgt) in enumerate(train_gpt.batches(args.steps, args.batch, args.seq, args.vocab, args.seed,
-                                                        device)):
+    for step, (inp, tgt) in enumerate(batches(args.steps, args.batch, args.seq, args.vocab, args.seed, device)):
         rows = model.local_rows(tgt.numel())
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
             logits = model(inp)
@@ -218,8 +250,7 @@ def train_single(model, args, device):
     progress = train_gpt.Progress(args.steps, "TP=1")
     losses, tokens = [], 0
     start = time.perf_counter()
-    for step, (inp, tgt) in enumerate(train_gpt.batches(args.steps, args.batch, args.seq, args.vocab, args.seed,
-                                                        device)):
+    for step, (inp, tgt) in enumerate(batches(args.steps, args.batch, args.seq, args.vocab, args.seed, device)):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
             logits = model(inp)
         loss = F.cross_entropy(logits.float().reshape(-1, args.vocab), tgt.reshape(-1))
@@ -234,7 +265,7 @@ def train_single(model, args, device):
 
 def largest_gap(a, b, window):
     """Largest relative gap between the two curves after a moving average over `window` steps."""
-    return max(train_gpt.relative_gaps(a, b, window), default=0.0)
+    return max(relative_gaps(a, b, window), default=0.0)
 
 
 def main(argv=None):

@@ -1,5 +1,10 @@
 """fused_dense: fused GEMM + bias + activation dense layers for PyTorch training."""
-from ._loader import has_cuda_kernels, has_own_gemm, load_library
+from ._version import __version__
+from ._abi import check_torch_version
+
+check_torch_version()
+
+from ._loader import has_cuda_kernels, has_cutlass_gemms, has_own_gemm, load_library  # noqa: E402
 
 load_library()
 
@@ -12,11 +17,10 @@ import torch.distributed as _dist  # noqa: E402
 if _dist.is_available():  # tensor / sequence parallel layers (flash-attn exports them alongside)
     from .parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear  # noqa: E402
 
-__version__ = "0.1.0"
 __all__ = [
     "ops",
     "has_cuda_kernels",
-    "has_own_gemm",
+    "has_cutlass_gemms",
     "FusedDenseFunc",
     "FusedMLPFunc",
     "fused_dense_func",

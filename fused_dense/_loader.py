@@ -1,6 +1,7 @@
 """Loads the compiled op library (fused_dense/_C*.so) into torch.ops.fused_dense."""
 import glob
 import os
+import warnings
 
 import torch
 
@@ -28,9 +29,16 @@ def has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("fused_dense::linear_act", "CUDA")
 
 
-def has_own_gemm() -> bool:
-    """True when the build holds fused_dense's own CUTLASS GEMMs for Hopper (sm_90a): the data
+def has_cutlass_gemms() -> bool:
+    """True when the build holds the library's cutlass_sm90 kernels for Hopper (sm_90a): the data
     gradient (gelu_approx or no activation) and the forward with gelu_approx, a bias and the saved
     pre-activation, which heuristic='auto' then also measures on compute capability 9.0 GPUs."""
     load_library()
-    return bool(torch.ops.fused_dense.own_gemm_compiled())
+    return bool(torch.ops.fused_dense.cutlass_gemms_compiled())
+
+
+def has_own_gemm() -> bool:
+    """Deprecated alias of :func:`has_cutlass_gemms`."""
+    warnings.warn("fused_dense.has_own_gemm() is deprecated; use fused_dense.has_cutlass_gemms()",
+                  DeprecationWarning, stacklevel=2)
+    return has_cutlass_gemms()

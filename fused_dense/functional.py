@@ -4,17 +4,16 @@ Signature-compatible with ``flash_attn.ops.fused_dense``: ``fused_dense_func`` c
 ``x @ weight.T + bias``; ``fused_mlp_func`` computes ``fc2(act(fc1(x)))`` with the activation
 fused into the first GEMM's epilogue and its derivative fused into the second GEMM's dgrad.
 
-``fused_mlp_func`` runs as the single op ``torch.ops.fused_dense.fused_mlp``, whose derivative is a
-C++ autograd Function (csrc/torch/mlp_autograd.cpp: the same ops in the same order as
-``FusedMLPFunc``, bit-identical results, no Python between the GEMMs), whenever no process group is
-given, autocast has nothing to cast and the tensors are row-major of one dtype and device that
-the ops serve; otherwise it runs ``FusedMLPFunc``.
+One MLP autograd: without a process group ``fused_mlp_func`` runs the op
+``torch.ops.fused_dense.fused_mlp``, whose derivative is a C++ autograd Function
+(csrc/torch/fused_mlp.cpp; no Python runs between the GEMMs of a step). ``FusedMLPFunc`` (flash-
+attn's name, the tensor-parallel path) adds only communication around the same C++ forward and
+backward halves. The checkpoint rules live once, in that C++ file.
 
-Both autograd Functions call only ``torch.ops.fused_dense.*`` (through :mod:`fused_dense.ops`)
-for the float16 / bfloat16 / float32 / float64 tensors on the devices the extension has kernels
-for (CPU, Meta, and CUDA when built with it). Anything else that ``nn.Linear`` accepts (another
-device, a complex or integer dtype) runs the same Functions on plain PyTorch operators, so every
-argument combination keeps one behaviour; only the speed differs.
+``fused_mlp_func`` serves float16 / bfloat16 / float32 / float64 tensors on the devices the
+extension has kernels for (CPU, Meta, and CUDA when built with it) through the ops; anything else
+that ``nn.Linear`` accepts (another device, a complex dtype) runs the same computation on plain
+PyTorch operators, differentiated by PyTorch. ``FusedDenseFunc`` does likewise inside itself.
 
 Gradients:
     * nothing is computed or saved for an input whose gradient nobody asked for
@@ -59,9 +58,6 @@ from . import ops
 
 __all__ = ["FusedDenseFunc", "FusedMLPFunc", "fused_dense_func", "fused_mlp_func"]
 
-MLP_ACTIVATIONS = ("gelu_approx", "relu", "sqrelu")
-CHECKPOINT_LEVELS = (0, 1, 2)
-
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
@@ -77,23 +73,6 @@ def _devices_with_kernels():
 
 # Decided once at import: which device types the compiled ops serve.
 _OP_DEVICES = _devices_with_kernels()
-
-
-# ----------------------------------------------------------------------------------------------
-# Argument checks
-
-
-def _check_activation(activation) -> str:
-    if not isinstance(activation, str) or activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {list(MLP_ACTIVATIONS)}, got {activation!r}")
-    return activation
-
-
-def _check_checkpoint_lvl(checkpoint_lvl) -> int:
-    if isinstance(checkpoint_lvl, bool) or not isinstance(checkpoint_lvl, int) \
-            or checkpoint_lvl not in CHECKPOINT_LEVELS:
-        raise ValueError(f"checkpoint_lvl must be 0, 1 or 2, got {checkpoint_lvl!r}")
-    return checkpoint_lvl
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,47 +142,17 @@ def _plain_act(pre: Tensor, activation: str) -> Tensor:
     return pre
 
 
-def _linear_act(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, save_pre_act: bool,
-                heuristic: int, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    if use_ops:  # activation and heuristic were checked up front
-        return ops.linear_act_coded(x, weight, bias, ops.ACTIVATIONS[activation], save_pre_act, heuristic)
-    pre = F.linear(x, weight, bias)
-    out = _plain_act(pre, activation)
-    if not save_pre_act:
-        return out, None
-    return out, (pre >= 0 if activation == "relu" else pre)
-
-
-def _act_forward(pre_act: Tensor, activation: str, use_ops: bool) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], use_ops: bool) -> Tensor:
     if use_ops:
-        return ops.act_forward_coded(pre_act, ops.ACTIVATIONS[activation])
-    return _plain_act(pre_act, activation)
+        return ops.linear_act_coded(x, weight, bias, ops.ACTIVATIONS["none"], False, ops.HEURISTIC_AUTO)[0]
+    return F.linear(x, weight, bias)
 
 
-def _act_dgrad(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], activation: str, has_d_bias: bool,
-               heuristic: int, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
+def _dgrad(weight: Tensor, d_output: Tensor, use_ops: bool) -> Tensor:
     if use_ops:
-        return ops.act_linear_dgrad_coded(weight, d_output, pre_act, ops.ACTIVATIONS[activation], has_d_bias,
-                                          heuristic)
-    d = d_output @ weight.conj()
-    if activation == "gelu_approx":
-        d = torch.ops.aten.gelu_backward(d, pre_act, approximate="tanh")
-    elif activation == "relu":
-        d = d * pre_act.to(d.dtype)
-    elif activation == "sqrelu":
-        d = d * (2 * F.relu(pre_act))
-    return d, (d.sum(0) if has_d_bias else None)
-
-
-def _act_dgrad_act_out(weight: Tensor, d_output: Tensor, pre_act: Tensor, activation: str, has_d_bias: bool,
-                       heuristic: int, use_ops: bool) -> Tuple[Tensor, Optional[Tensor], Tensor]:
-    """_act_dgrad plus act(pre_act), for gelu_approx / sqrelu: level 1 rebuilds the activation
-    output in the pass that reads pre_act anyway."""
-    if use_ops:
-        return ops.act_linear_dgrad_act_out_coded(weight, d_output, pre_act, ops.ACTIVATIONS[activation],
-                                                  has_d_bias, heuristic)
-    d_pre, d_bias = _act_dgrad(weight, d_output, pre_act, activation, has_d_bias, heuristic, use_ops)
-    return d_pre, d_bias, _plain_act(pre_act, activation)
+        return ops.act_linear_dgrad_coded(weight, d_output, None, ops.ACTIVATIONS["none"], False,
+                                          ops.HEURISTIC_AUTO)[0]
+    return d_output @ weight.conj()
 
 
 def _wgrad(x: Tensor, d_output: Tensor, has_d_bias: bool, use_ops: bool) -> Tuple[Tensor, Optional[Tensor]]:
@@ -255,6 +204,16 @@ def _wait(handle) -> None:
         handle.wait()
 
 
+def _prepare_inputs(x: Tensor, params, dtype: torch.dtype, autocast: bool, gather_group):
+    """(x, the whole x, params) in the layer's dtype and row-major; with gather_group, the
+    all-gather of x runs while the parameters are cast."""
+    x = _prepare(x, dtype)
+    total_x, handle = (x, None) if gather_group is None else _start_gather(x, gather_group)
+    params = tuple(_prepare(t, dtype, autocast) for t in params)
+    _wait(handle)
+    return x, total_x, params
+
+
 # ----------------------------------------------------------------------------------------------
 # Dense
 
@@ -272,18 +231,12 @@ class FusedDenseFunc(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, x, weight, bias, return_residual, process_group, sequence_parallel, dtype, autocast):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        x = _prepare(x, dtype)
         gather = process_group is not None and sequence_parallel
-        handle = None
-        total_x = x
-        if gather:
-            total_x, handle = _start_gather(x, process_group)
-        weight = _prepare(weight, dtype, autocast)
-        bias = _prepare(bias, dtype, autocast)
-        _wait(handle)
+        x, total_x, (weight, bias) = _prepare_inputs(x, (weight, bias), dtype, autocast,
+                                                     process_group if gather else None)
         batch_shape = total_x.shape[:-1]
         use_ops = _use_ops(total_x, weight, bias)
-        out, _ = _linear_act(_as_2d(total_x), weight, bias, "none", False, ops.HEURISTIC_AUTO, use_ops)
+        out = _linear(_as_2d(total_x), weight, bias, use_ops)
 
         ctx.use_ops = use_ops
         ctx.return_residual = return_residual
@@ -316,7 +269,7 @@ class FusedDenseFunc(torch.autograd.Function):
             total_x, handle_x = _start_gather(x, process_group)
         handle_dx = None
         if need_x:
-            grad_x, _ = _act_dgrad(weight, g, None, "none", False, ops.HEURISTIC_AUTO, use_ops)
+            grad_x = _dgrad(weight, g, use_ops)
             grad_x = grad_x.reshape(*grad_output.shape[:-1], grad_x.shape[-1])
             if process_group is not None:
                 grad_x, handle_dx = _start_input_grad_reduction(grad_x, process_group, ctx.sequence_parallel)
@@ -367,73 +320,47 @@ def _flat_call(apply_2d, x: Tensor, return_residual: bool):
 
 
 class FusedMLPFunc(torch.autograd.Function):
-    """out = fc2(act(fc1(x))) with the activation fused into the GEMMs; see the module docstring."""
+    """out = fc2(act(fc1(x))): flash-attn's autograd Function, with its arguments.
+
+    It holds the tensor-parallel communication only (the gather of x, the reduction of its
+    gradient, overlapped with fc1's weight-gradient GEMM). What is saved, what is recomputed and
+    which gradients are computed is decided by the C++ ops it calls
+    (``fused_mlp_plan`` / ``fused_mlp_train_forward`` / ``fused_mlp_backward``), the same code that
+    is the derivative of ``torch.ops.fused_dense.fused_mlp``, which :func:`fused_mlp_func` runs
+    without a process group.
+    """
 
     @staticmethod
     def forward(ctx, x, weight1, bias1, weight2, bias2, activation="gelu_approx", save_pre_act=True,
                 return_residual=False, checkpoint_lvl=0, heuristic=0, process_group=None,
                 sequence_parallel=True):
+        act = ops.check_mlp_arguments(activation, checkpoint_lvl)
+        code = ops.heuristic_code(heuristic)
+        lvl = checkpoint_lvl if save_pre_act else 2
         dtype, autocast = _compute_dtype(x)
         with _autocast_off(x.device.type):
-            return FusedMLPFunc._forward(ctx, x, weight1, bias1, weight2, bias2, activation, save_pre_act,
-                                         return_residual, checkpoint_lvl, heuristic, process_group,
-                                         sequence_parallel, dtype, autocast)
-
-    @staticmethod
-    def _forward(ctx, x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
-                 checkpoint_lvl, heuristic, process_group, sequence_parallel, dtype, autocast):
-        activation = _check_activation(activation)
-        checkpoint_lvl = _check_checkpoint_lvl(checkpoint_lvl)
-        heuristic = ops.heuristic_code(heuristic)
-        if not save_pre_act:
-            checkpoint_lvl = 2
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        need_d_pre = need_x or need_w1 or need_b1  # a gradient flows back through the activation
-        need_act_out = need_w2  # fc2's weight gradient reads act(fc1(x))
-        keeps_act_out = checkpoint_lvl == 0 or (checkpoint_lvl == 1 and activation == "relu")
-        if checkpoint_lvl == 2:
-            keep_pre = False
-        elif keeps_act_out:
-            keep_pre = need_d_pre
-        else:  # level 1: the pre-activation also rebuilds the activation output
-            keep_pre = need_d_pre or need_act_out
-        recompute_fc1 = checkpoint_lvl == 2 and (need_d_pre or need_act_out)
-
-        x = _prepare(x, dtype)
-        gather = process_group is not None and sequence_parallel
-        handle = None
-        total_x = x
-        if gather:
-            total_x, handle = _start_gather(x, process_group)
-        weight1 = _prepare(weight1, dtype, autocast)
-        bias1 = _prepare(bias1, dtype, autocast)
-        weight2 = _prepare(weight2, dtype, autocast)
-        bias2 = _prepare(bias2, dtype, autocast)
-        _wait(handle)
-        batch_shape = total_x.shape[:-1]
-        use_ops = _use_ops(total_x, weight1, bias1, weight2, bias2)
-
-        act_out, pre_act = _linear_act(_as_2d(total_x), weight1, bias1, activation, keep_pre, heuristic, use_ops)
-        out, _ = _linear_act(act_out, weight2, bias2, "none", False, ops.HEURISTIC_AUTO, use_ops)
-
-        ctx.use_ops = use_ops
-        ctx.activation = activation
-        ctx.checkpoint_lvl = checkpoint_lvl
-        ctx.heuristic = heuristic
+            gather = process_group is not None and sequence_parallel
+            x, total_x, (weight1, bias1, weight2, bias2) = _prepare_inputs(
+                x, (weight1, bias1, weight2, bias2), dtype, autocast, process_group if gather else None)
+            _check_op_tensors("FusedMLPFunc", total_x, weight1, bias1, weight2, bias2)
+            needs = list(ctx.needs_input_grad[:5])
+            needs[2] = needs[2] and bias1 is not None
+            needs[4] = needs[4] and bias2 is not None
+            plan = ops.mlp_plan(act, lvl, needs)
+            res = ops._op("fused_mlp_train_forward")(_as_2d(total_x), weight1, bias1, weight2, bias2, act, lvl, code,
+                                                     needs)
+        ctx.mlp = (act, lvl, code, needs, plan["recompute_fc1"])
         ctx.return_residual = return_residual
         ctx.process_group = process_group
         ctx.sequence_parallel = sequence_parallel
-        ctx.recompute_fc1 = recompute_fc1
-        save_x = need_w1 or recompute_fc1
         ctx.save_for_backward(
-            (x if gather else total_x) if save_x else None,
-            weight1 if (need_x or recompute_fc1) else None,
-            bias1 if recompute_fc1 else None,
-            weight2 if need_d_pre else None,
-            pre_act,
-            act_out if (keeps_act_out and need_act_out) else None,
+            (x if gather else total_x) if plan["save_x"] else None,
+            weight1 if plan["save_weight1"] else None,
+            bias1 if plan["save_bias1"] else None,
+            weight2 if plan["save_weight2"] else None,
+            *res[1:],
         )
-        return _function_outputs(out, batch_shape, x if return_residual else None)
+        return _function_outputs(res[0], total_x.shape[:-1], x if return_residual else None)
 
     @staticmethod
     def backward(ctx, grad_output, *grad_rest):
@@ -442,55 +369,58 @@ class FusedMLPFunc(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_output, *grad_rest):
-        x, weight1, bias1, weight2, pre_act, act_out = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        need_d_pre = need_x or need_w1 or need_b1
-        activation, heuristic, use_ops = ctx.activation, ctx.heuristic, ctx.use_ops
+        x, weight1, bias1, weight2, *saved = ctx.saved_tensors
+        act, lvl, code, needs, recompute_fc1 = ctx.mlp
+        need_x, need_w1, need_b1, need_w2, need_b2 = needs
         process_group = ctx.process_group
-        gather = process_group is not None and ctx.sequence_parallel
-        grad_output = grad_output.contiguous()
-        g = _as_2d(grad_output)
-        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+        g = _as_2d(grad_output.contiguous())
 
         handle_x = None
         total_x = x
-        if gather and x is not None:
+        if x is not None and process_group is not None and ctx.sequence_parallel:
             total_x, handle_x = _start_gather(x, process_group)
-        if ctx.recompute_fc1:
+        if recompute_fc1:  # fc1 is re-run first: x must be whole now
             _wait(handle_x)
             handle_x = None
-            act_out, pre_act = _linear_act(_as_2d(total_x), weight1, bias1, activation, need_d_pre, heuristic,
-                                           use_ops)
-        # Level 1 rebuilds act(pre_act) for fc2's weight gradient; with a gradient through the
-        # activation, in the activation-backward pass, which reads pre_act anyway.
-        rebuild_act_out = act_out is None and need_w2
-        if need_d_pre and rebuild_act_out:
-            d_pre, grad_b1, act_out = _act_dgrad_act_out(weight2, g, pre_act, activation, need_b1, heuristic,
-                                                         use_ops)
-        elif need_d_pre:
-            d_pre, grad_b1 = _act_dgrad(weight2, g, pre_act, activation, need_b1, heuristic, use_ops)
-        elif rebuild_act_out:
-            act_out = _act_forward(pre_act, activation, use_ops)
-
-        if need_w2:
-            grad_w2, grad_b2 = _wgrad(act_out, g, need_b2, use_ops)
-        elif need_b2:
-            grad_b2 = _bias_grad(g)
-        if need_d_pre:
-            handle_dx = None
-            if need_x:
-                grad_x, _ = _act_dgrad(weight1, d_pre, None, "none", False, ops.HEURISTIC_AUTO, use_ops)
-                grad_x = grad_x.reshape(*grad_output.shape[:-1], grad_x.shape[-1])
-                if process_group is not None:
-                    grad_x, handle_dx = _start_input_grad_reduction(grad_x, process_group, ctx.sequence_parallel)
-            if need_w1:
-                _wait(handle_x)
-                grad_w1, _ = _wgrad(_as_2d(total_x), d_pre, False, use_ops)
-            if need_x:
-                _wait(handle_dx)
-                if ctx.return_residual and grad_rest[0] is not None:
-                    grad_x = grad_x + grad_rest[0]
+        total_x2 = None if total_x is None else _as_2d(total_x)
+        grads = iter(ops._op("fused_mlp_backward")(g, total_x2 if recompute_fc1 else None, weight1, bias1, weight2,
+                                                   saved, act, lvl, code, needs))
+        d_pre = next(grads) if need_w1 else None
+        grad_x = next(grads) if need_x else None
+        grad_b1 = next(grads) if need_b1 else None
+        grad_w2 = next(grads) if need_w2 else None
+        grad_b2 = next(grads) if need_b2 else None
+        handle_dx = None
+        if need_x:
+            grad_x = grad_x.reshape(*grad_output.shape[:-1], grad_x.shape[-1])
+            if process_group is not None:
+                grad_x, handle_dx = _start_input_grad_reduction(grad_x, process_group, ctx.sequence_parallel)
+        grad_w1 = None
+        if need_w1:
+            _wait(handle_x)
+            grad_w1, _ = ops.linear_bias_wgrad(total_x2, d_pre, False)
+        if need_x:
+            _wait(handle_dx)
+            if ctx.return_residual and grad_rest[0] is not None:
+                grad_x = grad_x + grad_rest[0]
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None
+
+
+def _check_op_tensors(where: str, x: Tensor, *others: Optional[Tensor]) -> None:
+    if not _use_ops(x, *others):
+        raise TypeError(
+            f"{where}: the fused_dense ops serve tensors of one dtype among "
+            f"{[str(d).replace('torch.', '') for d in _OP_DTYPES]} on one device among {list(_OP_DEVICES)}; "
+            f"got x {x.dtype} on {x.device} with "
+            + ", ".join(f"{t.dtype} on {t.device}" for t in others if t is not None)
+            + " (fused_mlp_func runs other dtypes and devices on plain PyTorch operators)")
+
+
+def _plain_mlp(x: Tensor, weight1: Tensor, bias1: Optional[Tensor], weight2: Tensor, bias2: Optional[Tensor],
+               activation: str) -> Tensor:
+    """The MLP on plain PyTorch operators, differentiated by PyTorch: for the dtypes and devices
+    the compiled ops do not serve (complex, integer, other devices), as nn.Linear would run."""
+    return F.linear(_plain_act(F.linear(x, weight1, bias1), activation), weight2, bias2)
 
 
 def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[Tensor] = None,
@@ -501,39 +431,45 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
 
     weight1: [hidden, in], weight2: [out, hidden]. With a process_group the result is fc2's
     partial sum on this rank; the caller reduces it (reduce-scatter or all-reduce).
+
+    Without a process group this is ``torch.ops.fused_dense.fused_mlp``, whose derivative is the
+    C++ autograd Function (no Python between the six GEMMs of a step). Autocast is resolved here,
+    before the op: the input, weights and biases are cast to the autocast dtype as nn.Linear's
+    would be (differentiably, so gradients reach the original tensors), then the op runs with
+    autocast off.
     """
-    _check_activation(activation)
-    _check_checkpoint_lvl(checkpoint_lvl)
+    act = ops.check_mlp_arguments(activation, checkpoint_lvl)
     code = ops.heuristic_code(heuristic)
-    if process_group is None and _native_mlp_applies(x, weight1, bias1, weight2, bias2):
-        # The same computation with its derivative in C++ (csrc/torch/mlp_autograd.cpp): no Python
-        # runs between the GEMMs of a forward + backward.
-        act_code, lvl = ops.ACTIVATIONS[activation], checkpoint_lvl if save_pre_act else 2
-        # no autocast here, so the residual is always x itself and rr is False
-        return _flat_call(lambda x2, rr: _NATIVE_MLP(x2, weight1, bias1, weight2, bias2, act_code, lvl, code), x,
-                          return_residual)
-    if process_group is None and x.dim() >= 1:
-        return _flat_call(lambda x2, rr: FusedMLPFunc.apply(x2, weight1, bias1, weight2, bias2, activation,
-                                                             save_pre_act, rr, checkpoint_lvl, heuristic, None,
-                                                             sequence_parallel),
-                          x, return_residual)
-    return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
-                              checkpoint_lvl, heuristic, process_group, sequence_parallel)
+    if process_group is not None:
+        return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
+                                  checkpoint_lvl, heuristic, process_group, sequence_parallel)
+    lvl = checkpoint_lvl if save_pre_act else 2
+    dtype, autocast = _compute_dtype(x)
+    xc = _cast_for_op(x, dtype, True)
+    params = [_cast_for_op(t, dtype, autocast) for t in (weight1, bias1, weight2, bias2)]
+    if xc.dim() == 0 or not _use_ops(xc, *params):
+        with _autocast_off(x.device.type):
+            out = _plain_mlp(xc, *params, activation)
+    else:
+        x2 = xc if xc.dim() == 2 else xc.reshape(-1, xc.shape[-1])
+        with _autocast_off(x.device.type):
+            out = _op_fused_mlp(x2, params[0], params[1], params[2], params[3], act, lvl, code)
+        if xc.dim() != 2:
+            out = out.reshape(*xc.shape[:-1], out.shape[-1])
+    if not return_residual:
+        return out
+    # the residual is x itself, or under autocast the cast x that the layer read
+    return out, (xc if xc.dtype != x.dtype else x)
 
 
-# The compiled op with the C++ derivative, when this build has it (None: FusedMLPFunc does all).
-_NATIVE_MLP = getattr(torch.ops.fused_dense, "fused_mlp").default \
-    if hasattr(torch.ops.fused_dense, "fused_mlp") else None
+def _cast_for_op(t: Optional[Tensor], dtype: torch.dtype, cast: bool) -> Optional[Tensor]:
+    """t in `dtype` (when `cast` applies to it) and row-major, by differentiable ops that copy
+    only when needed; None stays None."""
+    if t is None:
+        return None
+    if cast and t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.contiguous()
 
 
-def _native_mlp_applies(x: Tensor, weight1: Tensor, bias1: Optional[Tensor], weight2: Tensor,
-                        bias2: Optional[Tensor]) -> bool:
-    """True when fused_dense::fused_mlp computes exactly what FusedMLPFunc would: the ops serve the
-    tensors, which share one dtype and device and are already row-major (FusedMLPFunc would copy
-    them), and autocast has nothing to cast."""
-    if _NATIVE_MLP is None or x.dim() == 0 or not x.is_contiguous() or not _use_ops(x, weight1, bias1, weight2, bias2):
-        return False
-    if x.dtype in _AUTOCAST_ELIGIBLE and x.device.type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(x.device.type):
-        return False
-    return weight1.is_contiguous() and weight2.is_contiguous() and (bias1 is None or bias1.is_contiguous()) \
-        and (bias2 is None or bias2.is_contiguous())
+_op_fused_mlp = ops._op("fused_mlp")

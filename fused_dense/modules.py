@@ -29,7 +29,7 @@ from typing import Optional, Union
 from torch import Tensor, nn
 
 from . import ops
-from .functional import _check_activation, _check_checkpoint_lvl, fused_dense_func, fused_mlp_func
+from .functional import fused_dense_func, fused_mlp_func
 
 __all__ = ["FusedDense", "FusedMLP"]
 
@@ -77,8 +77,7 @@ class FusedMLP(nn.Module):
                  return_residual: bool = False, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto",
                  device=None, dtype=None) -> None:
         super().__init__()
-        _check_activation(activation)
-        _check_checkpoint_lvl(checkpoint_lvl)
+        ops.check_mlp_arguments(activation, checkpoint_lvl)
         ops.heuristic_code(heuristic)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features

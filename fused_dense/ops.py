@@ -1,7 +1,8 @@
 """Typed Python wrappers over torch.ops.fused_dense.*.
 
 The ops take 2-D contiguous tensors; the autograd layer (functional.py) reshapes and makes
-inputs contiguous. Activations are passed by name here and by integer code to the ops.
+inputs contiguous. Activations are passed by name here and by integer code to the ops; the codes
+and every rule about them come from the compiled library.
 """
 from typing import List, Optional, Tuple, Union
 
@@ -12,42 +13,71 @@ from ._loader import load_library
 
 load_library()
 
-ACTIVATIONS = {"none": 0, "gelu_approx": 1, "relu": 2, "sqrelu": 3}
-HEURISTIC_AUTO = -2
-HEURISTIC_UNFUSED = -1
+# The schema's codes, defined once in C++ (csrc/core/types.h) and read here.
+_ACTIVATION_NAMES, HEURISTIC_AUTO, HEURISTIC_UNFUSED, _LEVELS = torch.ops.fused_dense.library_constants()
+CHECKPOINT_LEVELS = tuple(_LEVELS)
+ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
+# The activations an MLP takes between its two GEMMs (every one but 'none').
+MLP_ACTIVATIONS = tuple(name for name in _ACTIVATION_NAMES if ACTIVATIONS[name] != ACTIVATIONS["none"])
 
 Heuristic = Union[int, str]
 
 
 def activation_code(activation: str) -> int:
+    """The schema code of an activation name; ValueError naming the valid ones otherwise."""
     try:
         return ACTIVATIONS[activation]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ValueError(
             f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}"
         ) from None
 
 
+def mlp_activation_code(activation: str) -> int:
+    """As activation_code, for the activation between an MLP's GEMMs ('none' is refused)."""
+    if not isinstance(activation, str) or activation not in MLP_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {list(MLP_ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation]
+
+
 def heuristic_code(heuristic: Heuristic) -> int:
-    """'auto' -> -2 (also accepted as is); -1 (unfused) and cuBLASLt indices >= 0 pass through."""
+    """'auto' -> the auto code; integers pass as they are. The ops check the range (a code below
+    'auto' or an index past cuBLASLt's list is an error there); this only turns the name into
+    its code and refuses what is not an integer."""
     if isinstance(heuristic, str):
         if heuristic == "auto":
             return HEURISTIC_AUTO
-        raise ValueError(f"heuristic must be 'auto', -1 (unfused) or an index >= 0, got {heuristic!r}")
-    if isinstance(heuristic, bool) or not isinstance(heuristic, int):
-        raise ValueError(f"heuristic must be 'auto', -1 (unfused) or an index >= 0, got {heuristic!r}")
-    if heuristic < HEURISTIC_AUTO:
-        raise ValueError(f"heuristic must be 'auto', -1 (unfused) or an index >= 0, got {heuristic}")
-    return heuristic
+    elif isinstance(heuristic, int) and not isinstance(heuristic, bool):
+        if heuristic >= HEURISTIC_AUTO:
+            return heuristic
+    raise ValueError(f"heuristic must be 'auto', -1 (unfused) or an index >= 0, got {heuristic!r}")
 
 
 def relu_mask_row_bytes(cols: int) -> int:
-    """Bytes per row of the ReLU bit-mask: bit j%8 of byte j//8 of row i is pre_act[i, j] >= 0.
+    """Bytes per row of the ReLU bit-mask (layout: docs/contract.md)."""
+    return torch.ops.fused_dense.relu_mask_row_bytes(cols)
 
-    ">= 0" is cuBLASLt's RELU_AUX convention; every path (fused, unfused, CPU) follows it, so the
-    gradient at an exact zero pre-activation is passed (PyTorch's relu passes none there).
-    """
-    return (cols + 7) // 8
+
+def check_mlp_arguments(activation: str, checkpoint_lvl: int) -> int:
+    """The MLP's activation code, after checking it and checkpoint_lvl; ValueError naming the
+    argument otherwise. Plain Python over the compiled library's codes, so torch.compile traces it."""
+    code = mlp_activation_code(activation)
+    if isinstance(checkpoint_lvl, bool) or not isinstance(checkpoint_lvl, int) \
+            or checkpoint_lvl not in CHECKPOINT_LEVELS:
+        levels = ", ".join(map(str, CHECKPOINT_LEVELS[:-1])) + f" or {CHECKPOINT_LEVELS[-1]}"
+        raise ValueError(f"checkpoint_lvl must be {levels}, got {checkpoint_lvl!r}")
+    return code
+
+
+def mlp_plan(activation: int, checkpoint_lvl: int, needs_input_grad) -> dict:
+    """The MLP's checkpoint plan (csrc/torch/fused_mlp.cpp): what the forward keeps and what
+    backward recomputes, for the given needs_input_grad of (x, weight1, bias1, weight2, bias2)."""
+    flags = _op("fused_mlp_plan")(activation, checkpoint_lvl, [bool(n) for n in needs_input_grad])
+    return dict(zip(_PLAN_FIELDS, flags))
+
+
+_PLAN_FIELDS = ("keep_pre", "keep_act_out", "recompute_fc1", "save_x", "save_weight1", "save_bias1",
+                "save_weight2")
 
 
 # Each op's default overload, resolved once at import (calling it skips the overload-packet
@@ -55,7 +85,8 @@ def relu_mask_row_bytes(cols: int) -> int:
 # filling a dict from inside a traced autograd.Function is a side effect it refuses (fullgraph=True
 # failed in a fresh process whose first backward was compiled).
 _OVERLOADS = {name: getattr(torch.ops.fused_dense, name).default
-              for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward")}
+              for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "fused_mlp",
+                           "fused_mlp_plan", "fused_mlp_train_forward", "fused_mlp_backward")}
 
 
 def _op(name: str):

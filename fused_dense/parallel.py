@@ -33,9 +33,6 @@ from .functional import fused_dense_func, fused_mlp_func
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "shard_range"]
 
-_ACTIVATIONS = ("gelu_approx", "relu", "sqrelu")
-
-
 def shard_range(dim: int, world_size: int, rank: int, multiple_of: int = 1) -> slice:
     """The slice of ``range(dim)`` that ``rank`` holds (shards in rank order, sizes from
     ``get_dim_for_local_rank``). Handy to load a full, unsharded weight into a parallel layer."""
@@ -133,11 +130,8 @@ class ParallelFusedMLP(nn.Module):
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto",
                  device=None, dtype=None) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
-        if isinstance(checkpoint_lvl, bool) or checkpoint_lvl not in (0, 1, 2):
-            raise ValueError(f"checkpoint_lvl must be 0, 1 or 2, got {checkpoint_lvl!r}")
-        ops.heuristic_code(heuristic)  # ValueError unless 'auto', -1 or an index >= 0
+        ops.check_mlp_arguments(activation, checkpoint_lvl)
+        ops.heuristic_code(heuristic)
         _require_group(process_group, type(self).__name__)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features

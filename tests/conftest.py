@@ -6,7 +6,8 @@ On a machine with a GPU they also fail loudly if the extension was built without
 CUDA kernels, instead of silently testing the reference.
 
 Helpers (import with `from conftest import rel_err, TOL, ...`):
-    TOL                    relative-error tolerance per dtype (DESIGN.md)
+    TOL                    relative-error tolerance per dtype, the one table every test uses
+                           (docs/contract.md gives the contract these numbers encode)
     rel_err(out, ref)      ||out - ref|| / ||ref|| computed in float64
     assert_close_rel(...)  rel_err <= TOL[dtype], with a readable message; results that
                            underflow into their dtype's subnormals judged by its spacing
@@ -14,6 +15,8 @@ Helpers (import with `from conftest import rel_err, TOL, ...`):
     poison(t)              fill a tensor with NaN (floats) or 0xFF bytes (integers)
     poison_cuda_cache(...) fill the CUDA caching allocator's free blocks with 0xFF bytes so
                            outputs an op allocates start as NaN (float) / all-ones (uint8)
+Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration).
+The raw ops' float64 references and checkers are in tests/op_checks.py.
 """
 import math
 import os
@@ -21,6 +24,8 @@ import os
 import pytest
 import torch
 
+# Relative error ||out - ref|| / ||ref|| (float64 reference) allowed per result dtype: the
+# tolerances of docs/contract.md ("Accuracy"). Tests that chain several roundings scale these (and say why).
 TOL = {
     torch.bfloat16: 1e-2,
     torch.float16: 2e-3,
@@ -109,6 +114,15 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
     del blocks
 
 
+@pytest.fixture
+def no_tf32():
+    """fp32 CUDA matmuls without TF32 (torch.backends.cuda.matmul.allow_tf32 = False) for one test."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
 @pytest.fixture(autouse=True)
 def _fp64_reference_on_cpu():
     """FUSED_DENSE_TEST_FP64_REFERENCE_ON_CPU=1 (set by the sanitize step): float64 reference
@@ -183,8 +197,8 @@ def _reverse_requested():
 
 def _deselect_listed(config, items):
     """FUSED_DENSE_TEST_DESELECT_FILE=PATH: leave out the test ids listed in PATH (one per line, as
-    pytest prints them; '#' starts a comment), e.g. the tests an earlier sanitizer run of the same
-    tool already passed (`scripts/sanitize_summary.py --passed-lists`). Applied before sharding, so
+    pytest prints them; '#' starts a comment), e.g. the tests another sanitizer run of the same
+    tool already passed (`tools/sanitize_summary.py --passed-lists`). Applied before sharding, so
     the shards split only what is left."""
     path = os.environ.get("FUSED_DENSE_TEST_DESELECT_FILE", "")
     if not path:

@@ -2,14 +2,14 @@
 
 The tests compare every CUDA result with a float64 reference in plain PyTorch, mostly computed on
 the same GPU. Under compute-sanitizer, racecheck above all, float64 GEMMs (which stage their tiles
-through shared memory thread by thread, where Hopper's 16-bit GEMMs use TMA and wgmma) look like the
-cost that keeps tests from finishing: in session 6 the FusedMLP tests with a float64 reference at
-1024 x 4096 did not finish in 480 s under racecheck, while a forward-only bf16 test of that size
-without one took 24-43 s. The sanitizers are there to check fused_dense's kernels, not PyTorch's
-DGEMM, so the sanitize step sets this variable: a TorchFunctionMode sends each float64 matmul-like
-call with a CUDA operand to the CPU and moves its result back, autograd included (the copies are
-differentiable). Nothing else changes: the library's own float64 ops are dispatcher ops, not these
-Python functions, and still run on the GPU; elementwise reference work stays on the GPU too.
+through shared memory thread by thread, where Hopper's 16-bit GEMMs use TMA and wgmma) are the cost
+that keeps tests from finishing: a FusedMLP test with a float64 reference at 1024 x 4096 does not
+finish in 480 s under racecheck, while a forward-only bf16 test of that size without one takes
+24-43 s (H200). The sanitizers are there to check fused_dense's kernels, not
+PyTorch's DGEMM, so the sanitize step sets this variable: a TorchFunctionMode sends each float64
+matmul-like call with a CUDA operand to the CPU and moves its result back, autograd included (the
+copies are differentiable). Nothing else changes: the library's float64 ops are dispatcher ops, not
+these Python functions, and still run on the GPU; elementwise reference work stays on the GPU too.
 """
 import contextlib
 import os

@@ -1,82 +1,91 @@
-"""The benchmark scripts still run (CPU, tiny sizes: the figures mean nothing, the plumbing does).
-
-The GPU runs that produce the committed figures happen on the GPU machine; these keep the scripts
-from rotting between them: every section reports a status, the tensor-parallel benchmark's two
-MLPs agree, and the outputs (JSON, markdown) are written.
-"""
+"""The benchmarks still run and report (CPU, tiny sizes: the figures mean nothing, the plumbing does):
+every section reports a status, the interleaved rounds and the sustained section are recorded, a
+crashing variant is survived, clock sampling degrades to "not sampled" without NVML, and the
+committed runs of record are what the report code writes from their JSON."""
+import glob
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import environment, power, report, timing  # noqa: E402
+
+CPU_QUICK = ["bench/run.py", "--device", "cpu", "--quick", "--sustained-warmup-ms", "20"]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _run(cmd, timeout):
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd, timeout, env=None):
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     assert res.returncode == 0, f"{' '.join(cmd)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return res
 
 
-# the sustained section's warm-up on the CPU: its length matters on the GPU only (the power cap)
-CPU_SUSTAINED_WARMUP = ["--sustained-warmup-ms", "20"]
+def _only(pattern):
+    found = glob.glob(pattern)
+    assert len(found) == 1, found
+    return found[0]
 
 
-def test_bench_run_cpu_quick(tmp_path):
-    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)]
-         + CPU_SUSTAINED_WARMUP, timeout=600)
-    data = json.loads((tmp_path / "bench.json").read_text())
-    assert data["mlp"], "no MLP figures"
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """One CPU quick run into a directory that already holds an older run of record and a file of
+    another kind: (its JSON, its markdown, its console output, the directory)."""
+    out = tmp_path_factory.mktemp("bench")
+    for name in ("mlp-2000-01-01.json", "mlp-2000-01-01.md", "notes.txt"):
+        (out / name).write_text("{}")
+    res = _run([sys.executable, *CPU_QUICK, "--out", str(out)], timeout=900)
+    path = _only(str(out / "mlp-*.json"))
+    return json.loads(open(path).read()), open(path[:-5] + ".md").read(), res.stdout, out
+
+
+def test_bench_run_cpu_quick(quick_run):
+    data, md, stdout, out = quick_run
+    day = data["env"]["date_utc"][:10]
+    kinds = ("json", "md", "png") if importlib.util.find_spec("matplotlib") else ("json", "md")
+    # the older run of record is gone, the other file stays
+    assert sorted(os.listdir(out)) == sorted([f"mlp-{day}.{e}" for e in kinds] + ["notes.txt"]), os.listdir(out)
+    assert data["complete"] and data["mlp"] and not data.get("errors")
     for item in data["mlp"]:
         for name, v in item["variants"].items():
-            assert v["status"] in ("ok", "skipped", "unavailable"), (item["id"], name, v)
-    ok = [v for item in data["mlp"] for v in item["variants"].values() if v["status"] == "ok"]
-    assert ok and all(v["ms"] > 0 for v in ok)
-    for item in data["mlp"]:  # every variant of a shape timed in each of the 5 interleaved rounds
-        for name, v in item["variants"].items():
-            if v["status"] == "ok":
-                assert v["rounds"] == 5 and len(v["round_ms"]) == 5 and v["reps"] >= 10, (item["id"], name, v)
-    assert "interleaved rounds" in data["method"]["mlp_timer"]
-    md = (tmp_path / "bench.md").read_text()
-    assert md.startswith("# fused_dense benchmark")
-    # the sustained section: the bf16 gelu shape again, its four variants timed after their own warm-up
+            assert v["status"] in ("ok", "skipped"), (item["id"], name, v)
+            if v["status"] == "ok":  # timed in each of the 5 interleaved rounds
+                assert v["ms"] > 0 and v["rounds"] == 5 and len(v["round_ms"]) == 5 and v["reps"] >= 10, (name, v)
+    assert data["method"]["rounds"] == 5 and data["method"]["budget_s"] == 420.0
+    env = data["env"]
+    for key in ("torch", "torch_cuda", "cublasLt_version_str", "git_tree", "python", "date_utc"):
+        assert key in env, key
+    assert md.startswith("# fused_dense benchmark") and "## Targets, from this run" in md
+    assert f"[1/{len(data['plan'])}] ceiling" in stdout  # progress, item by item
+    # the sustained section: the bf16 gelu shape again, its four variants after their own warm-up
     assert [r["id"] for r in data["sustained"]] == ["sustained:bf16:gelu_approx:256x64"]
     assert data["plan"].index("sustained:bf16:gelu_approx:256x64") == data["plan"].index("ceiling_end") - 1
     sus = data["sustained"][0]["variants"]
     assert sorted(sus) == sorted(["floor", "eager", "compile", "auto_l0"]), sorted(sus)
     for name, v in sus.items():
-        assert v["status"] == "ok" and v["ms"] > 0, (name, v)
-        assert v["rounds"] == 5 and len(v["round_ms"]) == 5, (name, v)
-        assert "clocks" not in v and "rel_err" not in v and "memory" not in v, (name, v)  # CPU: no nvidia-smi
+        assert v["status"] == "ok" and v["ms"] > 0 and len(v["round_ms"]) == 5, (name, v)
+        assert "clocks" not in v and "rel_err" not in v and "memory" not in v, (name, v)
     assert sus["floor"]["x_floor"] == 1.0 and sus["eager"]["speedup_vs_eager"] == 1.0
-    for k in ("x_floor", "speedup_vs_eager", "speedup_vs_compile"):
-        assert sus["auto_l0"][k] > 0, (k, sus["auto_l0"])
+    assert all(sus["auto_l0"][k] > 0 for k in ("x_floor", "speedup_vs_eager", "speedup_vs_compile"))
     assert data["method"]["sustained_warmup_ms"] == 20.0 and "20 ms" in data["method"]["sustained"]
-    assert "## Sustained load (each block after 20 ms of its own steps)" in md
-    row = [ln for ln in md.split("## Sustained load")[1].splitlines() if ln.startswith("| 256 × 64 |")]
+    row = [ln for ln in md.split("## Sustained load (each block after 20 ms of its own steps)")[1].splitlines()
+           if ln.startswith("| 256 × 64 |")]
     assert len(row) == 1 and row[0].count("|") == 10, row
     assert "sustained " in next(ln for ln in md.splitlines() if "auto / six GEMMs" in ln)
+    assert report.markdown(data) == md
 
 
-def test_report_names_figures_taken_with_allocator_calls(tmp_path):
-    """A figure whose timing included cudaMalloc / cudaFree (counted on CUDA runs) is named in the
-    report, and a CUDA run without any says "none"; a CPU run, which cannot count them, says nothing."""
-    _run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--out", str(tmp_path)]
-         + CPU_SUSTAINED_WARMUP, timeout=600)
-    report = _load("report")
-    res = json.loads((tmp_path / "bench.json").read_text())
+def test_report_names_figures_taken_with_allocator_calls(quick_run):
+    """A figure whose timing included cudaMalloc / cudaFree (counted on CUDA runs) is named, a CUDA
+    run without any says "none"; a CPU run, which cannot count them, says nothing."""
+    res = json.loads(json.dumps(quick_run[0]))
     assert "cudaMalloc" not in report.markdown(res)
     item = res["mlp"][0]
     timed = [k for k, v in item["variants"].items() if v["status"] == "ok"]
@@ -88,26 +97,46 @@ def test_report_names_figures_taken_with_allocator_calls(tmp_path):
     assert len(line) == 1 and line[0].endswith("(6).") and f"{item['M']} × {item['d']}" in line[0], line
 
 
+def test_bench_recovers_from_a_crash_in_a_variant(tmp_path):
+    """A worker that dies preparing one variant (FD_BENCH_TEST_CRASH segfaults on purpose) is
+    restarted: that variant is 'crashed', the shape's others are timed in the new worker's rounds,
+    except those of the same fused path."""
+    env = dict(os.environ, FD_BENCH_TEST_CRASH="mlp:bf16:gelu_approx:256x64:auto_l1")
+    _run([sys.executable, *CPU_QUICK, "--sections", "mlp", "--no-compile", "--out", str(tmp_path)], 900, env)
+    data = json.loads(open(_only(str(tmp_path / "mlp-*.json"))).read())
+    assert data.get("restarts") == 1, data.get("restarts")
+    item = next(i for i in data["mlp"] if i["id"] == "mlp:bf16:gelu_approx:256x64")
+    assert item["variants"]["auto_l1"]["status"] == "crashed", item["variants"]["auto_l1"]
+    for key in ("floor", "eager", "h-1_l0", "h0_l0"):
+        v = item["variants"][key]
+        assert v["status"] == "ok" and v["rounds"] == 5 and len(v["round_ms"]) == 5, (key, v)
+    for key in ("auto_l0", "auto_l2"):  # the crashed path, also at levels prepared before the crash
+        v = item["variants"][key]
+        assert v["status"] == "skipped" and "'FusedMLP heuristic=auto' crashed" in v["error"], (key, v)
+
+
 def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
+    (tmp_path / "parallel-mlp-2000-01-01.json").write_text("{}")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
           "bench/parallel_mlp.py", "--device", "cpu", "--dims", "64", "--tokens", "32", "--reps", "2",
           "--warmup", "1", "--out", str(tmp_path)], timeout=300)
-    data = json.loads((tmp_path / "parallel_mlp.json").read_text())
-    assert data["env"]["world_size"] == 2
+    path = _only(str(tmp_path / "parallel-mlp-*.json"))  # the older run was removed
+    data = json.loads(open(path).read())
+    assert data["env"]["world_size"] == 2 and data["env"]["reps"] == 2
     assert [(r["d"], r["sequence_parallel"]) for r in data["results"]] == [(64, True), (64, False)]
     for r in data["results"]:
         assert max(r["check_rel_err"].values()) <= 1e-4, r["check_rel_err"]
         for k in ("fused_ms", "plain_ms", "fused_local_ms", "plain_local_ms", "comm_ms"):
             assert r[k] > 0, (k, r)
-    assert "| 64 | 32 | on |" in (tmp_path / "parallel_mlp.md").read_text()
+    md = open(path[:-5] + ".md").read()
+    assert "| 64 | 32 | on |" in md
+    os.remove(path[:-5] + ".md")
+    _run([sys.executable, "bench/parallel_mlp.py", "--report", path], timeout=120)
+    assert open(path[:-5] + ".md").read() == md
 
 
 def test_parallel_bench_interval_arithmetic():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    try:
-        import parallel_mlp as pm
-    finally:
-        sys.path.pop(0)
+    from bench import parallel_mlp as pm
     a = pm.merge_intervals([(5, 7), (0, 2), (1, 3), (10, 12)])
     assert a == [(0, 3), (5, 7), (10, 12)]
     assert pm.total_length(a) == 7
@@ -116,15 +145,29 @@ def test_parallel_bench_interval_arithmetic():
     assert pm.intersection_length(a, []) == 0
 
 
+def test_runs_of_record_are_what_the_report_writes():
+    """docs/results holds one run of record per benchmark, and its markdown is what the report code
+    makes of its JSON (so no hand edits and no stale report)."""
+    from bench import parallel_mlp as pm
+    mlp = _only(os.path.join(ROOT, "docs", "results", "mlp-*.json"))
+    res = json.loads(open(mlp).read())
+    assert report.markdown(res) == open(mlp[:-5] + ".md").read()
+    assert os.path.exists(mlp[:-5] + ".png")
+    assert os.path.basename(mlp) == f"mlp-{res['env']['date_utc'][:10]}.json"
+    par = _only(os.path.join(ROOT, "docs", "results", "parallel-mlp-*.json"))
+    data = json.loads(open(par).read())
+    assert pm.markdown(data["env"], data["results"]) == open(par[:-5] + ".md").read()
+
+
 def test_bench_remeasures_a_disturbed_median(monkeypatch):
-    """A CUDA measurement whose p80 / p20 exceeds Bench.RETRY_SPREAD is taken again and the steadier
-    one kept, the other recorded (the timing itself is replaced here: no GPU in CI)."""
-    run = _load("run")
-    bench = run.Bench(torch.device("cpu"))
+    """A CUDA figure whose p80 / p20 exceeds RETRY_SPREAD is taken again and the steadier kept, the
+    other recorded (the timing itself is replaced: no GPU in CI)."""
+    bench = timing.Bench(torch.device("cpu"))
     results = iter([{"ms": 10.7, "p20": 10.2, "p80": 11.5, "reps": 19},
                     {"ms": 10.0, "p20": 9.95, "p80": 10.05, "reps": 19}])
     monkeypatch.setattr(bench, "_cuda_once", lambda fn, g, est: dict(next(results)))
     monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)
+    monkeypatch.setattr(bench, "allocator_calls", lambda: 0)
     bench.cuda = True
     res = bench(lambda: None)
     assert res["ms"] == 10.0 and res["remeasured"]["dropped"]["ms"] == 10.7
@@ -135,12 +178,11 @@ def test_bench_remeasures_a_disturbed_median(monkeypatch):
 
 
 def test_bench_interleaves_the_variants(monkeypatch):
-    """Bench.interleaved visits every variant once per round, in an order rotated by one place per
-    round, pools each variant's repetitions over the rounds, and a variant that raises is recorded
-    with its exception and leaves the later rounds while the others go on (timing replaced: no GPU)."""
-    run = _load("run")
-    bench = run.Bench(torch.device("cpu"), warmup_ms=10.0, rep_ms=40.0)
-    visits = []
+    """interleaved() visits every key once per round, the order rotated by one place per round,
+    gives each block the whole warm-up, pools each key's repetitions, and a key that raises is
+    recorded with its exception and leaves the later rounds (timing replaced: no GPU)."""
+    bench = timing.Bench(torch.device("cpu"), warmup_ms=10.0, rep_ms=40.0)
+    visits, rounds_seen = [], []
     fake_ms = {"a": 1.0, "b": 2.0, "c": 4.0}
 
     def timed(fn, grad_to_none, warm, n):
@@ -150,16 +192,18 @@ def test_bench_interleaves_the_variants(monkeypatch):
     monkeypatch.setattr(bench, "_timed", timed)
     monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: fake_ms[fn()])
     fns = {k: ((lambda k=k: k), None) for k in "abc"}
-    res = bench.interleaved(fns, rounds=4)
+    windows = {}
+    res = bench.interleaved(fns, rounds=4, windows=windows, progress=lambda r, n: rounds_seen.append((r, n)))
     assert [k for k, _, _ in visits] == list("abc" "bca" "cab" "abc")
-    # each round's share of max(rep_ms, min_reps * est) = 40 ms: ceil(10 / est) reps, after the
-    # whole 10 ms warm-up
+    assert rounds_seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    # each round's share of max(rep_ms, min_reps * est) = 40 ms, after the whole 10 ms warm-up
     assert {k: n for k, _, n in visits} == {"a": 10, "b": 5, "c": 3}
     assert {k: w for k, w, _ in visits} == {"a": 10, "b": 5, "c": 2}
     for k in "abc":
-        assert res[k]["rounds"] == 4 and len(res[k]["round_ms"]) == 4
+        assert res[k]["rounds"] == 4 and len(res[k]["round_ms"]) == 4 and len(windows[k]) == 4
         assert res[k]["reps"] == 4 * {"a": 10, "b": 5, "c": 3}[k]
         assert fake_ms[k] <= res[k]["ms"] <= fake_ms[k] + 0.1
+        assert all(a < b for a, b in windows[k])
     visits.clear()
     calls = {"b": 0}
 
@@ -172,38 +216,11 @@ def test_bench_interleaves_the_variants(monkeypatch):
     monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)
     res = bench.interleaved(fns, rounds=3)
     assert isinstance(res["b"]["error"], RuntimeError) and str(res["b"]["error"]) == "b broke"
-    # round 0: a b c; round 1: b raises, then c a; round 2 rotates what is left: a c
-    assert [k for k, _, _ in visits] == list("abc" "ca" "ac")
+    assert [k for k, _, _ in visits] == list("abc" "ca" "ac")  # round 1: b raises; round 2 rotates the rest
     assert len(res["a"]["round_ms"]) == 3 and len(res["c"]["round_ms"]) == 3
 
 
-def test_bench_recovers_from_a_crash_in_a_variant(tmp_path):
-    """A worker that dies while preparing one MLP variant (FD_BENCH_TEST_CRASH segfaults on purpose)
-    is restarted: that variant is recorded 'crashed', and the shape's other variants are prepared and
-    timed in the new worker's interleaved rounds, except those of the same fused path."""
-    env = dict(os.environ, FD_BENCH_TEST_CRASH="mlp:bf16:gelu_approx:256x64:auto_l1")
-    res = subprocess.run([sys.executable, "bench/run.py", "--device", "cpu", "--quick", "--sections", "mlp",
-                          "--no-compile", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    data = json.loads((tmp_path / "bench.json").read_text())
-    assert data.get("restarts") == 1, data.get("restarts")
-    item = next(i for i in data["mlp"] if i["id"] == "mlp:bf16:gelu_approx:256x64")
-    assert item["variants"]["auto_l1"]["status"] == "crashed", item["variants"]["auto_l1"]
-    for key in ("floor", "eager", "h-1_l0", "h0_l0"):
-        v = item["variants"][key]
-        assert v["status"] == "ok" and v["rounds"] == 5 and len(v["round_ms"]) == 5, (key, v)
-    # the path that crashed ('auto') is skipped for the rest of the run, also at the levels that
-    # were prepared but not yet timed when the worker died
-    for key in ("auto_l0", "auto_l2"):
-        v = item["variants"][key]
-        assert v["status"] == "skipped" and "'FusedMLP heuristic=auto' crashed" in v["error"], (key, v)
-
-
 def test_report_shows_each_ratio_per_round():
-    """A target's figure carries the least and greatest per-round ratio of the two variants it
-    compares (blocks of one round are timed close together), and nothing for runs without rounds."""
-    report = _load("report")
     auto = {"status": "ok", "ms": 10.0, "round_ms": [10.0, 9.0, 11.0]}
     eager = {"status": "ok", "ms": 10.5, "round_ms": [10.5, 9.9, 10.45]}
     assert report.round_range(eager, auto) == " (rounds 0.950–1.100)"
@@ -217,134 +234,124 @@ def test_report_shows_each_ratio_per_round():
                     "1.050 (rounds 0.950–1.100)", True)], row
 
 
-def test_bench_names_the_source_tree_that_ran(tmp_path):
-    """The recorded tree id is git's id of the files as they are, not of HEAD: it equals HEAD's tree
-    on a clean checkout and changes with an uncommitted edit (the GPU machine's copy can carry an
-    old .git under newer files)."""
+def test_bench_names_the_source_tree_that_ran():
+    """The recorded tree id is git's id of the files as they are, not of HEAD: HEAD's tree on a clean
+    checkout, another one with an untracked file (a copy can carry an old .git under newer files)."""
     git = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD^{tree}"], capture_output=True, text=True)
     if git.returncode != 0:
-        pytest.skip("not a git checkout: there is no tree id to record (the report then leaves it out)")
-    bench = _load("run")
-    tree = bench.source_tree_id()
+        pytest.skip("not a git checkout: there is no tree id to record")
+    tree = environment.source_tree_id()
     assert tree is not None and len(tree) == 40 and all(c in "0123456789abcdef" for c in tree), tree
-    clean = subprocess.run(["git", "-C", ROOT, "status", "--porcelain"], capture_output=True, text=True).stdout
-    if not clean.strip():
+    if not subprocess.run(["git", "-C", ROOT, "status", "--porcelain"], capture_output=True, text=True).stdout.strip():
         assert tree == git.stdout.strip(), "a clean checkout's tree id differs from HEAD's"
-    # an untracked, not ignored file is part of the files that run
-    extra = os.path.join(ROOT, "bench", f"_tree_id_probe_{os.getpid()}.txt")
+    extra = os.path.join(ROOT, "bench", f"_tree_id_check_{os.getpid()}.txt")
     try:
         with open(extra, "w") as f:
             f.write("changes the tree\n")
-        assert bench.source_tree_id() != tree
+        assert environment.source_tree_id() != tree
     finally:
         os.remove(extra)
-    report = _load("report")
     header = report.markdown({"env": {"git_commit": "c07a00b268b5", "git_dirty": True, "git_tree": tree}})
     assert f"source tree {tree[:12]}" in header.splitlines()[2], header[:400]
 
 
-def _smi_line(t, sm, watts, reasons="0x0000000000000004"):
-    """One line as nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,<reasons> --format=csv,noheader,nounits
-    writes it: the timestamp in local time, milliseconds."""
-    stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(t)) + f".{int(round(t % 1 * 1000)) % 1000:03d}"
-    return f"{stamp}, {sm}, {watts}, {reasons}"
+class FakeNVML(types.SimpleNamespace):
+    """The pynvml calls the bench makes, answering from a script of SM clocks."""
+
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
+
+    def __init__(self, clocks):
+        super().__init__(clocks=iter(clocks), handle_index=None)
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self.handle_index = i
+        return "gpu"
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return next(self.clocks, 1380) if kind == self.NVML_CLOCK_SM else 3201
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 699500  # mW
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return 0x4
+
+    nvmlSystemGetDriverVersion = staticmethod(lambda: "580.1")
+    nvmlDeviceGetMaxClockInfo = staticmethod(lambda h, k: 1980)
+    nvmlDeviceGetEnforcedPowerLimit = staticmethod(lambda h: 700000)
+    nvmlDeviceGetTemperature = staticmethod(lambda h, s: 34)
+    nvmlDeviceGetPerformanceState = staticmethod(lambda h: 0)
 
 
-def test_clock_samples_parse_and_fall_into_timed_blocks():
-    """nvidia-smi's lines parse to epoch seconds on time.time()'s clock; each variant gets the medians
-    of the samples inside its timed blocks only, a sample outside every block is ignored, a variant
-    without samples gets nothing, and lines that do not parse are left out."""
-    run = _load("run")
-    t0 = float(int(time.time())) + 0.25  # whole milliseconds, so the round trip is exact
-    lines = [_smi_line(t0 + 0.0, 1980, 350.5, "0x0000000000000000"),  # warm-up of floor's block: ignored
-             _smi_line(t0 + 1.0, 1410, 699.0), _smi_line(t0 + 1.1, 1395, 700.2),  # floor, round 0
-             _smi_line(t0 + 2.5, 1500, 650.0),                                     # between blocks: ignored
-             _smi_line(t0 + 3.0, 1455, 698.0), _smi_line(t0 + 3.1, "[N/A]", "[N/A]"),  # auto_l0
-             _smi_line(t0 + 5.05, 1380, 701.0),                                    # floor, round 1
-             "", "garbage, 1, 2", "2026/13/45 99:00:00.000, 1400, 700, 0x0"]
-    samples = run.parse_smi_samples(lines)
-    assert len(samples) == 7
-    assert samples[0]["t"] == pytest.approx(t0, abs=1e-6) and samples[0]["sm_mhz"] == 1980.0
-    assert samples[0]["power_w"] == 350.5 and samples[0]["reasons"] == "0x0000000000000000"
-    assert samples[5]["sm_mhz"] is None and samples[5]["power_w"] is None
-    windows = {"floor": [(t0 + 0.95, t0 + 1.15), (t0 + 5.0, t0 + 5.1)], "auto_l0": [(t0 + 2.95, t0 + 3.15)],
-               "eager": [(t0 + 4.0, t0 + 4.04)]}
-    clocks = run.clocks_in_windows(samples, windows)
-    assert set(clocks) == {"floor", "auto_l0"}
-    assert clocks["floor"] == {"samples": 3, "sm_mhz": 1395.0, "power_w": 700.2,
-                               "clock_limit_reasons": ["0x0000000000000004"]}
-    assert clocks["auto_l0"] == {"samples": 2, "sm_mhz": 1455.0, "power_w": 698.0,
-                                 "clock_limit_reasons": ["0x0000000000000004"]}
-    assert run.clocks_in_windows([], windows) == {}
-
-
-def test_clock_sampler_without_nvidia_smi(tmp_path, monkeypatch):
-    """No nvidia-smi on PATH (CPU machines, CI): the sampler starts nothing, says why, returns no
-    samples, and so no variant gets clock fields; no error."""
-    run = _load("run")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    sampler = run.ClockSampler().start()
-    assert not sampler.running and sampler.fields is None and "no nvidia-smi" in sampler.note
-    assert sampler.stop() == [] and sampler.stop() == []
-    rec, variants = {"id": "sustained:bf16:gelu_approx:256x64"}, {"floor": {"status": "ok"}, "auto_l0": {"status": "ok"}}
-    run.record_clocks(rec, variants, sampler, {"floor": [(0.0, time.time())], "auto_l0": [(0.0, time.time())]})
-    assert rec == {"id": "sustained:bf16:gelu_approx:256x64"}
-    assert variants == {"floor": {"status": "ok"}, "auto_l0": {"status": "ok"}}
-
-
-def test_clock_sampler_runs_and_stops_its_process(tmp_path):
-    """The sampler's background process (a stand-in nvidia-smi here, the same output format) is
-    started, writes samples while blocks run, and is ended by stop(); the samples of a block come back
-    attributed to it. The stand-in refuses the older reasons field name, as newer drivers may."""
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text(f"""#!{sys.executable}
-import sys, time
-query = next(a for a in sys.argv if a.startswith("--query-gpu="))
-if "clocks_throttle_reasons" in query:
-    print("Field clocks_throttle_reasons.active is not a valid field to query.")
-    sys.exit(2)
-def line():
-    t = time.time()
-    return time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(t)) + ".%03d, 1410, 699.50, 0x0000000000000004" % (t % 1 * 1000)
-if "-lms" not in sys.argv:
-    print(line())
-    sys.exit(0)
-interval = int(sys.argv[sys.argv.index("-lms") + 1]) / 1000
-while True:
-    print(line(), flush=True)
-    time.sleep(interval)
-""")
-    fake.chmod(0o755)
-    run = _load("run")
-    sampler = run.ClockSampler(exe=str(fake), interval_ms=20, max_s=60).start()
+def test_power_sampler_reads_nvml_in_the_background():
+    """The sampler's thread reads clock, power (W) and reasons until stop(); each variant gets the
+    medians of the samples inside its blocks, a variant whose blocks caught none gets nothing."""
+    nvml = FakeNVML([1980] + [1410] * 1000)
+    sampler = power.PowerSampler(0, interval_ms=5, nvml=nvml).start()
     try:
-        assert sampler.running, sampler.note
-        assert sampler.fields[-1] == "clocks_event_reasons.active", sampler.fields
-        deadline = time.time() + 10
-        while os.fstat(sampler._out.fileno()).st_size == 0 and time.time() < deadline:
-            time.sleep(0.05)  # the stand-in's start: a Python interpreter
+        assert sampler.running and sampler.note is None
         t0 = time.time()
-        time.sleep(0.3)
+        time.sleep(0.2)
         t1 = time.time()
-        proc = sampler._proc
     finally:
         samples = sampler.stop()
-    assert proc.poll() is not None, "the sampling process is still running after stop()"
+    n = len(samples)
+    time.sleep(0.05)
+    assert not sampler.running and len(sampler.stop()) == n  # the thread has ended: no more samples
+    assert len(samples) >= 5 and samples[0]["power_w"] == 699.5 and samples[0]["reasons"] == "0x4"
     rec, variants = {}, {"floor": {"status": "ok"}, "auto_l0": {"status": "ok"}}
-    run.record_clocks(rec, variants, sampler, {"auto_l0": [(t0, t1)], "floor": [(t1 + 60, t1 + 61)]})
-    assert rec["clock_sampling"]["samples"] == len(samples) and rec["clock_sampling"]["interval_ms"] == 20
+    power.record_clocks(rec, variants, sampler, {"auto_l0": [(t0, t1)], "floor": [(t1 + 60, t1 + 61)]})
+    assert rec["clock_sampling"] == {"tool": "nvml", "interval_ms": 5, "samples": len(samples)}
     clocks = variants["auto_l0"]["clocks"]
-    assert clocks["samples"] >= 3, (len(samples), clocks)
-    assert clocks["sm_mhz"] == 1410.0 and clocks["power_w"] == 699.5
-    assert clocks["clock_limit_reasons"] == ["0x0000000000000004"]
-    assert "clocks" not in variants["floor"]  # its block had no sample
+    assert clocks["samples"] >= 3 and clocks["sm_mhz"] == 1410 and clocks["power_w"] == 699.5
+    assert clocks["clock_limit_reasons"] == ["0x4"] and "clocks" not in variants["floor"]
+    state = power.gpu_state(0, nvml=FakeNVML([1980]))
+    assert state == {"driver": "580.1", "clock_sm_mhz": 1980, "clock_max_sm_mhz": 1980, "clock_mem_mhz": 3201,
+                     "power_limit_w": 700.0, "temp_c": 34, "pstate": "P0", "clock_limit_reasons": "0x4"}
+
+
+def test_power_is_not_sampled_without_nvml(monkeypatch):
+    """No pynvml (or no GPU for it): nothing starts, the reason is recorded as 'not sampled', no
+    variant gets clock fields, and the environment says so instead of listing clocks."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    sampler = power.PowerSampler(0).start()
+    assert not sampler.running and sampler.note == "not sampled: no pynvml (the nvidia-ml-py package)"
+    assert sampler.stop() == []
+    rec, variants = {"id": "x"}, {"auto_l0": {"status": "ok"}}
+    power.record_clocks(rec, variants, sampler, {"auto_l0": [(0.0, time.time())]})
+    assert rec["clock_sampling"].startswith("not sampled") and variants == {"auto_l0": {"status": "ok"}}
+    state = power.gpu_state(0)
+    assert list(state) == ["nvml"] and state["nvml"].startswith("not sampled")
+    assert f"GPU clocks and power: {state['nvml']}." in report.markdown({"env": state})
+
+    class NoGPU(FakeNVML):
+        def nvmlDeviceGetHandleByIndex(self, i):
+            raise RuntimeError("NVML: no GPU with this index")
+    assert "no GPU with this index" in power.PowerSampler(0, nvml=NoGPU([])).start().note
+
+
+def test_clocks_fall_into_timed_blocks():
+    t0 = 1000.0
+    samples = [{"t": t0 + dt, "sm_mhz": mhz, "power_w": w, "reasons": r} for dt, mhz, w, r in [
+        (0.0, 1980, 350.5, "0x0"),                                 # before floor's block: ignored
+        (1.0, 1410, 699.0, "0x4"), (1.1, 1395, 700.2, "0x4"),     # floor, round 0
+        (2.5, 1500, 650.0, "0x4"),                                 # between blocks: ignored
+        (3.0, 1455, 698.0, "0x4"), (3.1, None, None, None),       # auto_l0
+        (5.05, 1380, 701.0, "0x4")]]                               # floor, round 1
+    windows = {"floor": [(t0 + 0.95, t0 + 1.15), (t0 + 5.0, t0 + 5.1)], "auto_l0": [(t0 + 2.95, t0 + 3.15)],
+               "eager": [(t0 + 4.0, t0 + 4.04)]}
+    clocks = power.clocks_in_windows(samples, windows)
+    assert clocks == {"floor": {"samples": 3, "sm_mhz": 1395, "power_w": 700.2, "clock_limit_reasons": ["0x4"]},
+                      "auto_l0": {"samples": 2, "sm_mhz": 1455, "power_w": 698.0, "clock_limit_reasons": ["0x4"]}}
+    assert power.clocks_in_windows([], windows) == {}
 
 
 def test_report_puts_sustained_figures_beside_the_standard_ones():
-    """The sustained section's table (clock columns where nvidia-smi was sampled) and its ratios in
-    the targets, labelled 'sustained', next to the standard figures, whose verdict they do not change."""
-    report = _load("report")
-
+    """The sustained table (clock columns where they were sampled) and its ratios in the targets,
+    labelled 'sustained', next to the standard figures, whose verdict they do not change."""
     def variants(floor, eager, compile_, auto, clocks=None):
         vs = {k: {"status": "ok", "ms": ms, "tflops": 12 * 8192 * 2048 * 8192 / ms / 1e9, "round_ms": [ms] * 5}
               for k, ms in (("floor", floor), ("eager", eager), ("compile", compile_), ("auto_l0", auto))}
@@ -359,7 +366,7 @@ def test_report_puts_sustained_figures_beside_the_standard_ones():
     res = {"method": {"sustained_warmup_ms": 1000.0},
            "mlp": [dict(shape, variants=variants(2.455, 2.697, 2.688, 2.585))],
            "sustained": [dict(shape, id="sustained:bf16:gelu_approx:8192x2048",
-                              clock_sampling={"tool": "nvidia-smi", "interval_ms": 100, "samples": 250},
+                              clock_sampling={"tool": "nvml", "interval_ms": 100, "samples": 250},
                               variants=variants(2.900, 3.100, 3.080, 2.923, clocks))]}
     rows = {t: (fig, met) for t, fig, met in report.targets(res)}
     fig, met = rows["bf16 gelu 8192×2048: auto / six GEMMs ≤ 1.03"]
@@ -372,6 +379,6 @@ def test_report_puts_sustained_figures_beside_the_standard_ones():
     row = next(ln for ln in table.splitlines() if ln.startswith("| 8192 × 2048 |"))
     assert row == ("| 8192 × 2048 | 2.900 | 3.100 | 3.080 | 2.923 | 1.061 | 1.054 | 1.008 | 1.053 | "
                    "1410 / 1440 / 1425 / 1455 | 699 / 699 / 699 / 699 |"), row
-    assert "samples per variant: 8192 × 2048 3 / 3 / 3 / 3." in table
+    assert "medians of the nvml samples (every 100 ms)" in table and "8192 × 2048 3 / 3 / 3 / 3." in table
     assert md.index("## Sustained load") < md.index("## MLP detail")
     assert "sustained (each block after 1000 ms of its own steps):" in report.summary(res)

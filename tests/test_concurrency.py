@@ -90,9 +90,10 @@ def reference_mlp_grads(m, x, g):
 
 
 def test_two_streams_forward_backward_at_once():
-    """One FusedMLP's forward and backward on two streams at once, so the data-gradient (the own
-    GEMM where 'auto' picked it), weight-gradient and elementwise kernels of the two run side by
-    side with their own workspaces: every output and gradient matches its float64 reference."""
+    """One FusedMLP's forward and backward on two streams at once, so the data-gradient (a
+    cutlass_sm90 kernel where 'auto' picked it), weight-gradient and elementwise kernels of the two
+    run side by side with their own workspaces: every output and gradient matches its float64
+    reference."""
     m = FusedMLP(1024, 4096, device="cuda", dtype=torch.bfloat16)
     params = list(m.parameters())
     names = ["x", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]

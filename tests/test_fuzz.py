@@ -1,6 +1,6 @@
 """Property-based tests (hypothesis): random shapes, leading batch shapes, dtypes, bias, activation,
-checkpoint level and heuristic. Every case must match a float64 reference within DESIGN.md's
-tolerances or raise the documented error (a ValueError naming 'heuristic' for an index past
+checkpoint level and heuristic. Every case must match a float64 reference within the tolerances of
+docs/contract.md (conftest.TOL) or raise the documented error (a ValueError naming 'heuristic' for an index past
 cuBLASLt's list). CPU runs a bounded number of examples in CI; CUDA (marked) runs more.
 
 Outcomes are counted per run and printed at the end of the module (pytest -s shows them).
@@ -62,11 +62,11 @@ def check_case(device, dtype, lead, in_f, hidden, out_f, bias1, bias2, activatio
     pre64 = F.linear(x64, w1_64, b1_64)
     if activation == "relu":
         # The derivative of ReLU jumps at 0: the units whose sign the rounded forward decided are
-        # the ones whose gradient passes. Take that sign pattern from the library's own forward
+        # the ones whose gradient passes. Take that sign pattern from the library's forward
         # (its bit-mask, from the same algorithm the MLP ran: GEMMs are deterministic) so the
         # reference measures rounding, not which side of 0 a near-tie fell on: a float64 sign
         # rounded to 16 bits disagrees with the GEMM's at a few units, each moving a whole
-        # gradient element (seen: fp16, 37 rows, hidden 1153, algorithm 3: 2.1e-2).
+        # gradient element (fp16, 37 rows, hidden 1153, algorithm 3: 2.1e-2 against the float64 sign).
         with torch.no_grad():
             _, mask = ops.linear_act(x.detach().reshape(-1, in_f), w1.detach(), None if b1 is None else b1.detach(),
                                      "relu", True, heuristic)
@@ -98,8 +98,8 @@ def rounding_scales(x, w1, b1, w2, b2, pre, act, g, activation):
     Rounding the terms of a sum to 16 bits moves it by about u times the root-sum-square of its
     terms, whatever their signs. For sums of random-sign terms that is the size of the sum
     itself, so using it as a floor under ||ref|| leaves the usual check unchanged; it matters only
-    where the terms cancel (seen: bf16, one row, out_features 1, where the single output was far
-    smaller than its terms and the relative error reached 0.29 with every term rounded right).
+    where the terms cancel (bf16, one row, out_features 1: the single output can be far smaller
+    than its terms, and the relative error reach 0.29 with every term rounded right).
     """
     with torch.no_grad():
         if activation == "relu":

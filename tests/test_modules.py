@@ -356,9 +356,9 @@ def test_compile_inductor_cuda(activation, checkpoint_lvl):
 
 def test_compile_fullgraph_backward_in_a_fresh_process():
     """torch.compile(fullgraph=True) of FusedDense forward + backward where nothing ran eagerly
-    before: the ops' overloads used to be looked up (and cached in a dict) on first use, which
-    Dynamo refuses inside a traced autograd.Function. In-process tests can't see it once any
-    earlier test has called the ops."""
+    before. Looking the ops' overloads up lazily (and caching them in a dict) on first use is
+    something Dynamo refuses inside a traced autograd.Function; in-process tests cannot see that
+    once any other test has called the ops, so this one runs in a new interpreter."""
     script = (
         "import torch, fused_dense\n"
         "m = fused_dense.FusedDense(32, 16)\n"

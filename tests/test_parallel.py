@@ -10,7 +10,7 @@ answering is killed and the test fails (the next test starts a fresh pool).
 References: a single-process float64 model built from nn.Linear / F.gelu with the same
 initial weights; each rank compares its outputs and gradients with the slice of the reference
 that it owns (rows for sequence parallelism, features for tensor parallelism), within the
-DESIGN.md tolerance of the dtype it ran in.
+tolerance of the dtype it ran in (docs/contract.md, "Accuracy").
 """
 import os
 import queue

@@ -1,6 +1,7 @@
 """The test tooling itself: FUSED_DENSE_TEST_SHARD splits a suite between processes (the
 sanitizer runs use it), so shards must be disjoint and together hold every test; and
-scripts/sanitize_summary.py must attribute the tool's reports to the right kernels."""
+tools/sanitize_summary.py must attribute the tool's reports to the right kernels."""
+import glob
 import os
 import subprocess
 import sys
@@ -8,9 +9,10 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+OP_TESTS = sorted(glob.glob(os.path.join(HERE, "test_op_*.py")))  # the op suite, many parametrizations
 
 
-def collected(shard=None, target="test_ops.py", per_function=None, reverse=None, deselect_file=None, marker=None):
+def collected(shard=None, target=None, per_function=None, reverse=None, deselect_file=None, marker=None):
     env = dict(os.environ)
     for name in ("SHARD", "PER_FUNCTION", "REVERSE", "DESELECT_FILE"):
         env.pop(f"FUSED_DENSE_TEST_{name}", None)
@@ -24,7 +26,8 @@ def collected(shard=None, target="test_ops.py", per_function=None, reverse=None,
         env["FUSED_DENSE_TEST_PER_FUNCTION"] = per_function
     marker_args = ["-m", marker] if marker else []
     res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                          *marker_args, os.path.join(HERE, target)], cwd=os.path.dirname(HERE), env=env,
+                          *marker_args, *([os.path.join(HERE, target)] if target else OP_TESTS)],
+                         cwd=os.path.dirname(HERE), env=env,
                          capture_output=True, text=True, timeout=300)
     return res, [line for line in res.stdout.splitlines() if "::" in line]
 
@@ -61,7 +64,7 @@ def test_per_function_keeps_every_test_body():
 
 def test_shards_split_only_what_the_marker_selects():
     """Sharding comes after pytest's -m deselection: n shards of n selected tests hold one each
-    (session 6's run 3 had empty shards when the CPU tests still took shard slots)."""
+    (no shard is left empty by tests the marker leaves out)."""
     _, selected = collected(per_function="1", marker="cuda")
     assert 5 < len(selected) < 60
     n = len(selected)
@@ -104,30 +107,30 @@ def test_bad_shard_spec_is_a_usage_error(spec):
 
 def test_sanitize_summary_attributes_reports_to_kernels():
     """The summarizer counts pytest outcomes even where the tool's lines split pytest's, and puts
-    each report under the kernel it names: fused_dense's own or someone else's."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    each report under the kernel it names: fused_dense's or someone else's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
     import sanitize_summary
 
     log = "\n".join([
         "exit status 124",
         "========= COMPUTE-SANITIZER",
-        "tests/test_ops.py::test_a[x] PASSED [  2%]",
-        "tests/test_ops.py::test_b[y] ========= Error: Race reported between Read access at nvjet_sm90_x_TNN+0xa50",
+        "tests/test_op_linear_act.py::test_a[x] PASSED [  2%]",
+        "tests/test_op_linear_act.py::test_b[y] ========= Error: Race reported between Read access at nvjet_sm90_x_TNN+0xa50",
         "=========     and Write access at nvjet_sm90_x_TNN+0x9180 [512 hazards]",
         "PASSED [  4%]",
         "========= Invalid __global__ read of size 4 bytes",
         "=========     at void fused_dense::core::(anonymous namespace)::bias_kernel<float>(int, float*)+0x1d0",
         "=========     by thread (0,0,0) in block (0,0,0)",
         '========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to x.',
-        "tests/test_ops.py::test_c FAILED",
+        "tests/test_op_linear_act.py::test_c FAILED",
         "========= 18 passed, 1830 deselected, 14 warnings in 141.90s (0:02:21) =========",
         "========= ERROR SUMMARY: 3 errors",
     ])
     res = sanitize_summary.parse(log)
     assert res["status"] == 124
     assert res["tests"] == {"PASSED": 2, "FAILED": 1}
-    assert res["items"] == {"tests/test_ops.py::test_a[x]": "PASSED", "tests/test_ops.py::test_b[y]": "PASSED",
-                            "tests/test_ops.py::test_c": "FAILED"}
+    assert res["items"] == {"tests/test_op_linear_act.py::test_a[x]": "PASSED", "tests/test_op_linear_act.py::test_b[y]": "PASSED",
+                            "tests/test_op_linear_act.py::test_c": "FAILED"}
     assert res["error_summary"] == 3
     mine = [e for e in res["errors"] if e[2]]
     other = [e for e in res["errors"] if not e[2]]
@@ -139,7 +142,7 @@ def test_sanitize_summary_attributes_reports_to_kernels():
 
 
 def test_sanitize_summary_union_counts_each_test_once_with_its_worst_outcome():
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
     import io
     import sanitize_summary
 
@@ -159,7 +162,7 @@ def test_sanitize_summary_union_counts_each_test_once_with_its_worst_outcome():
 
 
 def test_sanitize_summary_passed_lists_feed_the_deselect_file(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
     import sanitize_summary
 
     _, reduced = collected(per_function="3")
@@ -170,6 +173,36 @@ def test_sanitize_summary_passed_lists_feed_the_deselect_file(tmp_path):
     res, rest = collected(per_function="3", deselect_file=str(listing))
     assert res.returncode == 0, res.stdout + res.stderr
     assert rest == reduced[5:]  # the failed one runs again
+
+
+def test_sanitize_summary_check_flags_only_real_findings(tmp_path):
+    """--check fails on a report in a fused_dense kernel, a failed test or an unexpected exit
+    status, and passes reports in NVIDIA's kernels (exit 99), time-limit cuts (124) and empty shards."""
+    logs = {
+        "memcheck_native.log": "exit status 0\n========= ERROR SUMMARY: 0 errors\n",
+        "racecheck_suite0.log": "exit status 99\ntests/t.py::a PASSED\n"
+                                "========= Error: Race reported between Read access at nvjet_sm90_x_TNN+0xa50\n",
+        "initcheck_suite1.log": "exit status 124\ntests/t.py::b PASSED\n",
+        "synccheck_suite2.log": "exit status 255\ncollected 9 items / 9 deselected / 0 selected\n",
+    }
+    for name, text in logs.items():
+        (tmp_path / name).write_text(text)
+
+    def check(*names):
+        res = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "tools", "sanitize_summary.py"),
+                              *(str(tmp_path / n) for n in names), "--check"], capture_output=True, text=True,
+                             timeout=120)
+        return res.returncode, res.stdout
+    rc, out = check(*logs)
+    assert rc == 0 and "with a report in a fused_dense kernel, a failed test or another exit status: 0" in out, out
+    bad = {"memcheck_suite3.log": "exit status 99\n========= Invalid __global__ read of size 4 bytes\n"
+                                  "=========     at void fused_dense::core::bias_kernel<float>(int, float*)+0x1d0\n",
+           "racecheck_suite4.log": "exit status 1\ntests/t.py::c FAILED\n",
+           "initcheck_suite5.log": "exit status 134\ntests/t.py::d \n"}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        rc, out = check(*logs, name)
+        assert rc == 1 and f"{name} exit" in out, (name, out)
 
 
 def test_fp64_reference_mode_moves_only_float64_matmuls():
@@ -213,7 +246,7 @@ def test_fp64_reference_env_is_validated():
 
 
 def test_sanitize_summary_marks_empty_shards():
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
     import sanitize_summary
 
     empty = sanitize_summary.parse(

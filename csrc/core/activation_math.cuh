@@ -1,6 +1,6 @@
 // The activations' device math, one definition for every kernel that applies them: the
-// elementwise kernels (elementwise.cu) and the CUTLASS epilogues (own_dgrad_sm90.cu, bench/cutlass_dgrad),
-// so that each path computes the same function of the same fp32 inputs.
+// elementwise kernels (elementwise.h) and the cutlass_sm90 kernels' epilogues
+// (cutlass_sm90_common.cuh), so that each path computes the same function of the same fp32 inputs.
 #pragma once
 
 #include "types.h"
@@ -60,7 +60,7 @@ __device__ __forceinline__ float act_forward(float p) {
 
 // Derivative of act_forward<A> at p (not used for ReLU, whose backward reads the bit-mask). With
 // `value` non-null, also act_forward<A>(p) itself, by the same expression, so bit-identical, from
-// the same sigmoid: the compiler does not merge two ex2 / rcp inline-asm sequences on its own.
+// the same sigmoid: the compiler does not merge two ex2 / rcp inline-asm sequences by itself.
 template <Activation A, bool kFast>
 __device__ __forceinline__ float act_derivative(float p, float* value = nullptr) {
   if constexpr (A == Activation::kNone) {
@@ -70,8 +70,8 @@ __device__ __forceinline__ float act_derivative(float p, float* value = nullptr)
     // d/dp [p * s(p)] with s = sigmoid(2u): s + p * s' and s' = 2 s (1 - s) u'.
     if constexpr (kFast) {
       // In the data gradient's GEMM epilogue this math is on the critical path (at d = 1024 it
-      // costs more than reading the pre-activation, s13r2), so it is kept short: 1 - s taken as
-      // e * s (no cancellation near s = 1 either), the constants of 2 p u' folded.
+      // costs more than reading the pre-activation: docs/performance.md), so it is kept short:
+      // 1 - s taken as e * s (no cancellation near s = 1 either), the constants of 2 p u' folded.
       float e;
       const float s = gelu_sigmoid_fast(p, &e);
       if (value != nullptr) *value = p * s;

@@ -9,29 +9,14 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "device_info.h"
 #include "key_hash.h"
 
 namespace fused_dense::core {
-
-const char* cublas_status_name(cublasStatus_t status) {
-  switch (status) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
-    default: return "unknown cublasStatus_t";
-  }
-}
-
 namespace {
 
 // ---- RAII wrappers: every cuBLASLt object is destroyed exactly once, also on throw. ----
+// (A deleter has no caller to report a failed destroy to, so its status is dropped.)
 struct LayoutDeleter {
   void operator()(cublasLtMatrixLayoutOpaque_t* p) const { cublasLtMatrixLayoutDestroy(p); }
 };
@@ -114,17 +99,6 @@ struct PlannedGemm {
 };
 
 constexpr int kRequestedAlgorithms = 16;
-constexpr int kMaxDevices = 64;
-
-cublasLtHandle_t handle_for(int device) {
-  static std::mutex mutex;
-  static std::array<cublasLtHandle_t, kMaxDevices> handles{};
-  if (device < 0 || device >= kMaxDevices) throw Error("fused_dense: device index out of range");
-  std::lock_guard<std::mutex> lock(mutex);
-  if (handles[device] == nullptr) FD_CUBLAS_CHECK(cublasLtCreate(&handles[device]));
-  // Handles live for the process: destroying them at exit would race the CUDA context teardown.
-  return handles[device];
-}
 
 MatmulDesc make_matmul_desc(const GemmProblem& p) {
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
@@ -177,7 +151,7 @@ std::unique_ptr<PlannedGemm> plan(const GemmProblem& p, const CacheKey& key) {
   planned->algorithms.resize(kRequestedAlgorithms);
   int returned = 0;
   cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle_for(p.device), desc.get(), planned->a.get(), planned->b.get(), planned->d.get(),
+      device_info(p.device).cublaslt(), desc.get(), planned->a.get(), planned->b.get(), planned->d.get(),
       planned->d.get(), pref.get(), kRequestedAlgorithms, planned->algorithms.data(), &returned);
   // NOT_SUPPORTED here means "no algorithm for this epilogue/shape": an empty list, not an error.
   if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED)
@@ -265,7 +239,7 @@ Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const
   const float alpha = 1.0f;
   const float beta = p.accumulate ? 1.0f : 0.0f;
   cublasStatus_t status = cublasLtMatmul(
-      handle_for(p.device), desc, &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
+      device_info(p.device).cublaslt(), desc, &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
       &beta, ptrs.d, planned.d.get(), ptrs.d, planned.d.get(), &planned.algorithms[heuristic].algo,
       ws.ptr, ws.bytes, stream);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return Outcome::kRefused;
@@ -276,14 +250,7 @@ Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const
 }  // namespace
 
 std::size_t gemm_workspace_bytes(int device) {
-  static std::mutex mutex;
-  static std::array<int, kMaxDevices> major{};  // 0 = not queried yet
-  if (device < 0 || device >= kMaxDevices) throw Error("fused_dense: device index out of range");
-  std::lock_guard<std::mutex> lock(mutex);
-  if (major[device] == 0) {
-    FD_CUDA_CHECK(cudaDeviceGetAttribute(&major[device], cudaDevAttrComputeCapabilityMajor, device));
-  }
-  return major[device] >= 9 ? (32u << 20) : (4u << 20);
+  return device_info(device).cc_major() >= 9 ? (32u << 20) : (4u << 20);
 }
 
 int gemm_algorithm_count(const GemmProblem& problem) {

@@ -27,7 +27,7 @@ enum class Epilogue : int {
 };
 
 struct GemmProblem {
-  int device = 0;
+  int device = 0;  // the device the call runs on: its cuBLASLt handle and workspace policy
   DType dtype = DType::kBFloat16;  // A, B, D, bias and aux element type
   bool trans_a = false;
   bool trans_b = false;
@@ -55,7 +55,8 @@ struct Workspace {
   std::size_t bytes = 0;
 };
 
-// Workspace policy for cuBLASLt: 32 MiB on compute capability >= 9, 4 MiB otherwise.
+// Workspace policy for cuBLASLt: 32 MiB on compute capability >= 9, 4 MiB otherwise (of `device`,
+// device_info.h).
 std::size_t gemm_workspace_bytes(int device);
 
 // Number of algorithms cuBLASLt's heuristic offers for a problem (0 = refused). Cached.

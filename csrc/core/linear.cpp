@@ -5,8 +5,8 @@
 
 #include "cuda_check.h"
 #include "elementwise.h"
-#include "own_dgrad_sm90.h"
-#include "own_forward_sm90.h"
+#include "cutlass_sm90_dgrad.h"
+#include "cutlass_sm90_forward.h"
 #include "tuner.h"
 
 namespace fused_dense::core {
@@ -55,11 +55,11 @@ std::string describe(const char* op, const LinearContext& ctx, int64_t B, int64_
 
 // Resolves the heuristic argument into runs of `run_choice`: an explicit index tries the fused
 // epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the plain
-// list; 'auto' measures (tuner.h), the own GEMM's variants included (`own_variants()` of them,
-// asked only when tuning).
-template <typename RunChoice, typename Describe, typename OwnVariants>
+// list; 'auto' measures (tuner.h), the cutlass_sm90 variants included (`cutlass_variants()` of
+// them, asked only when tuning).
+template <typename RunChoice, typename Describe, typename CutlassVariants>
 void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_problem,
-              const GemmProblem& plain_problem, OwnVariants&& own_variants, const Choice& rule,
+              const GemmProblem& plain_problem, CutlassVariants&& cutlass_variants, const Choice& rule,
               const LinearContext& ctx, const TuningKey& key, Describe&& describe_problem, RunChoice&& run_choice) {
   if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !fused_possible)) {
     run_choice(Choice{false, std::max(heuristic, 0)});
@@ -77,11 +77,11 @@ void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_probl
     const int plain_count = gemm_algorithm_count(plain_problem);
     Choice fallback = rule;
     if (fallback.fused && fused_count == 0) fallback = Choice{false, 0};
-    choice = tune(ctx.device, key, describe_problem(), fused_count, plain_count, own_variants(), fallback,
+    choice = tune(ctx.device, key, describe_problem(), fused_count, plain_count, cutlass_variants(), fallback,
                   run_choice, ctx.stream);
   }
   // A choice tuned on aligned operands may not exist in the list of a less aligned call (nor
-  // may the own GEMM take such operands).
+  // may the cutlass_sm90 kernels take such operands).
   bool done = false;
   try {
     done = run_choice(choice);
@@ -92,19 +92,19 @@ void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_probl
 
 }  // namespace
 
-std::size_t forward_workspace_bytes(int device, const ForwardArgs&) { return gemm_workspace_bytes(device); }
+std::size_t linear_act_workspace_bytes(int device, const LinearActArgs&) { return gemm_workspace_bytes(device); }
 
-std::size_t wgrad_workspace_bytes(int device, const WgradArgs& a) {
+std::size_t linear_bias_wgrad_workspace_bytes(int device, const LinearBiasWgradArgs& a) {
   return std::max(gemm_workspace_bytes(device),
                   a.d_bias ? reduction_workspace_bytes(a.batch, a.out_features) : std::size_t{0});
 }
 
-std::size_t dgrad_workspace_bytes(int device, const DgradArgs& a) {
+std::size_t act_linear_dgrad_workspace_bytes(int device, const ActLinearDgradArgs& a) {
   return std::max(gemm_workspace_bytes(device),
                   a.d_bias ? reduction_workspace_bytes(a.batch, a.in_features) : std::size_t{0});
 }
 
-void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
+void linear_act(const LinearContext& ctx, const LinearActArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
   if (B == 0 || N == 0) return;
   const bool mask = a.activation == Activation::kRelu && a.pre_act != nullptr;
@@ -113,7 +113,8 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
   void* gemm_target = (a.pre_act != nullptr && !mask) ? a.pre_act : a.out;
   if (K == 0) {
     zero(gemm_target, B * N, ctx.dtype, ctx.stream);
-    bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.stream);
+    bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.device,
+                     ctx.stream);
     return;
   }
   // The unfused path still adds the bias in the GEMM's fp32 epilogue: adding it after the GEMM
@@ -136,15 +137,16 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
   const bool fused_possible = a.activation != Activation::kSquaredRelu &&
                               (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
   const Workspace ws = gemm_part(ctx);
-  OwnForwardArgs own;
-  own.device = ctx.device;
-  own.batch = B, own.in_features = K, own.out_features = N;
-  own.dtype = ctx.dtype;
-  own.activation = a.activation;
-  own.input = a.input, own.weight = a.weight, own.bias = a.bias, own.out = a.out, own.pre_act = a.pre_act;
+  CutlassSm90ForwardArgs cutlass;
+  cutlass.device = ctx.device;
+  cutlass.batch = B, cutlass.in_features = K, cutlass.out_features = N;
+  cutlass.dtype = ctx.dtype;
+  cutlass.activation = a.activation;
+  cutlass.input = a.input, cutlass.weight = a.weight, cutlass.bias = a.bias, cutlass.out = a.out;
+  cutlass.pre_act = a.pre_act;
 
   auto run_choice = [&](const Choice& c) -> bool {
-    if (c.own >= 0) return own_linear_act_forward(c.own, own, ws, ctx.stream);
+    if (c.cutlass >= 0) return cutlass_sm90_forward(c.cutlass, cutlass, ws, ctx.stream);
     GemmPointers ptrs;
     ptrs.a = a.weight;
     ptrs.b = a.input;
@@ -168,7 +170,8 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
       onto_bias.with_bias = false;
       onto_bias.accumulate = true;
       zero(gemm_target, B * N, ctx.dtype, ctx.stream);
-      bias_act_forward(ctx.dtype, Activation::kNone, gemm_target, a.bias, gemm_target, nullptr, B, N, ctx.stream);
+      bias_act_forward(ctx.dtype, Activation::kNone, gemm_target, a.bias, gemm_target, nullptr, B, N, ctx.device,
+                       ctx.stream);
       // the index chose among the BIAS-epilogue algorithms, which cuBLASLt just refused: take
       // its first choice for the accumulating problem
       gemm(onto_bias, ptrs, 0, ws, ctx.stream);
@@ -177,17 +180,19 @@ void linear_act_forward(const LinearContext& ctx, const ForwardArgs& a) {
     // left to the kernel.
     if (a.activation != Activation::kNone)
       bias_act_forward(ctx.dtype, a.activation, gemm_target, nullptr, a.out, mask ? a.pre_act : nullptr, B, N,
-                       ctx.stream);
+                       ctx.device, ctx.stream);
     return true;
   };
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice. Only 'auto' takes the
-  // own GEMM (gelu_approx with bias and saved pre-activation), and only where measured faster.
-  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return own_forward_variants(own); }, Choice{true, 0}, ctx,
+  // cutlass_sm90 forward (gelu_approx with bias and saved pre-activation), and only where measured
+  // faster.
+  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return cutlass_sm90_forward_variants(cutlass); },
+           Choice{true, 0}, ctx,
            tuning_key(OpKind::kForward, ctx, B, K, N, a.activation, a.bias != nullptr, a.pre_act != nullptr),
            [&] { return describe("forward", ctx, B, K, N, a.activation); }, run_choice);
 }
 
-void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
+void linear_bias_wgrad(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
   if (B == 0) {
     zero(a.d_weight, N * K, ctx.dtype, ctx.stream);
@@ -197,7 +202,7 @@ void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
   if (N == 0) return;
   auto column_sum = [&] {
     act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_output, nullptr, nullptr, a.d_bias, B, N,
-                           ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream);
+                           ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream);
   };
   if (K == 0) {
     if (a.d_bias != nullptr) column_sum();
@@ -224,14 +229,15 @@ void linear_wgrad(const LinearContext& ctx, const WgradArgs& a) {
     if (a.d_bias != nullptr) column_sum();
     return true;
   };
-  // The seed's wgrad op takes no heuristic: it is always 'auto'; the rule fuses BGRADB.
+  // The op linear_bias_wgrad takes no heuristic (as flash-attn's fused_dense_lib's does not): it is
+  // always 'auto'; the rule fuses BGRADB.
   dispatch(kHeuristicAuto, a.d_bias != nullptr, fused, plain, [] { return 0; }, Choice{a.d_bias != nullptr, 0},
            ctx,
            tuning_key(OpKind::kWgrad, ctx, B, K, N, Activation::kNone, a.d_bias != nullptr, false),
            [&] { return describe("wgrad", ctx, B, K, N, Activation::kNone); }, run_choice);
 }
 
-void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
+void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
   if (a.act_out != nullptr && a.activation != Activation::kGeluTanh && a.activation != Activation::kSquaredRelu)
     throw Error(std::string("fused_dense: act_linear_dgrad: act_out needs a gelu_approx or sqrelu pre_act, got ") +
@@ -242,7 +248,8 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
   }
   auto rebuild_act_out = [&] {
     if (a.act_out != nullptr)
-      bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.stream);
+      bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.device,
+                       ctx.stream);
   };
   if (N == 0) {
     zero(a.d_input, B * K, ctx.dtype, ctx.stream);
@@ -261,18 +268,18 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
                               aux_ld_accepted(a.activation, K);
   const bool needs_kernel = a.activation != Activation::kNone || a.d_bias != nullptr;
   const Workspace ws = gemm_part(ctx);
-  OwnDgradArgs own;
-  own.device = ctx.device;
-  own.batch = B, own.in_features = K, own.out_features = N;
-  own.dtype = ctx.dtype;
-  own.activation = a.activation;
-  own.weight = a.weight, own.d_output = a.d_output, own.pre_act = a.pre_act, own.d_input = a.d_input;
-  own.d_bias = a.d_bias;
+  CutlassSm90DgradArgs cutlass;
+  cutlass.device = ctx.device;
+  cutlass.batch = B, cutlass.in_features = K, cutlass.out_features = N;
+  cutlass.dtype = ctx.dtype;
+  cutlass.activation = a.activation;
+  cutlass.weight = a.weight, cutlass.d_output = a.d_output, cutlass.pre_act = a.pre_act;
+  cutlass.d_input = a.d_input, cutlass.d_bias = a.d_bias;
 
   auto run_choice = [&](const Choice& c) -> bool {
-    if (c.own >= 0) {
+    if (c.cutlass >= 0) {
       // the whole workspace: CUTLASS's scratch, then the epilogue's partial bias-gradient sums
-      if (!own_act_dgrad(c.own, own, ctx.workspace, ctx.stream)) return false;
+      if (!cutlass_sm90_dgrad(c.cutlass, cutlass, ctx.workspace, ctx.stream)) return false;
       rebuild_act_out();
       return true;
     }
@@ -290,15 +297,17 @@ void act_linear_dgrad(const LinearContext& ctx, const DgradArgs& a) {
     gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
     if (needs_kernel)
       act_backward_bias_grad(ctx.dtype, a.activation, a.d_input, a.pre_act, a.d_input, a.d_bias, B, K,
-                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.stream, a.act_out);
+                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream, a.act_out);
     return true;
   };
-  // Rule without measurement: unfused. On the H200 DGELU_BGRAD measured slower than GEMM + one
-  // elementwise pass at every shape of ../shared/BASELINES.md (0.158 vs 0.124 ms at 8192x1024x4096).
+  // Rule without measurement: unfused. On the H200 DGELU_BGRAD is slower than GEMM + one
+  // elementwise pass at every benchmarked shape (0.158 vs 0.124 ms at 8192x1024x4096:
+  // docs/performance.md).
   // act_out is not part of the key: a call with it takes the choice of the call without it, so
   // checkpoint level 1 computes the same gradients as level 0, bit for bit.
-  // Only 'auto' takes the own GEMM, and only where the tuner measured it faster.
-  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return own_dgrad_variants(own); }, Choice{false, 0},
+  // Only 'auto' takes the cutlass_sm90 data gradient, and only where the tuner measured it faster.
+  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return cutlass_sm90_dgrad_variants(cutlass); },
+           Choice{false, 0},
            ctx, tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
            [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
 }

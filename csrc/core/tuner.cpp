@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "device_info.h"
 #include "key_hash.h"
 
 namespace fused_dense::core {
@@ -38,6 +39,7 @@ struct TuningKeyHash {
   std::size_t operator()(const TuningKey& k) const { return IntArrayHash{}(k.v); }
 };
 
+// (A deleter has no caller to report a failed destroy to, so its status is dropped.)
 struct EventDeleter {
   void operator()(CUevent_st* e) const { cudaEventDestroy(e); }
 };
@@ -55,18 +57,18 @@ bool env_flag(const char* name, bool default_value) {
 }
 
 // A persisted choice is only valid for the same GPU model and cuBLASLt build, and for the same
-// numbering of the own GEMMs' variants (kOwnVariantLayout: raise it when that numbering changes,
-// so a file written by an older build is ignored rather than read as other kernels).
-constexpr int kOwnVariantLayout = 2;
+// numbering of the cutlass_sm90 variants (kCutlassVariantLayout: raise it when that numbering
+// changes, so a file written by another build is ignored rather than read as other kernels).
+// Lines whose tag differs, in any part, are stale: not read, and measured afresh.
+constexpr int kCutlassVariantLayout = 2;
 std::string device_tag(int device) {
-  cudaDeviceProp prop{};
-  FD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  std::string name = prop.name;
+  const DeviceInfo& info = device_info(device);
+  std::string name = info.name();
   for (char& c : name)
     if (c == ' ' || c == '\t') c = '_';
   std::ostringstream tag;
-  tag << name << "/sm" << prop.major << prop.minor << "/cublasLt" << cublasLtGetVersion() << "/own"
-      << kOwnVariantLayout;
+  tag << name << "/sm" << info.cc_major() << info.cc_minor() << "/cublasLt" << cublasLtGetVersion()
+      << "/cutlass" << kCutlassVariantLayout;
   return tag.str();
 }
 
@@ -93,7 +95,7 @@ class ChoiceCache {
     if (!file) return;  // persistence is an optimisation; an unwritable path only costs re-tuning
     file << tags_[device];
     for (int64_t x : key.v) file << ' ' << x;
-    file << ' ' << (choice.fused ? 1 : 0) << ' ' << choice.algorithm << ' ' << choice.own << '\n';
+    file << ' ' << (choice.fused ? 1 : 0) << ' ' << choice.algorithm << ' ' << choice.cutlass << '\n';
   }
 
  private:
@@ -122,9 +124,8 @@ class ChoiceCache {
       Choice choice;
       in >> line_tag;
       for (auto& x : key.v) in >> x;
-      in >> fused >> choice.algorithm;
-      if (!in || line_tag != tag || choice.algorithm < 0) continue;  // other GPU, or a torn line
-      if (!(in >> choice.own)) choice.own = -1;  // a line from before the own GEMM
+      in >> fused >> choice.algorithm >> choice.cutlass;
+      if (!in || line_tag != tag || choice.algorithm < 0) continue;  // another GPU or build, or a torn line
       choice.fused = fused != 0;
       (*table)[key] = choice;
     }
@@ -152,9 +153,36 @@ void announce_first_tuning() {
 
 // FUSED_DENSE_TUNING_CANDIDATES: which kinds of candidate to measure (all when unset).
 struct CandidateKinds {
-  bool fused = true, unfused = true, own = true;
-  int own_config = -1;  // >= 0: only the own variants of this tile configuration (own:<c>)
+  bool fused = true, unfused = true, cutlass = true;
+  int cutlass_config = -1;  // >= 0: only the cutlass_sm90 variants of this tile configuration
 };
+
+// "own" (and own:<c>) is a deprecated alias of the candidate kind cutlass (cutlass:<c>): still
+// accepted, with this warning printed once per process.
+void warn_deprecated_own_spelling() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "fused_dense: FUSED_DENSE_TUNING_CANDIDATES: 'own' is deprecated, write 'cutlass' "
+                 "('own:<c>': 'cutlass:<c>')\n");
+  });
+}
+
+// Parses "<kind>" or "<kind>:<configuration>" for kind = cutlass (or its deprecated spelling);
+// false when word is neither.
+bool parse_cutlass_word(const std::string& word, const std::string& kind, CandidateKinds* kinds) {
+  if (word == kind) {
+    kinds->cutlass = true;
+    return true;
+  }
+  const std::size_t digits = word.size() - std::min(word.size(), kind.size() + 1);
+  if (digits < 1 || digits > 2 || word.compare(0, kind.size() + 1, kind + ":") != 0 ||
+      word.find_first_not_of("0123456789", kind.size() + 1) != std::string::npos)
+    return false;
+  kinds->cutlass = true;
+  kinds->cutlass_config = std::stoi(word.substr(kind.size() + 1));
+  return true;
+}
 
 CandidateKinds candidate_kinds() {
   const char* v = std::getenv("FUSED_DENSE_TUNING_CANDIDATES");
@@ -167,28 +195,26 @@ CandidateKinds candidate_kinds() {
       kinds.fused = true;
     } else if (word == "unfused") {
       kinds.unfused = true;
-    } else if (word == "own") {
-      kinds.own = true;
-    } else if (word.size() > 4 && word.size() <= 6 && word.compare(0, 4, "own:") == 0 &&
-               word.find_first_not_of("0123456789", 4) == std::string::npos) {
-      kinds.own = true;
-      kinds.own_config = std::stoi(word.substr(4));
-    } else {
+    } else if (parse_cutlass_word(word, "own", &kinds)) {
+      warn_deprecated_own_spelling();
+    } else if (!parse_cutlass_word(word, "cutlass", &kinds)) {
       throw Error("fused_dense: FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, "
-                  "unfused and own (or own:<tile configuration>, a number), got '" + std::string(v) + "'");
+                  "unfused and cutlass (or cutlass:<tile configuration>, a number), got '" + std::string(v) + "'");
     }
   }
   return kinds;
 }
 
-// " (tile configuration c, order o)" for an own GEMM variant, else empty.
-std::string own_variant_detail(const Choice& c) {
-  if (c.own < 0) return {};
-  return " (tile configuration " + std::to_string(c.own / kOwnOrders) + ", order " +
-         std::to_string(c.own % kOwnOrders) + ")";
+// " (tile configuration c, order o)" for a cutlass_sm90 variant, else empty.
+std::string cutlass_variant_detail(const Choice& c) {
+  if (c.cutlass < 0) return {};
+  return " (tile configuration " + std::to_string(c.cutlass / kCutlassOrders) + ", order " +
+         std::to_string(c.cutlass % kCutlassOrders) + ")";
 }
 
-const char* choice_kind(const Choice& c) { return c.own >= 0 ? "own GEMM variant" : c.fused ? "fused" : "unfused"; }
+const char* choice_kind(const Choice& c) {
+  return c.cutlass >= 0 ? "cutlass_sm90 variant" : c.fused ? "fused" : "unfused";
+}
 
 }  // namespace
 
@@ -197,7 +223,7 @@ bool cached_choice(int device, const TuningKey& key, Choice* choice) {
 }
 
 Choice tune(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
-            int plain_algorithms, int own_variants, const Choice& fallback, const CandidateRunner& run,
+            int plain_algorithms, int cutlass_variants, const Choice& fallback, const CandidateRunner& run,
             cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -217,10 +243,10 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     for (int i = 0; i < std::min(fused_algorithms, kMaxFusedCandidates); ++i) candidates.push_back({true, i});
   if (kinds.unfused)
     for (int i = 0; i < std::min(plain_algorithms, kMaxPlainCandidates); ++i) candidates.push_back({false, i});
-  if (kinds.own)
-    for (int i = 0; i < own_variants; ++i)
-      if (kinds.own_config < 0 || i / kOwnOrders == kinds.own_config) candidates.push_back({false, 0, i});
-  // Nothing of the kinds asked for applies (e.g. own:<c> past a kernel's configurations).
+  if (kinds.cutlass)
+    for (int i = 0; i < cutlass_variants; ++i)
+      if (kinds.cutlass_config < 0 || i / kCutlassOrders == kinds.cutlass_config) candidates.push_back({false, 0, i});
+  // Nothing of the kinds asked for applies (e.g. cutlass:<c> past a kernel's configurations).
   if (candidates.empty()) return keep_rule_choice();
 
   Event start = make_event(), stop = make_event();
@@ -300,13 +326,13 @@ Choice tune(int device, const TuningKey& key, const std::string& description, in
     std::fprintf(stderr,
                  "fused_dense: tuned %s: %s %d%s, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
                  "rounds\n",
-                 description.c_str(), choice_kind(best), best.own >= 0 ? best.own : best.algorithm,
-                 own_variant_detail(best).c_str(), best_ms, fallback_ms, measured, rounds);
+                 description.c_str(), choice_kind(best), best.cutlass >= 0 ? best.cutlass : best.algorithm,
+                 cutlass_variant_detail(best).c_str(), best_ms, fallback_ms, measured, rounds);
     if (std::string(verbose) == "2")  // every candidate's best batch, for probing the variants
       for (std::size_t i = 0; i < candidates.size(); ++i)
         std::fprintf(stderr, "fused_dense:   candidate %s %d%s: %.4f ms\n", choice_kind(candidates[i]),
-                     candidates[i].own >= 0 ? candidates[i].own : candidates[i].algorithm,
-                     own_variant_detail(candidates[i]).c_str(), rejected[i] ? -1.f : best_of[i]);
+                     candidates[i].cutlass >= 0 ? candidates[i].cutlass : candidates[i].algorithm,
+                     cutlass_variant_detail(candidates[i]).c_str(), rejected[i] ? -1.f : best_of[i]);
   }
   choice_cache().insert(device, key, best);
   return best;

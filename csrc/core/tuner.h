@@ -1,12 +1,15 @@
 // Measured choice for heuristic = auto: on the first call of a problem, time each candidate
 // (the fused epilogue with several of cuBLASLt's algorithms, plain GEMM + elementwise kernel
-// with several plain algorithms, and where it applies each variant of fused_dense's own GEMM,
-// own_dgrad_sm90.h, own_forward_sm90.h) on the caller's stream and keep the fastest, process-wide.
+// with several plain algorithms, and where it applies each variant of the library's cutlass_sm90
+// kernels, cutlass_sm90_dgrad.h and cutlass_sm90_forward.h) on the caller's stream and keep the
+// fastest, process-wide.
 // FUSED_DENSE_TUNING_CACHE=path persists choices across processes (one line per problem).
 // FUSED_DENSE_TUNING=0 disables measuring (the fixed rule is used instead).
-// FUSED_DENSE_TUNING_CANDIDATES=own,fused,unfused (any subset, comma-separated) restricts the
-// kinds of candidates measured; the tests use it to pin a path. own:<c> in place of own measures
-// only the own GEMMs' variants of tile configuration c (the tests pin each configuration so).
+// FUSED_DENSE_TUNING_CANDIDATES=cutlass,fused,unfused (any subset, comma-separated) restricts the
+// kinds of candidates measured; the tests use it to pin a path. cutlass:<c> in place of cutlass
+// measures only the cutlass_sm90 variants of tile configuration c (the tests pin each
+// configuration so). The deprecated spellings own and own:<c> are still accepted, with a
+// deprecation warning printed once to stderr.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,15 +21,17 @@
 
 namespace fused_dense::core {
 
-// fused_dense's own GEMMs number their variants configuration * kOwnOrders + order: one of the
-// kernel's tile configurations, run with one of kOwnOrders tile-scheduler orders.
-inline constexpr int kOwnOrders = 3;
+// The cutlass_sm90 kernels number their variants configuration * kCutlassOrders + order: one of
+// the kernel's tile configurations, run with one of kCutlassOrders tile-scheduler orders.
+inline constexpr int kCutlassOrders = 3;
 
 struct Choice {
   bool fused = false;
   int algorithm = 0;  // index into the fused epilogue's or the plain GEMM's algorithm list
-  int own = -1;       // >= 0: this variant of fused_dense's own GEMM instead (fused, algorithm unused)
-  bool operator==(const Choice& o) const { return fused == o.fused && algorithm == o.algorithm && own == o.own; }
+  int cutlass = -1;   // >= 0: this variant of a cutlass_sm90 kernel instead (fused, algorithm unused)
+  bool operator==(const Choice& o) const {
+    return fused == o.fused && algorithm == o.algorithm && cutlass == o.cutlass;
+  }
 };
 
 // What identifies a problem for tuning: op kind, dtype, shape and epilogue flags.
@@ -46,7 +51,7 @@ bool cached_choice(int device, const TuningKey& key, Choice* choice);
 // CUDA graph, or tuning is disabled, returns `fallback` without measuring (and without caching
 // it, so a later eager call still tunes).
 Choice tune(int device, const TuningKey& key, const std::string& description, int fused_algorithms,
-            int plain_algorithms, int own_variants, const Choice& fallback, const CandidateRunner& run,
+            int plain_algorithms, int cutlass_variants, const Choice& fallback, const CandidateRunner& run,
             cudaStream_t stream);
 
 }  // namespace fused_dense::core

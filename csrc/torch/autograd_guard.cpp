@@ -1,7 +1,7 @@
 // Autograd kernel of the raw ops: they have no derivative formulas (the autograd.Functions in
 // fused_dense/functional.py are the differentiable API). Without this kernel, a tensor that
 // requires grad would fall through to the backend kernel and the CPU reference's ATen calls
-// would record a graph of their own: gradients on CPU, silently none on CUDA. Here it is a
+// would record an autograd graph of theirs: gradients on CPU, silently none on CUDA. Here it is a
 // clear error instead; with grad mode off (as inside autograd.Function.forward) the call
 // simply continues below autograd.
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,10 +1,10 @@
 // Argument validation shared by the CPU, CUDA and Meta kernels, so every backend rejects the
 // same inputs with the same message.
+#include "checks.h"
+
 #include <c10/util/Exception.h>
 
 #include <limits>
-
-#include "reference.h"
 
 namespace fused_dense {
 namespace {
@@ -145,7 +145,8 @@ ActivationCode check_act_forward(const at::Tensor& pre_act, int64_t activation) 
 }
 
 at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act) {
-  if (act == ActivationCode::kRelu) return at::empty({rows, relu_mask_row_bytes(cols)}, like.options().dtype(at::kByte));
+  if (act == ActivationCode::kRelu)
+    return at::empty({rows, relu_mask_row_bytes(cols)}, like.options().dtype(at::kByte));
   return at::empty({rows, cols}, like.options());
 }
 

@@ -1,5 +1,6 @@
 // CUDA kernels of the ops: validate, allocate outputs and workspace from PyTorch's caching
-// allocator, then hand raw pointers to the framework-free core on the current stream.
+// allocator, then hand raw pointers to the framework-free core, with the tensors' device and that
+// device's current stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -8,6 +9,7 @@
 
 #include "../core/elementwise.h"
 #include "../core/linear.h"
+#include "checks.h"
 #include "reference.h"
 
 namespace fused_dense {
@@ -79,7 +81,7 @@ std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tenso
   at::Tensor pre_act;
   if (save_pre_act) pre_act = empty_pre_act(input, B, N, act);
 
-  core::ForwardArgs args;
+  core::LinearActArgs args;
   args.batch = B, args.in_features = input.size(1), args.out_features = N;
   args.input = input.data_ptr();
   args.weight = weight.data_ptr();
@@ -89,8 +91,8 @@ std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tenso
   args.pre_act = save_pre_act ? pre_act.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
-    auto ws = allocate_workspace(input, core::forward_workspace_bytes(input.get_device(), args));
-    core::linear_act_forward(make_context(input, ws), args);
+    auto ws = allocate_workspace(input, core::linear_act_workspace_bytes(input.get_device(), args));
+    core::linear_act(make_context(input, ws), args);
   });
   if (!save_pre_act) return {out};
   return {out, pre_act};
@@ -109,15 +111,15 @@ std::vector<at::Tensor> linear_bias_wgrad_cuda(const at::Tensor& input, const at
   at::Tensor d_bias;
   if (has_d_bias) d_bias = at::empty({N}, input.options());
 
-  core::WgradArgs args;
+  core::LinearBiasWgradArgs args;
   args.batch = input.size(0), args.in_features = K, args.out_features = N;
   args.input = input.data_ptr();
   args.d_output = d_output.data_ptr();
   args.d_weight = d_weight.data_ptr();
   args.d_bias = has_d_bias ? d_bias.data_ptr() : nullptr;
   run_core([&] {
-    auto ws = allocate_workspace(input, core::wgrad_workspace_bytes(input.get_device(), args));
-    core::linear_wgrad(make_context(input, ws), args);
+    auto ws = allocate_workspace(input, core::linear_bias_wgrad_workspace_bytes(input.get_device(), args));
+    core::linear_bias_wgrad(make_context(input, ws), args);
   });
   if (!has_d_bias) return {d_weight};
   return {d_weight, d_bias};
@@ -139,7 +141,7 @@ std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at
   if (has_d_bias) d_bias = at::empty({K}, weight.options());
   if (return_act_out) act_out = at::empty({B, K}, weight.options());
 
-  core::DgradArgs args;
+  core::ActLinearDgradArgs args;
   args.batch = B, args.in_features = K, args.out_features = weight.size(0);
   args.weight = weight.data_ptr();
   args.d_output = d_output.data_ptr();
@@ -150,7 +152,7 @@ std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at
   args.act_out = return_act_out ? act_out.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
-    auto ws = allocate_workspace(weight, core::dgrad_workspace_bytes(weight.get_device(), args));
+    auto ws = allocate_workspace(weight, core::act_linear_dgrad_workspace_bytes(weight.get_device(), args));
     core::act_linear_dgrad(make_context(weight, ws), args);
   });
   std::vector<at::Tensor> out{d_input};
@@ -168,9 +170,9 @@ at::Tensor act_forward_cuda(const at::Tensor& pre_act, int64_t activation) {
   const int64_t cols = pre_act.dim() == 0 ? 1 : pre_act.size(-1);
   const int64_t rows = cols == 0 ? 0 : pre_act.numel() / cols;
   run_core([&] {
-    core::bias_act_forward(core_dtype(pre_act.scalar_type()), act,
-                           pre_act.data_ptr(), nullptr, out.data_ptr(), nullptr, rows, cols,
-                           at::cuda::getCurrentCUDAStream(pre_act.get_device()).stream());
+    const int device = pre_act.get_device();
+    core::act_forward(core_dtype(pre_act.scalar_type()), act, pre_act.data_ptr(), out.data_ptr(), rows, cols, device,
+                      at::cuda::getCurrentCUDAStream(device).stream());
   });
   return out;
 }

@@ -2,7 +2,7 @@
 // same checks as the real kernels so tracing rejects what execution would reject.
 #include <torch/library.h>
 
-#include "reference.h"
+#include "checks.h"
 
 namespace fused_dense {
 namespace {

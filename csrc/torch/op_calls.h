@@ -1,5 +1,6 @@
-// Calls of the general ops through the dispatcher, for the kernels composed of them (the seed's
-// entry points, fused_mlp): each device's kernel runs, and each op's handle is looked up once.
+// Calls of the general ops through the dispatcher, for the kernels composed of them (the
+// flash-attn-compatible entry points, fused_mlp): each device's kernel runs, and each op's handle
+// is looked up once.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,16 +1,18 @@
 // The reference: plain ATen, device-generic. It is the CPU kernel of every op, the CUDA kernel
 // for float64, and the definition the CUDA kernels are tested against.
+#include "reference.h"
+
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#include "reference.h"
+#include "checks.h"
 
 namespace fused_dense {
 namespace {
 
 at::ScalarType math_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// The reference promises its own precision (fp32 math for 16-bit inputs); an enclosing
+// The reference promises a precision of its choosing (fp32 math for 16-bit inputs); an enclosing
 // torch.autocast must not re-cast the matmuls inside it.
 struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};

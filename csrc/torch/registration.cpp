@@ -1,9 +1,9 @@
-// The op schemas, registered once. CPU, CUDA and Meta kernels live in their own files; the
-// three flash-attn-compatible entry points are thin composites over the two general ops.
+// The op schemas, registered once. CPU, CUDA and Meta kernels live in separate files; the
+// flash-attn-compatible entry points are thin composites over the general ops.
 #include <torch/library.h>
 
+#include "checks.h"
 #include "op_calls.h"
-#include "reference.h"
 
 TORCH_LIBRARY(fused_dense, m) {
   // General forms. activation: 0 none, 1 gelu_approx (tanh), 2 relu, 3 sqrelu.
@@ -16,19 +16,15 @@ TORCH_LIBRARY(fused_dense, m) {
         "bool has_d_bias, int heuristic, bool return_act_out=False) -> Tensor[]");
   m.def("linear_bias_wgrad(Tensor input, Tensor d_output, bool has_d_bias) -> Tensor[]");
   m.def("act_forward(Tensor pre_act, int activation) -> Tensor");
-  // fc2(act(fc1(x))) for 2-D x with a C++ derivative (mlp_autograd.cpp); activation 1, 2 or 3;
-  // checkpoint_lvl 0 / 1 / 2 as in fused_dense.functional; heuristic applies to fc1's forward and
-  // the activation's backward.
-  m.def("fused_mlp(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
-        "int checkpoint_lvl, int heuristic) -> Tensor");
-  // The seed's contract (flash-attn's fused_dense_lib): is_gelu picks GELU, else ReLU.
+  // fused_mlp and its halves: fused_mlp.cpp.
+  // flash-attn's fused_dense_lib contract: is_gelu picks GELU, else ReLU.
   m.def("linear_act_forward(Tensor input, Tensor weight, Tensor? bias, bool is_gelu, "
         "bool save_pre_act, int heuristic) -> Tensor[]");
   m.def("bias_act_linear_dgrad_bgrad(Tensor weight, Tensor d_output, Tensor pre_act, bool is_gelu, "
         "int heuristic) -> Tensor[]");
-  // Whether this build holds fused_dense's own CUTLASS GEMMs (own_dgrad_sm90.h,
-  // own_forward_sm90.h), more candidates of 'auto' on compute capability 9.0.
-  m.def("own_gemm_compiled() -> bool", [] {
+  // Whether this build holds the library's cutlass_sm90 kernels (csrc/core/cutlass_sm90_dgrad.h,
+  // cutlass_sm90_forward.h), more candidates of 'auto' on compute capability 9.0.
+  m.def("cutlass_gemms_compiled() -> bool", [] {
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
     return true;
 #else

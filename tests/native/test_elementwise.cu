@@ -1,9 +1,8 @@
-// Standalone check of csrc/core/elementwise.cu against a host fp64 reference (no PyTorch).
+// Standalone check of the elementwise kernels (csrc/core/elementwise.h) against a host fp64
+// reference (no PyTorch).
 //
-// Build (from the repository root):
-//   nvcc -std=c++17 -O2 -Icsrc/core -gencode arch=compute_90,code=sm_90
-//        tests/native/test_elementwise.cu csrc/core/elementwise.cu csrc/core/types.cpp
-//        -o build/test_elementwise            (one line)
+// Build (from the repository root; extra arguments go to nvcc, e.g. -lineinfo for the sanitizers):
+//   bash tests/native/build.sh build/test_elementwise
 // Run:  build/test_elementwise            correctness suite, prints "N passed, M failed (full mode)"
 //       build/test_elementwise --quick    skip the large shapes
 //       build/test_elementwise --sanitize a few hundred small cases that still reach every kernel
@@ -49,6 +48,8 @@ int g_failed = 0;
 // --sanitize: device buffers are allocated with their exact size (view offset included) instead
 // of 64 bytes of slack, so that compute-sanitizer memcheck sees any access past the end.
 bool g_exact_alloc = false;
+// The device every case runs on (the current device at start; the library is told it explicitly).
+int g_device = 0;
 
 void record(bool ok, const std::string& name, const std::string& detail = "") {
   if (ok) {
@@ -202,7 +203,7 @@ struct DevBuf {
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   ~DevBuf() {
-    if (base) cudaFree(base);
+    if (base) CK(cudaFree(base));
   }
   void upload(const std::vector<uint8_t>& h) {
     if (bytes) CK(cudaMemcpy(ptr, h.data(), bytes, cudaMemcpyHostToDevice));
@@ -276,7 +277,7 @@ void test_forward(DType d, Activation a, int64_t rows, int64_t cols, bool use_bi
 
   try {
     bias_act_forward(d, a, xptr, use_bias ? dbias.ptr : nullptr, dout.ptr, use_pre ? dpre.ptr : nullptr, rows, cols,
-                     nullptr);
+                     g_device, nullptr);
     CK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     record(false, name, std::string("threw: ") + e.what());
@@ -413,7 +414,7 @@ void test_backward(DType d, Activation a, int64_t rows, int64_t cols, bool use_b
     try {
       act_backward_bias_grad(d, a, dg.ptr, a == Activation::kNone ? nullptr : dp.ptr, gi_ptr,
                              use_bias_grad ? dbg.ptr : nullptr, rows, cols, use_bias_grad ? dws.ptr : nullptr,
-                             ws_bytes, nullptr);
+                             ws_bytes, g_device, nullptr);
       CK(cudaDeviceSynchronize());
     } catch (const std::exception& e) {
       record(false, name, std::string("threw: ") + e.what());
@@ -472,8 +473,8 @@ void test_backward(DType d, Activation a, int64_t rows, int64_t cols, bool use_b
 }
 
 // The backward's act_out (checkpoint level 1 rebuilds act(pre) in the pass that reads pre): must
-// equal bias_act_forward's output for the same pre bit for bit, and leave grad_in and the bias
-// gradient bit-identical to a call without it.
+// equal bias_act_forward's output for the same pre bit for bit, as act_forward's must, and leave
+// grad_in and the bias gradient bit-identical to a call without it.
 void test_backward_act_out(DType d, Activation a, int64_t rows, int64_t cols, bool use_bias_grad, bool misalign,
                            uint64_t seed) {
   const std::string name = case_name("backward_act_out", d, a, rows, cols,
@@ -486,19 +487,20 @@ void test_backward_act_out(DType d, Activation a, int64_t rows, int64_t cols, bo
   for (size_t i = 0; i < n; ++i) put(d, hg, i, rng.uniform(-2.f, 2.f));
   for (size_t i = 0; i < n; ++i) put(d, hp, i, rng.uniform(-4.f, 4.f));
   const size_t off = misalign ? es : 0;
-  DevBuf dg(n * es, off), dp(n * es, off), fwd(n * es, off), gi_ref(n * es, off), gi(n * es, off), ao(n * es, off),
-      bg_ref(use_bias_grad ? cols * es : 0, off), bg(use_bias_grad ? cols * es : 0, off);
+  DevBuf dg(n * es, off), dp(n * es, off), fwd(n * es, off), op(n * es, off), gi_ref(n * es, off), gi(n * es, off),
+      ao(n * es, off), bg_ref(use_bias_grad ? cols * es : 0, off), bg(use_bias_grad ? cols * es : 0, off);
   dg.upload(hg);
   dp.upload(hp);
-  for (DevBuf* b : {&fwd, &gi_ref, &gi, &ao, &bg_ref, &bg}) b->poison();
+  for (DevBuf* b : {&fwd, &op, &gi_ref, &gi, &ao, &bg_ref, &bg}) b->poison();
   const size_t ws_bytes = use_bias_grad ? reduction_workspace_bytes(rows, cols) : 0;
   DevBuf ws(std::max<size_t>(ws_bytes, 4), 0);
   try {
-    bias_act_forward(d, a, dp.ptr, nullptr, fwd.ptr, nullptr, rows, cols, nullptr);
+    bias_act_forward(d, a, dp.ptr, nullptr, fwd.ptr, nullptr, rows, cols, g_device, nullptr);
+    act_forward(d, a, dp.ptr, op.ptr, rows, cols, g_device, nullptr);
     act_backward_bias_grad(d, a, dg.ptr, dp.ptr, gi_ref.ptr, use_bias_grad ? bg_ref.ptr : nullptr, rows, cols,
-                           use_bias_grad ? ws.ptr : nullptr, ws_bytes, nullptr);
+                           use_bias_grad ? ws.ptr : nullptr, ws_bytes, g_device, nullptr);
     act_backward_bias_grad(d, a, dg.ptr, dp.ptr, gi.ptr, use_bias_grad ? bg.ptr : nullptr, rows, cols,
-                           use_bias_grad ? ws.ptr : nullptr, ws_bytes, nullptr, ao.ptr);
+                           use_bias_grad ? ws.ptr : nullptr, ws_bytes, g_device, nullptr, ao.ptr);
     CK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
     record(false, name, std::string("threw: ") + e.what());
@@ -506,13 +508,16 @@ void test_backward_act_out(DType d, Activation a, int64_t rows, int64_t cols, bo
   }
   std::string detail;
   if (ao.download() != fwd.download()) detail = "act_out differs from bias_act_forward's output";
+  else if (op.download() != fwd.download()) detail = "act_forward differs from bias_act_forward's output";
   else if (gi.download() != gi_ref.download()) detail = "grad_in differs from the call without act_out";
-  else if (use_bias_grad && bg.download() != bg_ref.download()) detail = "bias_grad differs from the call without act_out";
+  else if (use_bias_grad && bg.download() != bg_ref.download())
+    detail = "bias_grad differs from the call without act_out";
   record(detail.empty(), name, detail);
 }
 
 // ----------------------------------------------------------------------------------------------
-// sum_partials: out[j] = sum over p of partial[p * stride + j] (the own GEMM's bias gradient).
+// sum_partials: out[j] = sum over p of partial[p * stride + j] (the cutlass_sm90 data gradient's
+// bias gradient).
 // The padding columns [cols, stride) hold 1e30 so that reading them shows; out has one poisoned
 // element past cols that must stay poisoned.
 
@@ -537,7 +542,7 @@ void test_sum_partials(DType d, int64_t nparts, int64_t stride, int64_t cols, ui
   sum_partials(d, reinterpret_cast<const float*>(dp.ptr), stride, nparts, cols, out2.ptr, nullptr);
   CK(cudaDeviceSynchronize());
   const auto got = out.download(), again = out2.download();
-  // the output's own rounding, plus fp32 summation error over nparts terms
+  // the output's rounding, plus fp32 summation error over nparts terms
   const double tol = (d == DType::kFloat32 ? 0.0 : d == DType::kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8));
   std::string detail;
   for (int64_t j = 0; j < cols && detail.empty(); ++j) {
@@ -575,44 +580,46 @@ void expect_throw(const std::string& name, const std::function<void()>& f) {
 void test_errors() {
   DevBuf a(4096, 0), b(4096, 0), c(4096, 0);
   expect_throw("error/negative rows fwd", [&] {
-    bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, b.ptr, nullptr, -1, 8, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, b.ptr, nullptr, -1, 8, g_device, nullptr);
   });
   expect_throw("error/negative cols bwd", [&] {
     act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, nullptr, 4, -8, nullptr, 0,
-                           nullptr);
+                           g_device, nullptr);
   });
   expect_throw("error/negative rows ws", [&] { reduction_workspace_bytes(-3, 8); });
   expect_throw("error/bad activation", [&] {
-    bias_act_forward(DType::kFloat16, static_cast<Activation>(7), a.ptr, nullptr, b.ptr, nullptr, 4, 8, nullptr);
+    bias_act_forward(DType::kFloat16, static_cast<Activation>(7), a.ptr, nullptr, b.ptr, nullptr, 4, 8, g_device,
+                     nullptr);
   });
   expect_throw("error/bad dtype", [&] {
-    bias_act_forward(static_cast<DType>(9), Activation::kRelu, a.ptr, nullptr, b.ptr, nullptr, 4, 8, nullptr);
+    bias_act_forward(static_cast<DType>(9), Activation::kRelu, a.ptr, nullptr, b.ptr, nullptr, 4, 8, g_device, nullptr);
   });
   expect_throw("error/workspace too small", [&] {
     act_backward_bias_grad(DType::kFloat32, Activation::kRelu, a.ptr, b.ptr, c.ptr, c.ptr + 2048, 4, 64, b.ptr + 1024,
-                           64 * 4 - 4, nullptr);
+                           64 * 4 - 4, g_device, nullptr);
   });
   expect_throw("error/null workspace", [&] {
     act_backward_bias_grad(DType::kFloat32, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, c.ptr + 2048, 4, 64, nullptr,
-                           1 << 20, nullptr);
+                           1 << 20, g_device, nullptr);
   });
   expect_throw("error/relu mask overlaps x", [&] {
-    bias_act_forward(DType::kFloat16, Activation::kRelu, a.ptr, nullptr, b.ptr, a.ptr, 4, 64, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kRelu, a.ptr, nullptr, b.ptr, a.ptr, 4, 64, g_device, nullptr);
   });
   expect_throw("error/partial overlap x,out", [&] {
-    bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, a.ptr + 2, nullptr, 4, 64, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, a.ptr + 2, nullptr, 4, 64, g_device,
+                     nullptr);
   });
   expect_throw("error/null pre_act for gelu backward", [&] {
     act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, c.ptr, nullptr, 4, 64, nullptr, 0,
-                           nullptr);
+                           g_device, nullptr);
   });
   expect_throw("error/act_out with a relu mask", [&] {
     act_backward_bias_grad(DType::kFloat16, Activation::kRelu, a.ptr, b.ptr, c.ptr, nullptr, 4, 64, nullptr, 0,
-                           nullptr, c.ptr + 1024);
+                           g_device, nullptr, c.ptr + 1024);
   });
   expect_throw("error/act_out overlaps grad_in", [&] {
     act_backward_bias_grad(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, c.ptr, nullptr, 4, 64, nullptr, 0,
-                           nullptr, c.ptr + 64);
+                           g_device, nullptr, c.ptr + 64);
   });
   expect_throw("error/sum_partials stride < cols", [&] {
     sum_partials(DType::kFloat32, reinterpret_cast<const float*>(a.ptr), 63, 2, 64, b.ptr, nullptr);
@@ -623,10 +630,10 @@ void test_errors() {
   // Empty problems are legal no-ops.
   bool ok = true;
   try {
-    bias_act_forward(DType::kFloat16, Activation::kRelu, nullptr, nullptr, nullptr, nullptr, 0, 5, nullptr);
-    bias_act_forward(DType::kFloat16, Activation::kRelu, nullptr, nullptr, nullptr, nullptr, 5, 0, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kRelu, nullptr, nullptr, nullptr, nullptr, 0, 5, g_device, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kRelu, nullptr, nullptr, nullptr, nullptr, 5, 0, g_device, nullptr);
     act_backward_bias_grad(DType::kBFloat16, Activation::kGeluTanh, nullptr, nullptr, nullptr, nullptr, 7, 0, nullptr,
-                           0, nullptr);
+                           0, g_device, nullptr);
     ok = reduction_workspace_bytes(0, 100) == 0 && reduction_workspace_bytes(100, 0) == 0;
     CK(cudaDeviceSynchronize());
   } catch (const std::exception& e) {
@@ -637,7 +644,7 @@ void test_errors() {
 
 // ----------------------------------------------------------------------------------------------
 // --sanitize: far fewer cases than --quick (which took more than 360 s under compute-sanitizer),
-// chosen so that every kernel instantiation of elementwise.cu still runs (dtype x activation x
+// chosen so that every elementwise kernel instantiation still runs (dtype x activation x
 // vector/scalar path x ReLU mask or not, flat backward and column-sum backward, finalize), with
 // and without bias / pre_act (mask) / bias_grad, in place and out of place, misaligned, at the
 // edge widths, and with the multi-block grids. Every case is a test_forward / test_backward call,
@@ -660,14 +667,14 @@ void test_errors() {
 //   h  no bias_grad, out of place, misaligned
 //
 // Shapes (rows x cols). Vector widths: 8 elements for fp16/bf16, 4 for fp32; the ReLU mask
-// kernels vectorize at cols % 8 == 0. Thresholds in elementwise.cu: a flat kernel takes
-// ceil(items / 512) blocks; the bias gradient uses ceil(rows / 64) row chunks (kMinRowsPerChunk;
-// the other cap, ceil(1056 / column tiles), binds only past 22528 rows at 600 columns), column
-// tiles of at most 64 (scalar) or 256 (vector) columns, finalize blocks of 32 columns; the
-// 4-rows-in-flight loop of the column sum runs when a chunk has more than 3 * (256 / tile
-// threads) rows. So 257 and 300 rows already take the multi-chunk workspace path (5 chunks; 2
-// with half the workspace, 1 with the minimum) with several column tiles and finalize blocks:
-// no larger case is needed.
+// kernels vectorize at cols % 8 == 0. Thresholds (flat_grid.cuh, bias_grad_reduction.cu,
+// sum_partials.cu): a flat kernel takes ceil(items / 512) blocks; the bias gradient uses
+// ceil(rows / 64) row chunks (kMinRowsPerChunk; the other cap, ceil(1056 / column tiles), binds
+// only past 22528 rows at 600 columns), column tiles of at most 64 (scalar) or 256 (vector)
+// columns, finalize blocks of 32 columns; the 4-rows-in-flight loop of the column sum runs when a
+// chunk has more than 3 * (256 / tile threads) rows. So 257 and 300 rows already take the
+// multi-chunk workspace path (5 chunks; 2 with half the workspace, 1 with the minimum) with
+// several column tiles and finalize blocks: no larger case is needed.
 //   0 x 13      no rows: forward is a no-op, bias_grad is set to 0
 //   5 x 0       no columns: both are no-ops
 //   3 x 1       width 1 (scalar, one mask bit per row)
@@ -784,43 +791,43 @@ void bench() {
       CK(cudaMemcpyAsync(out.ptr, x.ptr, n * es, cudaMemcpyDeviceToDevice));
     });
     timeit("fwd gelu +bias +pre", 3 * m, [&] {
-      bias_act_forward(d, Activation::kGeluTanh, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, nullptr);
+      bias_act_forward(d, Activation::kGeluTanh, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, g_device, nullptr);
     });
     timeit("fwd gelu +bias, in place", 2 * m, [&] {
-      bias_act_forward(d, Activation::kGeluTanh, out.ptr, bias.ptr, out.ptr, nullptr, rows, cols, nullptr);
+      bias_act_forward(d, Activation::kGeluTanh, out.ptr, bias.ptr, out.ptr, nullptr, rows, cols, g_device, nullptr);
     });
     timeit("fwd gelu, in place (unfused path: bias in the GEMM)", 2 * m, [&] {
-      bias_act_forward(d, Activation::kGeluTanh, out.ptr, nullptr, out.ptr, nullptr, rows, cols, nullptr);
+      bias_act_forward(d, Activation::kGeluTanh, out.ptr, nullptr, out.ptr, nullptr, rows, cols, g_device, nullptr);
     });
     timeit("fwd relu +bias +mask", 2 * m + n / 8.0, [&] {
-      bias_act_forward(d, Activation::kRelu, x.ptr, bias.ptr, out.ptr, mask.ptr, rows, cols, nullptr);
+      bias_act_forward(d, Activation::kRelu, x.ptr, bias.ptr, out.ptr, mask.ptr, rows, cols, g_device, nullptr);
     });
     timeit("fwd sqrelu +bias +pre", 3 * m, [&] {
-      bias_act_forward(d, Activation::kSquaredRelu, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, nullptr);
+      bias_act_forward(d, Activation::kSquaredRelu, x.ptr, bias.ptr, out.ptr, pre.ptr, rows, cols, g_device, nullptr);
     });
     timeit("bwd gelu", 3 * m, [&] {
       act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, nullptr, rows, cols, nullptr, 0,
-                             nullptr);
+                             g_device, nullptr);
     });
     timeit("bwd gelu +bias_grad", 3 * m, [&] {
       act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
-                             nullptr);
+                             g_device, nullptr);
     });
     timeit("bwd gelu +bias_grad +act_out (level-1 rebuild)", 4 * m, [&] {
       act_backward_bias_grad(d, Activation::kGeluTanh, x.ptr, pre.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
-                             nullptr, ao.ptr);
+                             g_device, nullptr, ao.ptr);
     });
     timeit("bwd relu(mask) +bias_grad", 2 * m + n / 8.0, [&] {
       act_backward_bias_grad(d, Activation::kRelu, x.ptr, mask.ptr, out.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
-                             nullptr);
+                             g_device, nullptr);
     });
     timeit("bwd none +bias_grad (grad_in=grad)", m, [&] {
       act_backward_bias_grad(d, Activation::kNone, x.ptr, nullptr, x.ptr, bg.ptr, rows, cols, ws.ptr, ws_bytes,
-                             nullptr);
+                             g_device, nullptr);
     });
     timeit("bwd sqrelu +bias_grad, misaligned (scalar path)", 3 * m - 3 * es, [&] {
       act_backward_bias_grad(d, Activation::kSquaredRelu, x.ptr + es, pre.ptr + es, out.ptr + es, bg.ptr, rows,
-                             cols - 1, ws.ptr, ws_bytes, nullptr);
+                             cols - 1, ws.ptr, ws_bytes, g_device, nullptr);
     });
     CK(cudaEventDestroy(e0));
     CK(cudaEventDestroy(e1));
@@ -842,6 +849,7 @@ int main(int argc, char** argv) {
     std::printf("no CUDA device\n");
     return 2;
   }
+  CK(cudaGetDevice(&g_device));
 
   const DType dtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32};
   const Activation acts[] = {Activation::kNone, Activation::kGeluTanh, Activation::kRelu, Activation::kSquaredRelu};
@@ -893,7 +901,8 @@ int main(int argc, char** argv) {
     }
   }
 
-  // The own GEMM's shapes (parts = row tiles of 128 over B, stride = K padded to 128) and edges:
+  // The cutlass_sm90 data gradient's shapes (parts = row tiles of 128 over B, stride = K padded to
+  // 128) and edges:
   // no parts (zeros), one column, a stride wider than cols, several column blocks of 32, more
   // column blocks than the grid (its column-block loop), parts not a multiple of the 8 part lanes.
   {

@@ -1,0 +1,339 @@
+// fused_dense::fused_mlp: fc2(act(fc1(x))) with the checkpoint rules written once, here.
+//
+// Three layers share one plan (MlpPlan: what the forward keeps for backward, what backward
+// recomputes) and one forward / backward body:
+//   * fused_mlp                — the op with a C++ autograd Function (FusedMLPFunction): what
+//                                fused_dense.fused_mlp_func and FusedMLP run on one process;
+//   * fused_mlp_train_forward /
+//     fused_mlp_backward       — the same two halves as ops, for an autograd Function that adds
+//                                communication between them (fused_dense.functional.FusedMLPFunc,
+//                                the tensor-parallel path): it calls these and holds no rule;
+//   * fused_mlp_plan           — the plan itself, so that Function knows what to save and when
+//                                its input must be gathered.
+// Everything is composed of the general ops through the dispatcher, so it serves CPU, CUDA and
+// Meta alike. The rules are stated in docs/contract.md ("Checkpoint levels").
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "op_calls.h"
+#include "reference.h"
+
+namespace fused_dense {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Opt = std::optional<at::Tensor>;
+
+constexpr int64_t kNone = static_cast<int64_t>(ActivationCode::kNone);
+constexpr int64_t kRelu = static_cast<int64_t>(ActivationCode::kRelu);
+
+Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
+
+// Which inputs need a gradient: x, weight1, bias1, weight2, bias2 (an absent bias: false).
+struct MlpNeeds {
+  bool x = false, w1 = false, b1 = false, w2 = false, b2 = false;
+};
+
+MlpNeeds needs_from_list(const c10::List<bool>& needs, const char* op) {
+  TORCH_CHECK_VALUE(needs.size() == 5, op,
+                    ": needs_input_grad must hold 5 flags (x, weight1, bias1, weight2, bias2), got ", needs.size());
+  return MlpNeeds{needs.get(0), needs.get(1), needs.get(2), needs.get(3), needs.get(4)};
+}
+
+void check_mlp_codes(int64_t activation, int64_t checkpoint_lvl, const char* op) {
+  TORCH_CHECK_VALUE(activation == 1 || activation == 2 || activation == 3, op,
+                    ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
+                    activation_name(activation), ")");
+  TORCH_CHECK_VALUE(checkpoint_lvl >= 0 && checkpoint_lvl <= 2, op, ": checkpoint_lvl must be 0, 1 or 2, got ",
+                    checkpoint_lvl);
+}
+
+// The checkpoint rules.
+//   level 0: keep x, the pre-activation and act(fc1(x));
+//   level 1: keep x and the pre-activation, rebuild act(fc1(x)) in backward; ReLU keeps its
+//            bit-mask and its output, as at level 0 (the mask cannot rebuild the output);
+//   level 2: keep x; re-run fc1 in backward.
+// Only what some requested gradient reads is kept.
+struct MlpPlan {
+  MlpNeeds need;
+  bool need_d_pre = false;     // a gradient flows back through the activation
+  bool need_act_out = false;   // fc2's weight gradient reads act(fc1(x))
+  bool keep_pre = false;       // the forward saves the pre-activation (ReLU: its bit-mask)
+  bool keep_act_out = false;   // the forward saves act(fc1(x))
+  bool recompute_fc1 = false;  // backward re-runs fc1 from x before anything else
+  bool save_x = false, save_w1 = false, save_b1 = false, save_w2 = false;
+};
+
+MlpPlan make_plan(int64_t activation, int64_t checkpoint_lvl, MlpNeeds need, const char* op) {
+  check_mlp_codes(activation, checkpoint_lvl, op);
+  MlpPlan p;
+  p.need = need;
+  p.need_d_pre = need.x || need.w1 || need.b1;
+  p.need_act_out = need.w2;
+  const bool level0_outputs = checkpoint_lvl == 0 || (checkpoint_lvl == 1 && activation == kRelu);
+  if (checkpoint_lvl == 2) {
+    p.keep_pre = false;
+  } else if (level0_outputs) {
+    p.keep_pre = p.need_d_pre;
+  } else {  // level 1: the pre-activation also rebuilds the activation output
+    p.keep_pre = p.need_d_pre || p.need_act_out;
+  }
+  p.keep_act_out = level0_outputs && p.need_act_out;
+  p.recompute_fc1 = checkpoint_lvl == 2 && (p.need_d_pre || p.need_act_out);
+  p.save_x = need.w1 || p.recompute_fc1;
+  p.save_w1 = need.x || p.recompute_fc1;
+  p.save_b1 = p.recompute_fc1;
+  p.save_w2 = p.need_d_pre;
+  return p;
+}
+
+// The op's own argument names in its errors; the general ops check the rest (dtypes, devices,
+// contiguity, bias shapes) as they are called.
+void check_shapes(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& weight2, const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK(weight1.dim() == 2 && weight2.dim() == 2, op, ": weight1 and weight2 must be 2-D, got shapes ",
+              weight1.sizes(), " and ", weight2.sizes());
+  TORCH_CHECK(weight1.size(1) == x.size(1), op, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
+              " (in_features), got weight1 shape ", weight1.sizes());
+  TORCH_CHECK(weight2.size(1) == weight1.size(0), op, ": weight2.size(1) must equal weight1.size(0) = ",
+              weight1.size(0), " (hidden_features), got weight2 shape ", weight2.sizes());
+}
+
+// d_output.sum(0) alone (fc2's weight needs no gradient), accumulated in fp32 for 16-bit types.
+at::Tensor bias_grad(const at::Tensor& d_output) {
+  const auto t = d_output.scalar_type();
+  if (t == at::kHalf || t == at::kBFloat16) return d_output.sum(0, false, at::kFloat).to(t);
+  return d_output.sum(0);
+}
+
+// What the forward keeps for backward, beyond the inputs named by the plan's save_* flags.
+struct MlpSaved {
+  at::Tensor pre_act, act_out;
+};
+
+at::Tensor mlp_forward(const MlpPlan& p, const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& bias1,
+                       const at::Tensor& weight2, const at::Tensor& bias2, int64_t activation, int64_t heuristic,
+                       MlpSaved* saved) {
+  auto fc1 = op_calls::linear_act(x, weight1, opt(bias1), activation, p.keep_pre, heuristic);
+  auto out = op_calls::linear_act(fc1[0], weight2, opt(bias2), kNone, false, kHeuristicAuto)[0];
+  if (saved != nullptr) {
+    saved->pre_act = p.keep_pre ? fc1[1] : at::Tensor();
+    saved->act_out = p.keep_act_out ? fc1[0] : at::Tensor();
+  }
+  return out;
+}
+
+// Gradients of everything but weight1 (whose GEMM the tensor-parallel Function overlaps with the
+// input gradient's reduction), plus d_pre, the gradient at the pre-activation that weight1's
+// gradient reads. x is needed only when the plan recomputes fc1.
+struct MlpGrads {
+  at::Tensor d_pre, x, b1, w2, b2;
+};
+
+MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight1,
+                      const at::Tensor& bias1, const at::Tensor& weight2, MlpSaved s, int64_t activation,
+                      int64_t heuristic) {
+  MlpGrads r;
+  if (p.recompute_fc1) {
+    auto fc1 = op_calls::linear_act(x, weight1, opt(bias1), activation, p.need_d_pre, heuristic);
+    s.act_out = fc1[0];
+    if (p.need_d_pre) s.pre_act = fc1[1];
+  }
+  // Level 1 rebuilds act(pre_act) for fc2's weight gradient; with a gradient through the
+  // activation, in the activation-backward pass, which reads pre_act anyway.
+  const bool rebuild_act_out = !s.act_out.defined() && p.need_act_out;
+  if (p.need_d_pre) {
+    auto d = op_calls::act_linear_dgrad(weight2, g, opt(s.pre_act), activation, p.need.b1, heuristic,
+                                        rebuild_act_out);
+    r.d_pre = d[0];
+    if (p.need.b1) r.b1 = d[1];
+    if (rebuild_act_out) s.act_out = d.back();
+  } else if (rebuild_act_out) {
+    s.act_out = op_calls::act_forward(s.pre_act, activation);
+  }
+  if (p.need.w2) {
+    auto w = op_calls::linear_bias_wgrad(s.act_out, g, p.need.b2);
+    r.w2 = w[0];
+    if (p.need.b2) r.b2 = w[1];
+  } else if (p.need.b2) {
+    r.b2 = bias_grad(g);
+  }
+  if (p.need.x) r.x = op_calls::act_linear_dgrad(weight1, r.d_pre, std::nullopt, kNone, false, kHeuristicAuto,
+                                                 false)[0];
+  return r;
+}
+
+at::Tensor weight1_grad(const at::Tensor& x, const at::Tensor& d_pre) {
+  return op_calls::linear_bias_wgrad(x, d_pre, false)[0];
+}
+
+constexpr const char* kOp = "fused_dense::fused_mlp";
+
+struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
+  // An absent bias is not a variable input: the inputs' positions in needs_input_grad skip it.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight1, const Opt& b1,
+                            const at::Tensor& weight2, const Opt& b2, int64_t activation, int64_t checkpoint_lvl,
+                            int64_t heuristic) {
+    const at::Tensor bias1 = b1.value_or(at::Tensor()), bias2 = b2.value_or(at::Tensor());
+    // The ops below record nothing (grad mode is off here): skip their Autograd kernel outright.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    size_t edge = 0;
+    MlpNeeds need;
+    need.x = ctx->needs_input_grad(edge++);
+    need.w1 = ctx->needs_input_grad(edge++);
+    need.b1 = bias1.defined() && ctx->needs_input_grad(edge++);
+    need.w2 = ctx->needs_input_grad(edge++);
+    need.b2 = bias2.defined() && ctx->needs_input_grad(edge++);
+    const MlpPlan p = make_plan(activation, checkpoint_lvl, need, kOp);
+    MlpSaved s;
+    auto out = mlp_forward(p, x, weight1, bias1, weight2, bias2, activation, heuristic, &s);
+    ctx->saved_data["needs"] = c10::List<bool>({need.x, need.w1, need.b1, need.w2, need.b2});
+    ctx->saved_data["activation"] = activation;
+    ctx->saved_data["checkpoint_lvl"] = checkpoint_lvl;
+    ctx->saved_data["heuristic"] = heuristic;
+    ctx->save_for_backward({p.save_x ? x : at::Tensor(), p.save_w1 ? weight1 : at::Tensor(),
+                            p.save_b1 ? bias1 : at::Tensor(), p.save_w2 ? weight2 : at::Tensor(), s.pre_act,
+                            s.act_out});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    // The gradients are computed by ops without derivatives: a graph of them cannot be built.
+    TORCH_CHECK(!at::GradMode::is_enabled(), kOp, ": double backward (create_graph=True) is "
+                "not supported; the raw fused_dense ops have no derivative");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto saved = ctx->get_saved_variables();
+    const auto flags = ctx->saved_data["needs"].toBoolList();
+    const MlpNeeds need{flags.get(0), flags.get(1), flags.get(2), flags.get(3), flags.get(4)};
+    const int64_t activation = ctx->saved_data["activation"].toInt();
+    const int64_t heuristic = ctx->saved_data["heuristic"].toInt();
+    const MlpPlan p = make_plan(activation, ctx->saved_data["checkpoint_lvl"].toInt(), need, kOp);
+    const at::Tensor g = grad_outputs[0].contiguous();
+    MlpGrads r = mlp_backward(p, g, saved[0], saved[1], saved[2], saved[3], MlpSaved{saved[4], saved[5]},
+                              activation, heuristic);
+    at::Tensor grad_w1 = need.w1 ? weight1_grad(saved[0], r.d_pre) : at::Tensor();
+    // one entry per forward argument; an absent bias and the three integers have none
+    return {r.x, grad_w1, r.b1, r.w2, r.b2, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor fused_mlp_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
+                             const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
+                             int64_t heuristic) {
+  check_shapes(x, weight1, weight2, kOp);
+  const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kOp);
+  return mlp_forward(p, x, weight1, bias1.value_or(at::Tensor()), weight2, bias2.value_or(at::Tensor()),
+                     activation, heuristic, nullptr);
+}
+
+at::Tensor fused_mlp_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
+                              const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
+                              int64_t heuristic) {
+  check_shapes(x, weight1, weight2, kOp);
+  check_mlp_codes(activation, checkpoint_lvl, kOp);
+  const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() ||
+      !(x.requires_grad() || weight1.requires_grad() || requires(bias1) || weight2.requires_grad() ||
+        requires(bias2))) {
+    // nothing to differentiate: nothing saved, no graph node
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fused_mlp_forward(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, heuristic);
+  }
+  return FusedMLPFunction::apply(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, heuristic);
+}
+
+// ---- the halves as ops, for the tensor-parallel autograd Function ----
+
+constexpr const char* kPlanOp = "fused_dense::fused_mlp_plan";
+constexpr const char* kTrainForwardOp = "fused_dense::fused_mlp_train_forward";
+constexpr const char* kBackwardOp = "fused_dense::fused_mlp_backward";
+
+// [keep_pre, keep_act_out, recompute_fc1, save_x, save_weight1, save_bias1, save_weight2]
+c10::List<bool> fused_mlp_plan(int64_t activation, int64_t checkpoint_lvl, const c10::List<bool>& needs) {
+  const MlpPlan p = make_plan(activation, checkpoint_lvl, needs_from_list(needs, kPlanOp), kPlanOp);
+  return c10::List<bool>({p.keep_pre, p.keep_act_out, p.recompute_fc1, p.save_x, p.save_w1, p.save_b1, p.save_w2});
+}
+
+// [out] + [pre_act if keep_pre] + [act_out if keep_act_out]
+std::vector<at::Tensor> fused_mlp_train_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
+                                                const at::Tensor& weight2, const Opt& bias2, int64_t activation,
+                                                int64_t checkpoint_lvl, int64_t heuristic,
+                                                const c10::List<bool>& needs) {
+  check_shapes(x, weight1, weight2, kTrainForwardOp);
+  const MlpPlan p =
+      make_plan(activation, checkpoint_lvl, needs_from_list(needs, kTrainForwardOp), kTrainForwardOp);
+  MlpSaved s;
+  std::vector<at::Tensor> res{mlp_forward(p, x, weight1, bias1.value_or(at::Tensor()), weight2,
+                                          bias2.value_or(at::Tensor()), activation, heuristic, &s)};
+  if (p.keep_pre) res.push_back(s.pre_act);
+  if (p.keep_act_out) res.push_back(s.act_out);
+  return res;
+}
+
+// [d_pre if weight1 needs a gradient] + [grad_x] + [grad_bias1] + [grad_weight2] + [grad_bias2],
+// each only where that input needs a gradient. x: given when the plan recomputes fc1 (else None).
+std::vector<at::Tensor> fused_mlp_backward(const at::Tensor& grad_out, const Opt& x, const Opt& weight1,
+                                           const Opt& bias1, const Opt& weight2, at::TensorList saved,
+                                           int64_t activation, int64_t checkpoint_lvl, int64_t heuristic,
+                                           const c10::List<bool>& needs) {
+  const MlpPlan p = make_plan(activation, checkpoint_lvl, needs_from_list(needs, kBackwardOp), kBackwardOp);
+  const size_t expected = static_cast<size_t>(p.keep_pre) + static_cast<size_t>(p.keep_act_out);
+  TORCH_CHECK_VALUE(saved.size() == expected, kBackwardOp, ": saved must hold the ", expected,
+                    " tensor(s) fused_mlp_train_forward returned after out for this plan, got ", saved.size());
+  const auto need_given = [](bool needed, const Opt& t, const char* name) {
+    TORCH_CHECK_VALUE(!needed || (t.has_value() && t->defined()), kBackwardOp, ": ", name,
+                      " is required by this plan, got None");
+  };
+  need_given(p.recompute_fc1, x, "x");
+  need_given(p.need.x || p.recompute_fc1, weight1, "weight1");
+  need_given(p.need_d_pre, weight2, "weight2");
+  MlpSaved s;
+  size_t i = 0;
+  if (p.keep_pre) s.pre_act = saved[i++];
+  if (p.keep_act_out) s.act_out = saved[i++];
+  const auto val = [](const Opt& t) { return t.value_or(at::Tensor()); };
+  MlpGrads r = mlp_backward(p, grad_out.contiguous(), val(x), val(weight1), val(bias1), val(weight2), s,
+                            activation, heuristic);
+  std::vector<at::Tensor> res;
+  if (p.need.w1) res.push_back(r.d_pre);
+  if (p.need.x) res.push_back(r.x);
+  if (p.need.b1) res.push_back(r.b1);
+  if (p.need.w2) res.push_back(r.w2);
+  if (p.need.b2) res.push_back(r.b2);
+  return res;
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
+  // fc2(act(fc1(x))) for 2-D x with a C++ derivative; activation 1, 2 or 3; checkpoint_lvl 0 / 1 / 2;
+  // heuristic applies to fc1's forward and the activation's backward.
+  m.def("fused_mlp(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
+        "int checkpoint_lvl, int heuristic) -> Tensor");
+  // needs_input_grad: x, weight1, bias1, weight2, bias2.
+  m.def("fused_mlp_plan(int activation, int checkpoint_lvl, bool[] needs_input_grad) -> bool[]",
+        &fused_dense::fused_mlp_plan);
+  m.def("fused_mlp_train_forward(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, "
+        "int activation, int checkpoint_lvl, int heuristic, bool[] needs_input_grad) -> Tensor[]");
+  m.def("fused_mlp_backward(Tensor grad_out, Tensor? x, Tensor? weight1, Tensor? bias1, Tensor? weight2, "
+        "Tensor[] saved, int activation, int checkpoint_lvl, int heuristic, bool[] needs_input_grad) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, CompositeExplicitAutograd, m) {
+  m.impl("fused_mlp", &fused_dense::fused_mlp_forward);
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, Autograd, m) {
+  m.impl("fused_mlp", &fused_dense::fused_mlp_autograd);
+}
+
+// The halves decompose into the general ops (whose Autograd kernel refuses tensors that require
+// grad while grad mode is on): they are called from inside an autograd Function's forward / backward.
+TORCH_LIBRARY_IMPL(fused_dense, CompositeImplicitAutograd, m) {
+  m.impl("fused_mlp_train_forward", &fused_dense::fused_mlp_train_forward);
+  m.impl("fused_mlp_backward", &fused_dense::fused_mlp_backward);
+}

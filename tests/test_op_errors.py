@@ -1,0 +1,195 @@
+"""Bad inputs to the raw ops, their Python wrappers and fused_dense_lib: each raises the documented
+error class (RuntimeError for tensors that break the op contract, ValueError for bad codes and
+options; docs/contract.md) with a message naming the argument, what was expected and what was given.
+The Meta kernels reject the same inputs with the same message, and on CUDA an operand on another
+device is refused. The refusal of inputs that require grad is in test_op_registration.py.
+"""
+import pytest
+import torch
+
+import fused_dense_lib
+from fused_dense import ops
+
+from op_checks import OPS, noncontig, random_mask, randn, tensor
+
+X, W, BIAS = (3, 5), (7, 5), (7,)  # linear_act: input [B=3, K=5], weight [N=7, K=5]
+DW, DO = (7, 5), (3, 7)            # dgrad: weight [N=7, K=5], d_output [B=3, N=7], pre_act [3, 5]
+LA, AD, WG, AF = OPS.linear_act, OPS.act_linear_dgrad, OPS.linear_bias_wgrad, OPS.act_forward
+
+# (id, callable, exception class, fragments the message must contain)
+ERROR_CASES = [
+    # --- linear_act
+    ("la-input-1d", lambda: LA(tensor(5), tensor(*W), None, 1, False, -1), RuntimeError, ["input", "2-D", "1-D", "[5]"]),
+    ("la-input-3d", lambda: LA(tensor(2, 3, 5), tensor(*W), None, 1, False, -1), RuntimeError, ["input", "2-D", "3-D"]),
+    ("la-weight-1d", lambda: LA(tensor(*X), tensor(5), None, 1, False, -1), RuntimeError, ["weight", "2-D", "1-D"]),
+    ("la-dtype-mismatch", lambda: LA(tensor(*X), tensor(*W, dtype=torch.float64), None, 1, False, -1), RuntimeError,
+     ["weight", "dtype", "input", "Float", "Double"]),
+    ("la-half-vs-bf16", lambda: LA(tensor(*X, dtype=torch.half), tensor(*W, dtype=torch.bfloat16), None, 1, False, -1),
+     RuntimeError, ["weight", "Half", "BFloat16"]),
+    ("la-int-dtype", lambda: LA(tensor(*X, dtype=torch.int32), tensor(*W, dtype=torch.int32), None, 1, False, -1),
+     RuntimeError, ["input", "float16, bfloat16, float32 or float64", "Int"]),
+    ("la-long-dtype", lambda: LA(tensor(*X, dtype=torch.int64), tensor(*W, dtype=torch.int64), None, 0, False, -1),
+     RuntimeError, ["input", "Long"]),
+    ("la-float8-dtype", lambda: LA(tensor(*X).to(torch.float8_e4m3fn), tensor(*W).to(torch.float8_e4m3fn), None, 1, False, -1),
+     RuntimeError, ["input", "Float8_e4m3fn"]),
+    ("la-input-noncontig", lambda: LA(noncontig(*X), tensor(*W), None, 1, False, -1), RuntimeError,
+     ["input", "contiguous", "strides", "[1, 3]"]),
+    ("la-input-expanded", lambda: LA(torch.randn(1, 5).expand(3, 5), tensor(*W), None, 1, False, -1), RuntimeError,
+     ["input", "contiguous", "[0, 1]"]),
+    ("la-weight-noncontig", lambda: LA(tensor(*X), noncontig(*W), None, 1, False, -1), RuntimeError,
+     ["weight", "contiguous", "[1, 7]"]),
+    ("la-in-features", lambda: LA(tensor(*X), tensor(7, 6), None, 1, False, -1), RuntimeError,
+     ["in_features", "weight.size(1) = 6", "[3, 5]", "[7, 6]"]),
+    ("la-bias-shape", lambda: LA(tensor(*X), tensor(*W), tensor(6), 1, False, -1), RuntimeError, ["bias", "[7]", "[6]"]),
+    ("la-bias-2d", lambda: LA(tensor(*X), tensor(*W), tensor(1, 7), 1, False, -1), RuntimeError, ["bias", "[7]", "[1, 7]"]),
+    ("la-bias-dtype", lambda: LA(tensor(*X), tensor(*W), tensor(7, dtype=torch.float64), 1, False, -1), RuntimeError,
+     ["bias", "dtype", "Float", "Double"]),
+    ("la-bias-noncontig", lambda: LA(tensor(*X), tensor(*W), torch.randn(14)[::2], 1, False, -1), RuntimeError,
+     ["bias", "contiguous", "[2]"]),
+    ("la-activation-4", lambda: LA(tensor(*X), tensor(*W), None, 4, False, -1), ValueError, ["activation", "got 4"]),
+    ("la-activation-neg", lambda: LA(tensor(*X), tensor(*W), None, -1, False, -1), ValueError, ["activation", "got -1"]),
+    ("la-save-none", lambda: LA(tensor(*X), tensor(*W), None, 0, True, -1), ValueError, ["save_pre_act", "none"]),
+    ("la-heuristic-3", lambda: LA(tensor(*X), tensor(*W), None, 1, False, -3), ValueError, ["heuristic", "-2", "got -3"]),
+    ("la-heuristic-int32", lambda: LA(tensor(*X), tensor(*W), None, 1, False, 2**31), ValueError,
+     ["heuristic", "int32", str(2**31)]),
+    ("la-weight-device", lambda: LA(tensor(*X), tensor(*W, device="meta"), None, 1, False, -1), RuntimeError,
+     ["weight", "device", "cpu", "meta"]),
+    ("la-bias-device", lambda: LA(tensor(*X), tensor(*W), tensor(7, device="meta"), 1, False, -1), RuntimeError,
+     ["bias", "device", "cpu", "meta"]),
+    # --- act_linear_dgrad
+    ("ad-weight-1d", lambda: AD(tensor(5), tensor(*DO), tensor(3, 5), 1, True, -1), RuntimeError, ["weight", "2-D", "1-D"]),
+    ("ad-dout-3d", lambda: AD(tensor(*DW), tensor(1, 3, 7), tensor(3, 5), 1, True, -1), RuntimeError, ["d_output", "2-D", "3-D"]),
+    ("ad-dout-dtype", lambda: AD(tensor(*DW), tensor(*DO, dtype=torch.float64), tensor(3, 5), 1, True, -1), RuntimeError,
+     ["d_output", "dtype", "Float", "Double"]),
+    ("ad-int-dtype", lambda: AD(tensor(*DW, dtype=torch.int32), tensor(*DO, dtype=torch.int32), None, 0, True, -1),
+     RuntimeError, ["weight", "float16, bfloat16, float32 or float64", "Int"]),
+    ("ad-float8-dtype", lambda: AD(tensor(*DW).to(torch.float8_e5m2), tensor(*DO).to(torch.float8_e5m2), None, 0, True, -1),
+     RuntimeError, ["weight", "Float8_e5m2"]),
+    ("ad-out-features", lambda: AD(tensor(*DW), tensor(3, 6), tensor(3, 5), 1, True, -1), RuntimeError,
+     ["d_output.size(1)", "weight.size(0) = 7", "[3, 6]"]),
+    ("ad-dout-noncontig", lambda: AD(tensor(*DW), noncontig(*DO), tensor(3, 5), 1, True, -1), RuntimeError,
+     ["d_output", "contiguous"]),
+    ("ad-weight-expanded", lambda: AD(torch.randn(1, 5).expand(7, 5), tensor(*DO), tensor(3, 5), 1, True, -1), RuntimeError,
+     ["weight", "contiguous", "[0, 1]"]),
+    ("ad-activation", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 5), 7, True, -1), ValueError, ["activation", "got 7"]),
+    ("ad-heuristic", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 5), 1, True, -5), ValueError, ["heuristic", "got -5"]),
+    ("ad-pre-for-none", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 5), 0, True, -1), ValueError, ["pre_act", "None", "none"]),
+    ("ad-no-pre-gelu", lambda: AD(tensor(*DW), tensor(*DO), None, 1, True, -1), ValueError,
+     ["pre_act", "required", "gelu_approx"]),
+    ("ad-no-pre-relu", lambda: AD(tensor(*DW), tensor(*DO), None, 2, True, -1), ValueError, ["pre_act", "required", "relu"]),
+    ("ad-no-pre-sqrelu", lambda: AD(tensor(*DW), tensor(*DO), None, 3, False, -1), ValueError,
+     ["pre_act", "required", "sqrelu"]),
+    ("ad-relu-float-pre", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 5), 2, True, -1), RuntimeError,
+     ["relu", "pre_act", "uint8", "bit-mask", "Float"]),
+    ("ad-relu-mask-width", lambda: AD(tensor(*DW), tensor(*DO), random_mask(3, 16), 2, True, -1), RuntimeError,
+     ["relu", "pre_act", "[3, 1]", "[3, 2]"]),
+    ("ad-relu-mask-rows", lambda: AD(tensor(*DW), tensor(*DO), random_mask(4, 5), 2, True, -1), RuntimeError,
+     ["pre_act", "[3, 1]", "[4, 1]"]),
+    ("ad-relu-mask-unpacked", lambda: AD(tensor(*DW), tensor(*DO), torch.ones(3, 5, dtype=torch.uint8), 2, True, -1),
+     RuntimeError, ["pre_act", "[3, 1]", "[3, 5]"]),
+    ("ad-gelu-mask-pre", lambda: AD(tensor(*DW), tensor(*DO), random_mask(3, 5), 1, True, -1), RuntimeError,
+     ["gelu_approx", "pre_act", "dtype", "Float", "Byte"]),
+    ("ad-gelu-pre-shape", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 4), 1, True, -1), RuntimeError,
+     ["pre_act", "[3, 5]", "[3, 4]"]),
+    ("ad-gelu-pre-rows", lambda: AD(tensor(*DW), tensor(*DO), tensor(2, 5), 1, True, -1), RuntimeError,
+     ["pre_act", "[3, 5]", "[2, 5]"]),
+    ("ad-sqrelu-pre-dtype", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 5, dtype=torch.float64), 3, True, -1), RuntimeError,
+     ["sqrelu", "pre_act", "Float", "Double"]),
+    ("ad-pre-noncontig", lambda: AD(tensor(*DW), tensor(*DO), noncontig(3, 5), 1, True, -1), RuntimeError,
+     ["pre_act", "contiguous"]),
+    ("ad-pre-1d", lambda: AD(tensor(*DW), tensor(*DO), tensor(15), 1, True, -1), RuntimeError, ["pre_act", "2-D", "1-D"]),
+    ("ad-pre-device", lambda: AD(tensor(*DW), tensor(*DO), tensor(3, 5, device="meta"), 1, True, -1), RuntimeError,
+     ["pre_act", "device", "cpu", "meta"]),
+    ("ad-dout-device", lambda: AD(tensor(*DW), tensor(*DO, device="meta"), tensor(3, 5), 1, True, -1), RuntimeError,
+     ["d_output", "device", "cpu", "meta"]),
+    ("ad-act-out-relu", lambda: AD(tensor(*DW), tensor(*DO), random_mask(3, 5), 2, True, -1, True), ValueError,
+     ["return_act_out", "got activation 2", "relu"]),
+    ("ad-act-out-none", lambda: AD(tensor(*DW), tensor(*DO), None, 0, False, -1, True), ValueError,
+     ["return_act_out", "got activation 0", "none"]),
+    # --- linear_bias_wgrad
+    ("wg-input-1d", lambda: WG(tensor(5), tensor(*DO), True), RuntimeError, ["input", "2-D", "1-D"]),
+    ("wg-dout-1d", lambda: WG(tensor(*X), tensor(7), True), RuntimeError, ["d_output", "2-D", "1-D"]),
+    ("wg-batch", lambda: WG(tensor(*X), tensor(4, 7), True), RuntimeError, ["d_output.size(0)", "input.size(0) = 3", "[4, 7]"]),
+    ("wg-dtype", lambda: WG(tensor(*X, dtype=torch.half), tensor(*DO), True), RuntimeError, ["d_output", "Half", "Float"]),
+    ("wg-int-dtype", lambda: WG(tensor(*X, dtype=torch.int16), tensor(*DO, dtype=torch.int16), False), RuntimeError,
+     ["input", "Short"]),
+    ("wg-noncontig", lambda: WG(noncontig(*X), tensor(*DO), True), RuntimeError, ["input", "contiguous"]),
+    ("wg-expanded", lambda: WG(tensor(*X), torch.randn(1, 7).expand(3, 7), True), RuntimeError,
+     ["d_output", "contiguous", "[0, 1]"]),
+    ("wg-device", lambda: WG(tensor(*X), tensor(*DO, device="meta"), True), RuntimeError, ["d_output", "device", "meta"]),
+    # --- act_forward
+    ("af-int", lambda: AF(tensor(3, 4, dtype=torch.int32), 1), RuntimeError, ["pre_act", "Int"]),
+    ("af-bool", lambda: AF(torch.ones(3, dtype=torch.bool), 2), RuntimeError, ["pre_act", "Bool"]),
+    ("af-noncontig", lambda: AF(noncontig(3, 4), 1), RuntimeError, ["pre_act", "contiguous"]),
+    ("af-activation", lambda: AF(tensor(3, 4), 9), ValueError, ["activation", "got 9"]),
+    # --- the flash-attn compatible entry points report through the general ops
+    ("flash-attn-fwd-shape", lambda: OPS.linear_act_forward(tensor(*X), tensor(7, 4), None, True, True, 0), RuntimeError,
+     ["in_features", "[7, 4]"]),
+    ("flash-attn-fwd-heuristic", lambda: OPS.linear_act_forward(tensor(*X), tensor(*W), None, False, True, -9), ValueError,
+     ["heuristic", "got -9"]),
+    ("flash-attn-dgrad-relu-float", lambda: OPS.bias_act_linear_dgrad_bgrad(tensor(*DW), tensor(*DO), tensor(3, 5), False, 0),
+     RuntimeError, ["relu", "pre_act", "uint8"]),
+    ("flash-attn-dgrad-gelu-shape", lambda: OPS.bias_act_linear_dgrad_bgrad(tensor(*DW), tensor(*DO), tensor(3, 7), True, 0),
+     RuntimeError, ["pre_act", "[3, 5]", "[3, 7]"]),
+    ("lib-fwd-dtype", lambda: fused_dense_lib.linear_act_forward(tensor(*X), tensor(*W, dtype=torch.half), None, True, False, 0),
+     RuntimeError, ["weight", "Half"]),
+    ("lib-wgrad-batch", lambda: fused_dense_lib.linear_bias_wgrad(tensor(*X), tensor(2, 7), True), RuntimeError,
+     ["d_output.size(0)", "[2, 7]"]),
+    ("lib-dgrad-mask", lambda: fused_dense_lib.bias_act_linear_dgrad_bgrad(tensor(*DW), tensor(*DO), random_mask(3, 9), False, 0),
+     RuntimeError, ["pre_act", "[3, 1]", "[3, 2]"]),
+    # --- Python wrappers (fused_dense.ops)
+    ("py-activation-name", lambda: ops.linear_act(tensor(*X), tensor(*W), None, "gelu"), ValueError, ["activation", "'gelu'"]),
+    ("py-heuristic-str", lambda: ops.linear_act(tensor(*X), tensor(*W), None, "relu", heuristic="fast"), ValueError,
+     ["heuristic", "'fast'"]),
+    ("py-heuristic-minus3", lambda: ops.act_linear_dgrad(tensor(*DW), tensor(*DO), None, "none", heuristic=-3), ValueError,
+     ["heuristic", "-3"]),
+    ("py-heuristic-bool", lambda: ops.linear_act(tensor(*X), tensor(*W), None, "relu", heuristic=True), ValueError,
+     ["heuristic", "True"]),
+    ("py-act-forward-name", lambda: ops.act_forward(tensor(3), "swish"), ValueError, ["activation", "'swish'"]),
+]
+
+
+@pytest.mark.parametrize("fn,exc,fragments", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_cpu_bad_input_error(fn, exc, fragments):
+    with pytest.raises(Exception) as info:
+        fn()
+    assert info.type is exc, f"expected {exc.__name__}, got {info.type.__name__}: {info.value}"
+    msg = str(info.value)
+    missing = [f for f in fragments if f not in msg]
+    assert not missing, f"message lacks {missing}: {msg}"
+
+
+def test_cpu_error_checks_match_on_meta():
+    """The Meta kernels reject what the real kernels reject, with the same message."""
+    for fn_cpu, fn_meta in [
+        (lambda: LA(tensor(*X), tensor(7, 6), None, 1, False, -1),
+         lambda: LA(tensor(*X, device="meta"), tensor(7, 6, device="meta"), None, 1, False, -1)),
+        (lambda: AD(tensor(*DW), tensor(*DO), random_mask(3, 16), 2, True, -1),
+         lambda: AD(tensor(*DW, device="meta"), tensor(*DO, device="meta"), random_mask(3, 16).to("meta"), 2, True, -1)),
+        (lambda: WG(tensor(*X), tensor(4, 7), True),
+         lambda: WG(tensor(*X, device="meta"), tensor(4, 7, device="meta"), True)),
+    ]:
+        with pytest.raises(RuntimeError) as a:
+            fn_cpu()
+        with pytest.raises(RuntimeError) as b:
+            fn_meta()
+        strip = lambda s: str(s).split("\n")[0].replace("meta", "cpu")  # noqa: E731
+        assert strip(a.value) == strip(b.value)
+
+
+@pytest.mark.cuda
+def test_cuda_mixed_devices_rejected():
+    x, w = randn(4, 8, dtype=torch.float16, device="cuda"), randn(6, 8, dtype=torch.float16, device="cuda")
+    cases = [
+        (lambda: LA(x, w.cpu(), None, 1, False, -1), ["weight", "device", "cuda:0", "cpu"]),
+        (lambda: LA(x, w, torch.zeros(6, dtype=torch.float16), 1, False, -1), ["bias", "device", "cpu"]),
+        (lambda: AD(w, x.new_zeros(3, 6), torch.zeros(3, 8, dtype=torch.float16), 1, True, -1),
+         ["pre_act", "device", "cpu"]),
+        (lambda: WG(x, torch.zeros(4, 6, dtype=torch.float16), True), ["d_output", "device", "cpu"]),
+    ]
+    for fn, fragments in cases:
+        with pytest.raises(RuntimeError) as info:
+            fn()
+        assert info.type is RuntimeError
+        msg = str(info.value)
+        assert all(f in msg for f in fragments), f"{fragments}: {msg}"

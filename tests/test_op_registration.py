@@ -1,0 +1,130 @@
+"""How the ops are registered with PyTorch's dispatcher: every op has CPU and Meta kernels (shapes
+without data, for torch.compile and FakeTensor), passes torch.library.opcheck (schema, fake tensor,
+autograd registration, AOT dispatch) on CPU and CUDA, and the raw ops, which have no derivative,
+refuse inputs that require grad instead of silently dropping them from the graph (the autograd layer
+is fused_dense.functional, tested in test_functional.py). fused_mlp has its own C++ derivative.
+"""
+import pytest
+import torch
+
+from op_checks import ACT_CODE, OPS, random_mask, tensor
+from conftest import TOL, rel_err
+
+LA, AD, WG, AF = OPS.linear_act, OPS.act_linear_dgrad, OPS.linear_bias_wgrad, OPS.act_forward
+
+
+def test_meta_shapes():
+    out, mask = LA(tensor(6, 5, device="meta"), tensor(17, 5, device="meta"), None, ACT_CODE["relu"], True, -2)
+    assert out.shape == (6, 17) and mask.shape == (6, 3) and mask.dtype == torch.uint8
+    out, pre = LA(tensor(6, 5, device="meta", dtype=torch.bfloat16), tensor(17, 5, device="meta", dtype=torch.bfloat16),
+                  None, ACT_CODE["sqrelu"], True, -2)
+    assert pre.shape == (6, 17) and pre.dtype == torch.bfloat16
+    d_in, d_b = AD(tensor(6, 5, device="meta"), tensor(4, 6, device="meta"), random_mask(4, 5).to("meta"), 2, True, 0)
+    assert d_in.shape == (4, 5) and d_b.shape == (5,)
+    d_in, d_b, act_out = AD(tensor(6, 5, device="meta"), tensor(4, 6, device="meta"), tensor(4, 5, device="meta"),
+                            1, True, 0, True)
+    assert d_in.shape == act_out.shape == (4, 5) and d_b.shape == (5,)
+    d_in, act_out = AD(tensor(6, 5, device="meta"), tensor(4, 6, device="meta"), tensor(4, 5, device="meta"),
+                       3, False, 0, True)
+    assert d_in.shape == act_out.shape == (4, 5)
+    d_w, = WG(tensor(4, 5, device="meta"), tensor(4, 6, device="meta"), False)
+    assert d_w.shape == (6, 5)
+    assert AF(tensor(2, 3, 4, device="meta"), 1).shape == (2, 3, 4)
+
+
+def opcheck_cases(device="cpu"):
+    f32, bf16 = torch.float32, torch.bfloat16
+    r = lambda *s, dtype=f32: tensor(*s, dtype=dtype, device=device)  # noqa: E731
+    m = lambda rows, cols: random_mask(rows, cols).to(device)  # noqa: E731
+    g = lambda t: t.requires_grad_()  # noqa: E731
+    return [
+        ("linear_act-gelu-save", OPS.linear_act.default, (r(3, 5), r(7, 5), r(7), 1, True, -2)),
+        ("linear_act-relu-mask", OPS.linear_act.default, (r(4, 8), r(13, 8), None, 2, True, -1)),
+        ("linear_act-sqrelu-bf16", OPS.linear_act.default, (r(5, 16, dtype=bf16), r(9, 16, dtype=bf16),
+                                                           r(9, dtype=bf16), 3, False, 0)),
+        ("linear_act-none", OPS.linear_act.default, (r(2, 3), r(4, 3), None, 0, False, -2)),
+        ("linear_act-empty-batch", OPS.linear_act.default, (r(0, 6), r(5, 6), r(5), 2, True, -1)),
+        ("act_linear_dgrad-gelu", OPS.act_linear_dgrad.default, (r(7, 5), r(3, 7), r(3, 5), 1, True, -2)),
+        ("act_linear_dgrad-relu", OPS.act_linear_dgrad.default, (r(6, 11), r(4, 6), m(4, 11), 2, False, -1)),
+        ("act_linear_dgrad-none", OPS.act_linear_dgrad.default, (r(6, 11), r(4, 6), None, 0, True, 0)),
+        ("act_linear_dgrad-sqrelu-bf16", OPS.act_linear_dgrad.default,
+         (r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), r(2, 16, dtype=bf16), 3, True, -1)),
+        ("act_linear_dgrad-gelu-act-out", OPS.act_linear_dgrad.default, (r(7, 5), r(3, 7), r(3, 5), 1, True, -2, True)),
+        ("act_linear_dgrad-sqrelu-act-out-bf16", OPS.act_linear_dgrad.default,
+         (r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), r(2, 16, dtype=bf16), 3, False, -1, True)),
+        ("linear_bias_wgrad-bias", OPS.linear_bias_wgrad.default, (r(5, 3), r(5, 4), True)),
+        ("linear_bias_wgrad-nobias", OPS.linear_bias_wgrad.default, (r(5, 3), r(5, 4), False)),
+        ("linear_bias_wgrad-empty", OPS.linear_bias_wgrad.default, (r(0, 3), r(0, 4), True)),
+        ("act_forward-gelu", OPS.act_forward.default, (r(3, 5), 1)),
+        ("act_forward-sqrelu-3d", OPS.act_forward.default, (r(2, 3, 4), 3)),
+        ("act_forward-relu-bf16", OPS.act_forward.default, (r(9, dtype=bf16), 2)),
+        ("act_forward-none-fp16", OPS.act_forward.default, (r(4, 4, dtype=torch.float16), 0)),
+        ("act_forward-none-fp32", OPS.act_forward.default, (r(4, 4), 0)),
+        ("linear_act_forward-gelu", OPS.linear_act_forward.default, (r(3, 5), r(7, 5), r(7), True, True, 0)),
+        ("linear_act_forward-relu", OPS.linear_act_forward.default, (r(3, 5), r(16, 5), None, False, True, -1)),
+        ("linear_act_forward-nosave", OPS.linear_act_forward.default, (r(3, 5), r(7, 5), r(7), False, False, 0)),
+        ("bias_act_linear_dgrad_bgrad-gelu", OPS.bias_act_linear_dgrad_bgrad.default,
+         (r(7, 5), r(3, 7), r(3, 5), True, 0)),
+        ("bias_act_linear_dgrad_bgrad-relu", OPS.bias_act_linear_dgrad_bgrad.default,
+         (r(7, 9), r(3, 7), m(3, 9), False, -1)),
+        # fused_mlp has a C++ derivative: inputs that require grad exercise it
+        ("fused_mlp-gelu-lvl0", OPS.fused_mlp.default,
+         (g(r(3, 5)), g(r(8, 5)), g(r(8)), g(r(4, 8)), g(r(4)), 1, 0, -2)),
+        ("fused_mlp-relu-lvl1-nobias", OPS.fused_mlp.default, (g(r(6, 5)), r(16, 5), None, g(r(3, 16)), None, 2, 1, -1)),
+        ("fused_mlp-sqrelu-lvl2-bf16", OPS.fused_mlp.default,
+         (r(4, 16, dtype=bf16), g(r(8, 16, dtype=bf16)), g(r(8, dtype=bf16)), r(5, 8, dtype=bf16), None, 3, 2, 0)),
+        ("fused_mlp-nograd", OPS.fused_mlp.default, (r(3, 5), r(8, 5), r(8), r(4, 8), r(4), 1, 0, -2)),
+    ]
+
+
+OPCHECK_IDS = [c[0] for c in opcheck_cases("meta")]
+
+
+@pytest.mark.parametrize("index", list(range(len(OPCHECK_IDS))), ids=OPCHECK_IDS)
+def test_cpu_opcheck(index):
+    _, op, args = opcheck_cases("cpu")[index]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("index", list(range(len(OPCHECK_IDS))), ids=OPCHECK_IDS)
+def test_cuda_opcheck(index):
+    _, op, args = opcheck_cases("cuda")[index]
+    torch.library.opcheck(op, args)
+
+
+def test_every_op_has_opcheck_and_kernels():
+    names = {c[1]._schema.name.split("::")[1] for c in opcheck_cases("meta")}
+    expected = {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "linear_act_forward",
+                "bias_act_linear_dgrad_bgrad", "fused_mlp"}
+    assert names == expected
+    for key in ["CompositeExplicitAutograd", "Autograd"]:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_dense::fused_mlp", key), key
+    for name in ["linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward"]:
+        for key in ["CPU", "Meta"]:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_dense::{name}", key), (name, key)
+
+
+@pytest.mark.parametrize("which", ["input", "weight", "bias"])
+def test_cpu_raw_op_refuses_requires_grad(which):
+    x, w, b = torch.randn(3, 5), torch.randn(7, 5), torch.randn(7)
+    dict(input=x, weight=w, bias=b)[which].requires_grad_()
+    with pytest.raises(RuntimeError, match=rf"argument '{which}' requires grad.*no derivative"):
+        OPS.linear_act(x, w, b, 1, True, -2)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        OPS.linear_act_forward(x, w, b, True, True, 0)
+    with torch.no_grad():  # below autograd the op runs as usual
+        out = OPS.linear_act(x, w, b, 1, True, -2)[0]
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x.detach().double(), w.detach().double(),
+                                                             b.detach().double()), approximate="tanh")
+    assert rel_err(out, ref) <= TOL[torch.float32]
+
+
+def test_cpu_raw_backward_ops_refuse_requires_grad():
+    x, g, w = torch.randn(4, 6), torch.randn(4, 3, requires_grad=True), torch.randn(3, 6)
+    with pytest.raises(RuntimeError, match="argument 'd_output' requires grad"):
+        OPS.linear_bias_wgrad(x, g, True)
+    with pytest.raises(RuntimeError, match="argument 'd_output' requires grad"):
+        OPS.act_linear_dgrad(w, g, None, 0, False, -1)
+    with pytest.raises(RuntimeError, match="argument 'pre_act' requires grad"):
+        OPS.act_forward(torch.randn(2, 3, requires_grad=True), 1)
