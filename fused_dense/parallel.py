@@ -16,7 +16,9 @@ Layout, for a process group of ``world_size`` ranks:
   collective for it (nor a ``_shared_params`` / ``_sequence_parallel`` marker, which would make
   the helpers in ``distributed.py`` issue collectives that only rank 0 joins).
 * ``ParallelFusedMLP`` is ``ColumnParallelLinear`` (fc1) -> activation -> ``RowParallelLinear``
-  (fc2) in one fused autograd Function; the hidden activations never leave the rank.
+  (fc2) in one fused autograd Function, with the gather of its input and the reduction of its
+  output pipelined against its GEMMs in ``overlap_chunks`` row blocks (``fused_dense.pipeline``);
+  the hidden activations never leave the rank.
 
 Shard sizes come from ``get_dim_for_local_rank``: features are cut in units of ``multiple_of``
 and the first ranks take one unit more when the units do not divide evenly.
@@ -29,7 +31,8 @@ from torch.distributed import ProcessGroup
 
 from . import ops
 from .distributed import all_reduce, get_dim_for_local_rank, reduce_scatter
-from .functional import fused_dense_func, fused_mlp_func
+from .functional import fused_dense_func
+from .pipeline import pipelined_parallel_mlp
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "shard_range"]
 
@@ -121,17 +124,22 @@ class ParallelFusedMLP(nn.Module):
     every rank. ``hidden_features`` defaults to ``4 * in_features`` and ``out_features`` to
     ``in_features``; the hidden features are split as evenly as possible (first ranks take the
     remainder). ``activation``, ``checkpoint_lvl`` and ``heuristic`` mean what they mean for
-    ``FusedMLP``.
+    ``FusedMLP``. ``overlap_chunks`` (at most one per local row) is the number of row blocks
+    whose collectives run under the neighbouring blocks' GEMMs, forward and backward
+    (``fused_dense.pipeline``); the default 1 overlaps only backward's communication, as a
+    single block allows.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None,
                  out_features: Optional[int] = None, activation: str = "gelu_approx",
                  process_group: Optional[ProcessGroup] = None, bias1: bool = True, bias2: bool = True,
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto",
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, overlap_chunks: int = 1) -> None:
         super().__init__()
         ops.check_mlp_arguments(activation, checkpoint_lvl)
         ops.heuristic_code(heuristic)
+        if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be an integer >= 1, got {overlap_chunks!r}")
         _require_group(process_group, type(self).__name__)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features
@@ -141,21 +149,25 @@ class ParallelFusedMLP(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.checkpoint_lvl = checkpoint_lvl
         self.heuristic = heuristic
+        self.overlap_chunks = overlap_chunks
         self.fc1 = ColumnParallelLinear(in_features, hidden_features, process_group, bias=bias1,
                                         sequence_parallel=sequence_parallel, **factory_kwargs)
         self.fc2 = RowParallelLinear(hidden_features, out_features, process_group, bias=bias2,
                                      sequence_parallel=sequence_parallel, **factory_kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
-        out = fused_mlp_func(
+        # The gather of x, fc1, the activation, fc2 and the reduction of its partial sums, with
+        # the collectives of each row block running under the neighbouring blocks' GEMMs
+        # (fused_dense/pipeline.py), forward and backward.
+        return pipelined_parallel_mlp(
             x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
             activation=self.activation, save_pre_act=self.training,
             checkpoint_lvl=self.checkpoint_lvl, heuristic=self.heuristic,
             process_group=self.process_group, sequence_parallel=self.sequence_parallel,
+            chunks=self.overlap_chunks,
         )
-        reduce_fn = reduce_scatter if self.sequence_parallel else all_reduce
-        return reduce_fn(out, self.process_group)
 
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, sequence_parallel={self.sequence_parallel}, "
-                f"checkpoint_lvl={self.checkpoint_lvl}, heuristic={self.heuristic!r}")
+                f"checkpoint_lvl={self.checkpoint_lvl}, heuristic={self.heuristic!r}, "
+                f"overlap_chunks={self.overlap_chunks}")

@@ -568,10 +568,9 @@ def test_parallel_linear_float64(world_size, kind):
 
 
 def _w_mlp(in_f, hidden, out_f, activation, bias1, bias2, sequence_parallel, checkpoint_lvl, heuristic,
-           dtype, train):
+           dtype, train, overlap_chunks=4, rows=8):
     from fused_dense.parallel import ParallelFusedMLP
 
-    rows = 8
     fc1 = _ref_linear(in_f, hidden, bias1, dtype, seed=3)
     fc2 = _ref_linear(hidden, out_f, bias2, dtype, seed=4)
     x_full, x = _inputs(rows, in_f, sequence_parallel, dtype)
@@ -581,7 +580,8 @@ def _w_mlp(in_f, hidden, out_f, activation, bias1, bias2, sequence_parallel, che
 
     mlp = ParallelFusedMLP(in_f, hidden, out_f, activation=activation, process_group=dist.group.WORLD,
                            bias1=bias1, bias2=bias2, sequence_parallel=sequence_parallel,
-                           checkpoint_lvl=checkpoint_lvl, heuristic=heuristic, device=_DEVICE, dtype=dtype)
+                           checkpoint_lvl=checkpoint_lvl, heuristic=heuristic, device=_DEVICE, dtype=dtype,
+                           overlap_chunks=overlap_chunks)
     mlp.train(train)
     sl = mlp.fc1.shard
     assert mlp.fc2.shard == sl
@@ -631,6 +631,21 @@ def test_parallel_mlp_bias_heuristic(backend, world_size, sequence_parallel, bia
         run_distributed(backend, world_size, "_w_mlp", in_f=24, hidden=64, out_f=20, activation="gelu_approx",
                         bias1=biases[0], bias2=biases[1], sequence_parallel=sequence_parallel,
                         checkpoint_lvl=1, heuristic=heuristic, dtype=dtype, train=True)
+
+
+@pytest.mark.parametrize("overlap_chunks,rows", [(1, 8), (2, 8), (3, 8), (4, 24), (16, 8)])
+@pytest.mark.parametrize("checkpoint_lvl", [0, 2])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_mlp_overlap_chunks(backend, world_size, sequence_parallel, checkpoint_lvl, overlap_chunks, rows):
+    """The pipelined layer with 1 block (no overlap), uneven blocks (3 of 4 or 2 local rows),
+    more blocks than local rows (capped at one per row), against the single-process reference."""
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_mlp", in_f=16, hidden=40, out_f=12, activation="gelu_approx",
+                        bias1=True, bias2=True, sequence_parallel=sequence_parallel,
+                        checkpoint_lvl=checkpoint_lvl, heuristic="auto", dtype=dtype, train=True,
+                        overlap_chunks=overlap_chunks, rows=rows)
 
 
 @pytest.mark.parametrize("activation", ["gelu_approx", "relu"])
