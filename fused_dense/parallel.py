@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from . import ops
 from .distributed import all_reduce, get_dim_for_local_rank, reduce_scatter
 from .functional import fused_dense_func
-from .pipeline import pipelined_parallel_mlp
+from .pipeline import PipelinedColumnLinearFunc, PipelinedRowLinearFunc, pipelined_parallel_mlp
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "shard_range"]
 
@@ -41,6 +41,11 @@ def shard_range(dim: int, world_size: int, rank: int, multiple_of: int = 1) -> s
     ``get_dim_for_local_rank``). Handy to load a full, unsharded weight into a parallel layer."""
     start = sum(get_dim_for_local_rank(dim, world_size, r, multiple_of) for r in range(rank))
     return slice(start, start + get_dim_for_local_rank(dim, world_size, rank, multiple_of))
+
+
+def _check_overlap_chunks(overlap_chunks) -> None:
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+        raise ValueError(f"overlap_chunks must be an integer >= 1, got {overlap_chunks!r}")
 
 
 def _require_group(process_group: Optional[ProcessGroup], cls: str) -> None:
@@ -54,13 +59,16 @@ class ColumnParallelLinear(nn.Linear):
     ``self.weight`` is ``[local_out_features, in_features]`` (see the module docstring).
     ``forward(x)``: ``x`` is ``[rows, ..., in_features]`` -- this rank's dim-0 slice when
     ``sequence_parallel`` (all-gathered inside), else the full input, identical on every rank.
-    Returns ``[all rows, ..., local_out_features]``.
+    Returns ``[all rows, ..., local_out_features]``. With ``sequence_parallel`` and
+    ``overlap_chunks > 1`` the gather of x runs block by block under the blocks' GEMMs
+    (``fused_dense.pipeline``).
     """
 
     def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup,
                  bias: bool = True, sequence_parallel: bool = True, multiple_of: int = 1,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, overlap_chunks: int = 1) -> None:
         _require_group(process_group, type(self).__name__)
+        _check_overlap_chunks(overlap_chunks)
         world_size = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
         local_out = get_dim_for_local_rank(out_features, world_size, rank, multiple_of)
@@ -70,8 +78,12 @@ class ColumnParallelLinear(nn.Linear):
         self.multiple_of = multiple_of
         self.total_out_features = out_features
         self.shard = shard_range(out_features, world_size, rank, multiple_of)
+        self.overlap_chunks = overlap_chunks
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel and self.overlap_chunks > 1:
+            return PipelinedColumnLinearFunc.apply(x, self.weight, self.bias, self.process_group,
+                                                   self.overlap_chunks)
         return fused_dense_func(x, self.weight, self.bias, process_group=self.process_group,
                                 sequence_parallel=self.sequence_parallel)
 
@@ -87,13 +99,16 @@ class RowParallelLinear(nn.Linear):
     ``self.weight`` is ``[out_features, local_in_features]``; ``self.bias`` exists on rank 0 of
     the group only. ``forward(x)``: ``x`` is ``[rows, ..., local_in_features]`` (e.g. the output
     of a ``ColumnParallelLinear``); returns ``[rows / world_size, ..., out_features]`` (this
-    rank's dim-0 slice) when ``sequence_parallel``, else ``[rows, ..., out_features]``.
+    rank's dim-0 slice) when ``sequence_parallel``, else ``[rows, ..., out_features]``. With
+    ``overlap_chunks > 1`` the reduction runs block by block under the blocks' GEMMs, and with
+    ``sequence_parallel`` the gather of the output gradient in backward likewise.
     """
 
     def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup,
                  bias: bool = True, sequence_parallel: bool = True, multiple_of: int = 1,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, overlap_chunks: int = 1) -> None:
         _require_group(process_group, type(self).__name__)
+        _check_overlap_chunks(overlap_chunks)
         world_size = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
         local_in = get_dim_for_local_rank(in_features, world_size, rank, multiple_of)
@@ -103,8 +118,12 @@ class RowParallelLinear(nn.Linear):
         self.multiple_of = multiple_of
         self.total_in_features = in_features
         self.shard = shard_range(in_features, world_size, rank, multiple_of)
+        self.overlap_chunks = overlap_chunks
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.overlap_chunks > 1:
+            return PipelinedRowLinearFunc.apply(x, self.weight, self.bias, self.process_group,
+                                                self.sequence_parallel, self.overlap_chunks)
         out = fused_dense_func(x, self.weight, self.bias)
         reduce_fn = reduce_scatter if self.sequence_parallel else all_reduce
         return reduce_fn(out, self.process_group)
@@ -138,8 +157,7 @@ class ParallelFusedMLP(nn.Module):
         super().__init__()
         ops.check_mlp_arguments(activation, checkpoint_lvl)
         ops.heuristic_code(heuristic)
-        if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) or overlap_chunks < 1:
-            raise ValueError(f"overlap_chunks must be an integer >= 1, got {overlap_chunks!r}")
+        _check_overlap_chunks(overlap_chunks)
         _require_group(process_group, type(self).__name__)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features

@@ -1,5 +1,7 @@
-"""The tensor-parallel MLP with its communication pipelined against its GEMMs, forward and
-backward: ``ParallelFusedMLP`` runs on :class:`PipelinedParallelMLPFunc`.
+"""The tensor-parallel layers with their communication pipelined against their GEMMs, forward
+and backward: ``ParallelFusedMLP`` runs on :class:`PipelinedParallelMLPFunc`, and
+``ColumnParallelLinear`` / ``RowParallelLinear`` with ``overlap_chunks > 1`` on
+:class:`PipelinedColumnLinearFunc` / :class:`PipelinedRowLinearFunc` (end of this file).
 
 The MLP is row-wise: fc2(act(fc1(x))) of a block of rows depends on those rows only. So the
 rows of this rank's input are cut into ``chunks`` blocks, and block c goes through the whole
@@ -36,9 +38,11 @@ from torch import Tensor
 
 from . import ops
 from .distributed import all_gather_raw, all_reduce_raw, reduce_scatter_raw
-from .functional import _autocast_off, _check_op_tensors, _compute_dtype, _prepare, _wait
+from .functional import (_autocast_off, _bias_grad, _check_op_tensors, _compute_dtype, _dgrad, _linear, _prepare,
+                         _use_ops, _wait, _wgrad)
 
-__all__ = ["PipelinedParallelMLPFunc", "pipelined_parallel_mlp"]
+__all__ = ["PipelinedParallelMLPFunc", "PipelinedColumnLinearFunc", "PipelinedRowLinearFunc",
+           "pipelined_parallel_mlp"]
 
 
 def _blocks(t: Optional[Tensor], chunks: int) -> List[Optional[Tensor]]:
@@ -220,3 +224,177 @@ def pipelined_parallel_mlp(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: O
         raise ValueError("pipelined_parallel_mlp needs a process_group")
     return PipelinedParallelMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act,
                                           checkpoint_lvl, heuristic, process_group, sequence_parallel, chunks)
+
+
+# ----------------------------------------------------------------------------------------------
+# The parallel linear layers. Their other side is not row-wise within the layer pair, so the
+# rows of a block are not contiguous in the layer's input or output: a ColumnParallelLinear
+# returns all rows rank by rank, a RowParallelLinear reads them so. Block c of every rank is
+# therefore copied out of (or into) those rows: one extra pass over the rank-major tensor per
+# direction, the price of the overlap here.
+
+
+def _offsets(rows: int, n: int) -> List[tuple]:
+    """(offset, size) of the n blocks of `rows` local rows (torch.tensor_split's sizes)."""
+    sizes = [len(b) for b in torch.tensor_split(torch.empty(rows, 0), n)]
+    out, off = [], 0
+    for s in sizes:
+        out.append((off, s))
+        off += s
+    return out
+
+
+def _take_rows(t: Tensor, world: int, off: int, size: int) -> Tensor:
+    """Rows off..off+size of every rank's part of the rank-major t, as one [world * size, ...]."""
+    local = t.shape[0] // world
+    return t.reshape(world, local, *t.shape[1:])[:, off:off + size].reshape(world * size, *t.shape[1:]).contiguous()
+
+
+def _put_rows(dst: Tensor, src: Tensor, world: int, off: int, size: int) -> None:
+    local = dst.shape[0] // world
+    dst.view(world, local, *dst.shape[1:])[:, off:off + size].copy_(src.view(world, size, *src.shape[1:]))
+
+
+def _save_linear(ctx, x, weight, use_ops, comm, blocks, world) -> None:
+    """What a pipelined linear layer keeps: x for the weight gradient, the weight for the input's."""
+    ctx.use_ops, ctx.comm, ctx.blocks, ctx.world = use_ops, comm, blocks, world
+    need_x, need_w = ctx.needs_input_grad[:2]
+    ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+
+
+def _add_weight_grads(gw: "_Accumulator", gb: "_Accumulator", x2: Optional[Tensor], g2: Tensor, need_w: bool,
+                      need_b: bool, use_ops: bool) -> None:
+    """One block's weight and bias gradients, added to the sums."""
+    if need_w:
+        w_c, b_c = _wgrad(x2, g2, need_b, use_ops)
+        gw.add(w_c)
+        gb.add(b_c)
+    elif need_b:
+        gb.add(_bias_grad(g2))
+
+
+def _linear_prepare(ctx, x, weight, bias, chunks):
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
+    dtype, autocast = _compute_dtype(x)
+    ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    x = _prepare(x, dtype)
+    weight, bias = _prepare(weight, dtype, autocast), _prepare(bias, dtype, autocast)
+    return x, weight, bias, _use_ops(x, weight, bias)
+
+
+class PipelinedColumnLinearFunc(torch.autograd.Function):
+    """Sequence-parallel ColumnParallelLinear: out[all rows, rank by rank] = gather(x) @ W^T + b,
+    with block c + 1's gather under block c's GEMM; backward reduce-scatters the input gradient
+    block by block under the next block's GEMMs, re-gathering x ahead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, process_group, chunks):
+        with _autocast_off(x.device.type):
+            x, weight, bias, use_ops = _linear_prepare(ctx, x, weight, bias, chunks)
+            world = torch.distributed.get_world_size(process_group)
+            blocks = _offsets(x.shape[0], _block_count(x.shape[0], chunks))
+            out = x.new_empty((world * x.shape[0], *x.shape[1:-1], weight.shape[0]))
+            comm = _Comm(process_group, True)
+            gathered = comm.gather(x[blocks[0][0]:blocks[0][0] + blocks[0][1]].contiguous())
+            for c, (off, size) in enumerate(blocks):
+                whole, handle = gathered
+                _wait(handle)
+                if c + 1 < len(blocks):
+                    o, s = blocks[c + 1]
+                    gathered = comm.gather(x[o:o + s].contiguous())
+                y = _linear(_as_2d(whole), weight, bias, use_ops)
+                _put_rows(out, y.reshape(*whole.shape[:-1], y.shape[-1]), world, off, size)
+        _save_linear(ctx, x, weight, use_ops, comm, blocks, world)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with _autocast_off(grad_out.device.type):
+            x, weight = ctx.saved_tensors
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
+            comm, blocks, world, use_ops = ctx.comm, ctx.blocks, ctx.world, ctx.use_ops
+            g = grad_out.contiguous()
+            gw, gb = _Accumulator(), _Accumulator()
+            dx, pending = [None] * len(blocks), [None] * len(blocks)
+
+            def gather_x(c):
+                o, s = blocks[c]
+                return comm.gather(x[o:o + s].contiguous()) if need_w else (None, None)
+
+            gathered = gather_x(0)
+            for c, (off, size) in enumerate(blocks):
+                x_whole, x_handle = gathered
+                if c + 1 < len(blocks):
+                    gathered = gather_x(c + 1)
+                g_c = _take_rows(g, world, off, size)
+                g2 = _as_2d(g_c)
+                if need_x:
+                    d = _dgrad(weight, g2, use_ops)
+                    dx[c], pending[c] = comm.reduce(d.reshape(*g_c.shape[:-1], d.shape[-1]))
+                if need_w:
+                    _wait(x_handle)
+                _add_weight_grads(gw, gb, None if x_whole is None else _as_2d(x_whole), g2, need_w, need_b, use_ops)
+            for handle in pending:
+                _wait(handle)
+        grad_x = (torch.cat(dx, dim=0) if len(dx) > 1 else dx[0]) if need_x else None
+        return grad_x, gw.result(ctx.param_dtypes[0]), gb.result(ctx.param_dtypes[1]), None, None
+
+
+class PipelinedRowLinearFunc(torch.autograd.Function):
+    """RowParallelLinear: the partial x @ W^T (+ b on the rank that holds it) reduced across the
+    group, reduce-scattered to this rank's rows (sequence parallel) or all-reduced, block c's
+    collective under block c + 1's GEMM. Sequence-parallel backward gathers the output gradient
+    block by block under the previous block's GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, process_group, sequence_parallel, chunks):
+        with _autocast_off(x.device.type):
+            x, weight, bias, use_ops = _linear_prepare(ctx, x, weight, bias, chunks)
+            world = torch.distributed.get_world_size(process_group)
+            if sequence_parallel and x.shape[0] % world != 0:
+                raise ValueError(f"RowParallelLinear: x.shape[0] = {x.shape[0]} rows must be divisible by the "
+                                 f"world size {world} with sequence_parallel=True")
+            rows = x.shape[0] // world if sequence_parallel else x.shape[0]
+            blocks = _offsets(rows, _block_count(rows, chunks))
+            comm = _Comm(process_group, sequence_parallel)
+            outs, pending = [None] * len(blocks), [None] * len(blocks)
+            for c, (off, size) in enumerate(blocks):
+                x_c = _take_rows(x, world, off, size) if sequence_parallel else x[off:off + size]
+                y = _linear(_as_2d(x_c), weight, bias, use_ops)
+                outs[c], pending[c] = comm.reduce(y.reshape(*x_c.shape[:-1], y.shape[-1]))
+            for handle in pending:
+                _wait(handle)
+            out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+        _save_linear(ctx, x, weight, use_ops, comm, blocks, world)
+        ctx.sp, ctx.x_shape = sequence_parallel, x.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with _autocast_off(grad_out.device.type):
+            x, weight = ctx.saved_tensors
+            need_x, need_w, need_b = ctx.needs_input_grad[:3]
+            comm, blocks, world, sp, use_ops = ctx.comm, ctx.blocks, ctx.world, ctx.sp, ctx.use_ops
+            g = grad_out.contiguous()
+            dx = g.new_empty(ctx.x_shape) if need_x else None
+            gw, gb = _Accumulator(), _Accumulator()
+            g_blocks = [g[o:o + s].contiguous() for o, s in blocks]
+            gathered = comm.gather(g_blocks[0])
+            for c, (off, size) in enumerate(blocks):
+                g_whole, handle = gathered
+                _wait(handle)
+                if c + 1 < len(blocks):
+                    gathered = comm.gather(g_blocks[c + 1])
+                g2 = _as_2d(g_whole)
+                if need_x:
+                    d = _dgrad(weight, g2, use_ops).reshape(*g_whole.shape[:-1], ctx.x_shape[-1])
+                    if sp:
+                        _put_rows(dx, d, world, off, size)
+                    else:
+                        dx[off:off + size].copy_(d)
+                x_c = None
+                if need_w:
+                    x_c = _as_2d(_take_rows(x, world, off, size) if sp else x[off:off + size])
+                _add_weight_grads(gw, gb, x_c, g2, need_w, need_b, use_ops)
+        return dx, gw.result(ctx.param_dtypes[0]), gb.result(ctx.param_dtypes[1]), None, None, None

@@ -469,10 +469,9 @@ def _ref_linear(in_f, out_f, bias, dtype, seed):
     return ref
 
 
-def _w_column(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d):
+def _w_column(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d, overlap_chunks=1, rows=8):
     from fused_dense.parallel import ColumnParallelLinear
 
-    rows = 8
     ref = _ref_linear(in_f, out_f, bias, dtype, seed=1)
     x_full, x = _inputs(rows, in_f, sequence_parallel, dtype, shape3d=shape3d)
     y_ref = ref(x_full)
@@ -480,7 +479,7 @@ def _w_column(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d)
     y_ref.backward(g_full)
 
     layer = ColumnParallelLinear(in_f, out_f, dist.group.WORLD, bias=bias, sequence_parallel=sequence_parallel,
-                                 multiple_of=multiple_of, device=_DEVICE, dtype=dtype)
+                                 multiple_of=multiple_of, device=_DEVICE, dtype=dtype, overlap_chunks=overlap_chunks)
     sl = layer.shard
     assert layer.weight.shape == (sl.stop - sl.start, in_f) and (layer.bias is not None) == bias
     with torch.no_grad():
@@ -497,10 +496,9 @@ def _w_column(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d)
         _check(layer.bias.grad, ref.bias.grad[sl], dtype, "column grad_bias")
 
 
-def _w_row(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d):
+def _w_row(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d, overlap_chunks=1, rows=8):
     from fused_dense.parallel import RowParallelLinear
 
-    rows = 8
     ref = _ref_linear(in_f, out_f, bias, dtype, seed=2)
     x_full, _ = _inputs(rows, in_f, False, dtype, shape3d=shape3d)
     y_ref = ref(x_full)
@@ -508,7 +506,7 @@ def _w_row(in_f, out_f, multiple_of, bias, sequence_parallel, dtype, shape3d):
     y_ref.backward(g_full)
 
     layer = RowParallelLinear(in_f, out_f, dist.group.WORLD, bias=bias, sequence_parallel=sequence_parallel,
-                              multiple_of=multiple_of, device=_DEVICE, dtype=dtype)
+                              multiple_of=multiple_of, device=_DEVICE, dtype=dtype, overlap_chunks=overlap_chunks)
     sl = layer.shard
     assert layer.weight.shape == (out_f, sl.stop - sl.start)
     assert (layer.bias is not None) == (bias and _RANK == 0), "the bias lives on rank 0 only"
@@ -548,6 +546,24 @@ def test_parallel_linear(backend, world_size, kind, dims, sequence_parallel, bia
     for dtype in _dtypes(backend):
         run_distributed(backend, world_size, f"_w_{kind}", in_f=in_f, out_f=out_f, multiple_of=multiple_of,
                         bias=bias, sequence_parallel=sequence_parallel, dtype=dtype, shape3d=False)
+
+
+@pytest.mark.parametrize("overlap_chunks,rows", [(2, 8), (3, 24), (16, 8)])
+@pytest.mark.parametrize("shape3d", [False, True], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_linear_overlap_chunks(backend, world_size, kind, sequence_parallel, bias, shape3d, overlap_chunks,
+                                        rows):
+    """The pipelined linear layers (blocks of each rank's rows taken out of / put into the
+    rank-major rows), uneven and capped block counts, against the single-process reference."""
+    in_f, out_f = (16, 30) if kind == "column" else (30, 16)
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, f"_w_{kind}", in_f=in_f, out_f=out_f, multiple_of=1, bias=bias,
+                        sequence_parallel=sequence_parallel, dtype=dtype, shape3d=shape3d,
+                        overlap_chunks=overlap_chunks, rows=rows)
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])

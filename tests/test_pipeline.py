@@ -133,3 +133,54 @@ def test_bad_chunks_and_group():
             pipeline.pipelined_parallel_mlp(x, w1, w2, b1, b2, process_group=object(), chunks=bad)
     with pytest.raises(ValueError, match="needs a process_group"):
         pipeline.pipelined_parallel_mlp(x, w1, w2, b1, b2)
+
+
+@pytest.fixture
+def recorded_linear(recorded, monkeypatch):
+    """As `recorded`, for the linear layers: a world of one rank, and their GEMM ops logged."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    names = {"linear_act": "gemm", "act_linear_dgrad": "dgrad", "linear_bias_wgrad": "wgrad"}
+    for name, label in names.items():
+        op = ops._OVERLOADS[name]
+
+        def logged(*args, _op=op, _label=label):
+            recorded.append(_label)
+            return _op(*args)
+        monkeypatch.setitem(ops._OVERLOADS, name, logged)
+    return recorded
+
+
+def test_column_linear_schedule(recorded_linear):
+    """Forward: block c + 1's gather before block c's GEMM. Backward: block c + 1's re-gather of
+    x and block c's input-gradient reduction are issued before block c's weight gradient."""
+    w, b = _params()[:2]
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    y = pipeline.PipelinedColumnLinearFunc.apply(x, w, b, object(), 2)
+    assert recorded_linear == ["gather0", "wait gather0", "gather1", "gemm", "wait gather1", "gemm"]
+    recorded_linear.clear()
+    y.backward(torch.randn_like(y))
+    assert recorded_linear == ["gather2", "gather3", "dgrad", "reduce0", "wait gather2", "wgrad",
+                               "dgrad", "reduce1", "wait gather3", "wgrad", "wait reduce0", "wait reduce1"]
+    ref_x = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(y, ref_x @ w.T + b, rtol=1e-12, atol=1e-12)
+
+
+def test_row_linear_schedule(recorded_linear):
+    """Forward: block c's reduction right after its GEMM, all waited after the last block.
+    Backward: block c + 1's gather of the output gradient before block c's GEMMs."""
+    w, b = _params()[:2]
+    x = torch.randn(6, 24, dtype=torch.float64, requires_grad=True)  # w: [24, 8] -> x @ w is [6, 8]
+    w = w.detach().T.contiguous().requires_grad_()
+    y = pipeline.PipelinedRowLinearFunc.apply(x, w, None, object(), True, 3)
+    assert recorded_linear == ["gemm", "reduce0", "gemm", "reduce1", "gemm", "reduce2",
+                               "wait reduce0", "wait reduce1", "wait reduce2"]
+    recorded_linear.clear()
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert recorded_linear == ["gather0", "wait gather0", "gather1", "dgrad", "wgrad",
+                               "wait gather1", "gather2", "dgrad", "wgrad", "wait gather2", "dgrad", "wgrad"]
+    x2 = x.detach().clone().requires_grad_()
+    w2 = w.detach().clone().requires_grad_()
+    (x2 @ w2.T).backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=1e-12)
