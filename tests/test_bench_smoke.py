@@ -128,8 +128,10 @@ def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
         assert max(r["check_rel_err"].values()) <= 1e-4, r["check_rel_err"]
         for k in ("fused_ms", "plain_ms", "fused_local_ms", "plain_local_ms", "comm_ms"):
             assert r[k] > 0, (k, r)
+        assert sorted(r["overlap_chunks"]) == ["2", "4"] and all(v["fused_ms"] > 0 for v in r["overlap_chunks"].values())
     md = open(path[:-5] + ".md").read()
     assert "| 64 | 32 | on |" in md
+    assert "| 64 | on | 4 |" in md and "| 64 | off | 2 |" in md
     os.remove(path[:-5] + ".md")
     _run([sys.executable, "bench/parallel_mlp.py", "--report", path], timeout=120)
     assert open(path[:-5] + ".md").read() == md
