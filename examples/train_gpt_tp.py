@@ -321,7 +321,7 @@ def run(parser, args, device, backend):
         f"layers {args.layers}, heads {args.heads}, batch {args.batch}, seq {args.seq}, vocab {args.vocab}, "
         f"steps {args.steps}", flush=True)
 
-    # Every rank builds the same full model from the seed (on the CPU, so it is bit-identical
+    # Every rank builds the same full model from --seed (on the CPU, so it is bit-identical
     # everywhere) and keeps its shard of it.
     torch.manual_seed(args.seed)
     full = train_gpt.GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads, "plain")

@@ -4,7 +4,7 @@ The ops take 2-D contiguous tensors; the autograd layer (functional.py) reshapes
 inputs contiguous. Activations are passed by name here and by integer code to the ops; the codes
 and every rule about them come from the compiled library.
 """
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor

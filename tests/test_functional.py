@@ -1,6 +1,6 @@
 """Tests of fused_dense.functional: FusedDenseFunc / FusedMLPFunc against float64 references.
 
-Every case draws fresh random normal inputs (seeded from the clock; the seed is printed so a
+Every case draws fresh random normal inputs (seeded from the clock; that number is printed so a
 failure can be replayed with FUSED_DENSE_TEST_SEED=<seed>). Errors are relative,
 ||out - ref|| / ||ref||, within conftest.TOL for the dtype under test.
 """
