@@ -68,7 +68,7 @@ def _cutlass_includes():
 
 
 # Every csrc/torch/*.cpp is part of the build; the CUDA kernels' registration only with CUDA.
-CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp"}
+CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp", "csrc/torch/tuning.cpp"}
 torch_sources = [s for s in _sources("csrc/torch/*.cpp") if s not in CUDA_ONLY_TORCH_SOURCES]
 cxx_flags = ["-O3", "-std=c++17"]
 

@@ -6,6 +6,7 @@ the same batches, eagerly and under torch.compile; compare speed, memory and los
     python examples/train_gpt.py                  # GPU: GPT-2-small-class model, bf16, 200 steps
     python examples/train_gpt.py --no-compile     # eager runs only
     python examples/train_gpt.py --device cpu     # small float32 model: a functional check
+    python examples/train_gpt.py --variable-length  # a new sequence length every step
 
 GPU: d_model 768, 12 layers x 12 heads, sequence 1024, batch 8, byte vocabulary (86M parameters),
 bf16 parameters, fused AdamW. On the H200 this is both faster and a fairer test of the MLPs than
@@ -20,6 +21,13 @@ and the fused layers' first-call tuning), peak memory, final train / validation 
 agree when the last-20-step mean losses differ by at most --tol (relative; 2e-2 in bf16, where
 rounding makes any two runs drift apart slowly, 1e-3 in float32). Results: --out/train_gpt.json
 and the loss curves --out/train_gpt.png (with matplotlib). Exit status 1 when the curves differ.
+
+--variable-length: every step draws its sequence length from [seq / 8, seq] (the same lengths for
+every run), so the MLPs meet a new token count almost every step, as packed or variable-length
+batches do. No step is left untimed, each run trains in a process of its own (each pays its own
+first calls: cuBLAS's, the attention's and the fused layers' tuning), eagerly only unless
+--compile, and the cumulative tokens/s after each step is reported: the run pays every first call
+inside that figure.
 """
 import argparse
 import contextlib
@@ -119,7 +127,7 @@ def stdlib_text(val_every=20):
 
 def get_batch(data, offsets, seq):
     """(inputs, targets) [len(offsets), seq] from the windows of data starting at offsets."""
-    window = data[offsets[:, None] + torch.arange(seq + 1, device=data.device)].long()
+    window = data[offsets[:, None] + torch.arange(int(seq) + 1, device=data.device)].long()
     return window[:, :-1], window[:, 1:]
 
 
@@ -152,7 +160,7 @@ class Progress:
 
 def train_run(kind, compiled, init, data, args, device, label):
     """Trains one model from `init`; returns the run's figures and its loss per step."""
-    train, val, offsets, val_offsets = data
+    train, val, offsets, val_offsets, lengths = data
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gc.collect()
     if device.type == "cuda":
@@ -169,6 +177,8 @@ def train_run(kind, compiled, init, data, args, device, label):
     losses = torch.zeros(args.steps, device=device)
     progress = Progress(args.steps, label)
     start = None
+    cumulative = []  # --variable-length: tokens/s over steps 1..s, after each step s
+    tokens = 0
     for step in range(args.steps):
         if step == args.warmup:
             sync()
@@ -177,7 +187,7 @@ def train_run(kind, compiled, init, data, args, device, label):
         frac = max(0.0, (step - warmup_lr) / max(1, args.steps - warmup_lr))
         for group in opt.param_groups:
             group["lr"] = args.lr * min(1.0, (step + 1) / warmup_lr) * (0.55 + 0.45 * math.cos(math.pi * frac))
-        inp, tgt = get_batch(train, offsets[step], args.seq)
+        inp, tgt = get_batch(train, offsets[step], lengths[step])
         with autocast:
             logits = forward(inp)
         loss = F.cross_entropy(logits.float().view(-1, VOCAB), tgt.reshape(-1))
@@ -185,9 +195,14 @@ def train_run(kind, compiled, init, data, args, device, label):
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses[step] = loss.detach()
+        if args.variable_length:
+            sync()
+            tokens += inp.numel()
+            cumulative.append(tokens / (time.perf_counter() - start))
         if progress.due(step):  # .item() synchronises: only when the bar is redrawn
             now = losses[step].item()
-            tps = None if start is None else (step + 1 - args.warmup) * inp.numel() / (time.perf_counter() - start)
+            tps = None if start is None else (cumulative[-1] if cumulative else
+                                              (step + 1 - args.warmup) * inp.numel() / (time.perf_counter() - start))
             progress.update(step, now, tps)
     sync()
     elapsed = time.perf_counter() - start
@@ -196,13 +211,30 @@ def train_run(kind, compiled, init, data, args, device, label):
         val_loss = sum(F.cross_entropy(model(x).float().view(-1, VOCAB), y.reshape(-1)).item()
                        for x, y in (get_batch(val, o, args.seq) for o in val_offsets)) / len(val_offsets)
     curve = losses.tolist()
+    timed_tokens = args.batch * int(sum(int(n) for n in lengths[args.warmup:]))
     return {
-        "tokens_per_s": (args.steps - args.warmup) * args.batch * args.seq / elapsed,
+        "tokens_per_s": timed_tokens / elapsed,
+        "cumulative_tokens_per_s": cumulative or None,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "final_train_loss": curve[-1],
         "train_loss_last20": sum(curve[-20:]) / len(curve[-20:]),
         "val_loss": val_loss,
     }, curve
+
+
+def run_in_own_process(argv, mode, name, args):
+    """One run of --variable-length in a fresh process (its own CUDA context and caches)."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv),
+               "--run", f"{mode} {name}", "--out", tmp]
+        proc = subprocess.run(cmd)
+        if proc.returncode != 0:
+            sys.exit(f"error: the run '{mode} {name}' failed (exit status {proc.returncode})")
+        with open(os.path.join(tmp, "run.json")) as f:
+            got = json.load(f)
+    return got["run"], got["curve"]
 
 
 def plot(curves, path):
@@ -240,6 +272,9 @@ def main(argv=None):
     p.add_argument("--tol", type=float, default=None, help="loss agreement tolerance (default 2e-2 bf16, 1e-3 fp32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="train_gpt_out", help="folder for train_gpt.json and train_gpt.png")
+    p.add_argument("--variable-length", action="store_true",
+                   help="a sequence length from [seq / 8, seq] per step, each run in its own process (see above)")
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # "<mode> <variant>": this run only
     args = p.parse_args(argv)
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -253,10 +288,10 @@ def main(argv=None):
     args.heads = args.heads or max(1, args.d_model // 64)
     if args.d_model % args.heads:
         p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
-    args.warmup = min(args.warmup, args.steps // 4)
+    args.warmup = 0 if args.variable_length else min(args.warmup, args.steps // 4)
     args.lr = args.lr or (1e-3 if device.type == "cuda" else 3e-3)
     args.precision = args.precision if args.precision != "auto" else "bf16" if device.type == "cuda" else "fp32"
-    args.compile = device.type == "cuda" if args.compile is None else args.compile
+    args.compile = (device.type == "cuda" and not args.variable_length) if args.compile is None else args.compile
     tol = args.tol if args.tol is not None else (1e-3 if args.precision == "fp32" else 2e-2)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the same for both MLPs
     if device.type == "cuda":
@@ -267,14 +302,25 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.randint(0, len(train) - args.seq - 1, (args.steps, args.batch), generator=gen)
     val_offsets = torch.randint(0, len(val) - args.seq - 1, (8, args.batch), generator=gen)
-    data = (train.to(device), val.to(device), offsets.to(device), val_offsets.to(device))
+    lengths = (torch.randint(max(1, args.seq // 8), args.seq + 1, (args.steps,), generator=gen).tolist()
+               if args.variable_length else [args.seq] * args.steps)
+    data = (train.to(device), val.to(device), offsets.to(device), val_offsets.to(device), lengths)
     torch.manual_seed(args.seed)
     init = GPT(VOCAB, args.seq, args.d_model, args.layers, args.heads, "plain").state_dict()
     n_params = sum(t.numel() for t in init.values())
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    if args.run is not None:  # one run of --variable-length, in its own process: figures to --out
+        mode, name = args.run.split(" ", 1)
+        with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
+            run, curve = train_run(VARIANTS[name], mode == "compile", init, data, args, device, args.run)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "run.json"), "w") as f:
+            json.dump({"run": run, "curve": curve}, f)
+        return 0
     print(f"{device} ({where}), torch {torch.__version__}, {args.precision}; {n_params / 1e6:.1f}M parameters: "
           f"d_model {args.d_model}, {args.layers} layers x {args.heads} heads, seq {args.seq}, batch {args.batch}, "
-          f"{args.steps} steps ({args.warmup} untimed), lr {args.lr}; data: {len(train) / 1e6:.1f} MB train, "
+          f"{args.steps} steps ({args.warmup} untimed), lr {args.lr}"
+          f"{', variable sequence lengths' if args.variable_length else ''}; data: {len(train) / 1e6:.1f} MB train, "
           f"{len(val) / 1e6:.1f} MB val of Python {sys.version.split()[0]}'s standard library", flush=True)
     if device.type == "cpu":
         print("note: on the CPU this is a functional check of FusedMLP in training, not a speed figure")
@@ -284,8 +330,11 @@ def main(argv=None):
     with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
         for mode in modes:
             for name, kind in VARIANTS.items():
-                runs[f"{mode} {name}"], curves[f"{mode} {name}"] = train_run(
-                    kind, mode == "compile", init, data, args, device, f"{mode} {name}")
+                if args.variable_length:
+                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = run_in_own_process(argv, mode, name, args)
+                else:
+                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = train_run(
+                        kind, mode == "compile", init, data, args, device, f"{mode} {name}")
 
     print(f"\n{'run':<18} {'tokens/s':>10} {'peak GiB':>9} {'final loss':>11} {'last-20 mean':>13} {'val loss':>9}")
     for name, r in runs.items():
@@ -300,6 +349,15 @@ def main(argv=None):
         steps = [abs(a - b) / b for a, b in zip(curves[f"{mode} FusedMLP"], curves[f"{mode} nn.Linear"])]
         a = agreement[mode] = {"relative_gap_last20": gap, "tol": tol, "agree": gap <= tol,
                                "max_relative_step_gap": max(steps)}
+        if args.variable_length:
+            cf, cp = fused["cumulative_tokens_per_s"], plain["cumulative_tokens_per_s"]
+            behind = [i + 1 for i, (f_, p_) in enumerate(zip(cf, cp)) if f_ < p_]
+            a["cumulative_ratio_after_step"] = {str(k): cf[k - 1] / cp[k - 1] for k in (1, 2, 5, 10, 20, 50, 100, 200)
+                                                if k <= len(cf)}
+            a["steps_where_fused_cumulative_is_behind"] = behind
+            print(f"{mode:>7}: cumulative tokens/s FusedMLP / nn.Linear after step "
+                  + ", ".join(f"{k}: {v:.3f}x" for k, v in a["cumulative_ratio_after_step"].items())
+                  + (f"; behind at {len(behind)} steps (first {behind[:5]})" if behind else "; never behind"))
         target = f" (H200 target >= {TARGETS[mode]:.2f}x)" if device.type == "cuda" else ""
         print(f"{mode:>7}: FusedMLP / nn.Linear tokens/s {ratios[mode]:.3f}x{target}; loss curves "
               f"{'agree' if a['agree'] else 'DIFFER'}: last-20-step means {a['relative_gap_last20']:.2e} apart "
@@ -312,7 +370,8 @@ def main(argv=None):
     png = plot(curves, os.path.join(args.out, "train_gpt.png"))
     report = {"device": where, "torch": torch.__version__, "fused_dense": fused_dense.__version__,
               "config": {k: getattr(args, k) for k in ("d_model", "layers", "heads", "seq", "batch", "steps",
-                                                       "warmup", "lr", "precision", "compile", "seed")},
+                                                       "warmup", "lr", "precision", "compile", "seed",
+                                                       "variable_length")},
               "parameters": n_params, "runs": runs, "ratio_fused_over_linear": ratios, "agreement": agreement,
               "targets": TARGETS if device.type == "cuda" else None, "loss_curves": curves}
     with open(os.path.join(args.out, "train_gpt.json"), "w") as f:

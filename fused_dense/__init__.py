@@ -8,7 +8,9 @@ from ._loader import has_cuda_kernels, has_cutlass_gemms, has_own_gemm, load_lib
 
 load_library()
 
-from . import ops  # noqa: E402
+from . import ops, tuning  # noqa: E402
+
+tuning._install_shipped_table()
 from .functional import FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_mlp_func  # noqa: E402
 from .modules import FusedDense, FusedMLP  # noqa: E402
 
@@ -19,6 +21,7 @@ if _dist.is_available():  # tensor / sequence parallel layers (flash-attn export
 
 __all__ = [
     "ops",
+    "tuning",
     "has_cuda_kernels",
     "has_cutlass_gemms",
     "FusedDenseFunc",

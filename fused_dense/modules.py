@@ -9,12 +9,14 @@ constructor and ``forward(x, process_group=None)`` signatures). Parameters are o
 C++ core (csrc/core/linear.cpp, csrc/core/tuner.h), per GEMM (fc1 forward, fc2 dgrad through the
 activation, and the plain GEMMs):
 
-* on CUDA, the first call of a problem (op, dtype, shape, activation, bias / aux flags) times the
-  candidates on the caller's stream -- the fused cuBLASLt epilogue (GELU_AUX / RELU_AUX with bias,
-  DGELU / DRELU with bias gradient) with several cuBLASLt algorithms, and the plain GEMM followed by
-  this library's elementwise kernel with several plain algorithms -- and keeps the fastest for the
-  process (``FUSED_DENSE_TUNING_CACHE=path`` keeps the choices across processes);
-* without measuring (``FUSED_DENSE_TUNING=0``, or while a CUDA graph is being captured) a fixed
+* on CUDA, each problem (op, dtype, widths, activation, bias / aux flags) and bucket of the token
+  count takes its choice from the shipped table or the cache file, or times the candidates once at
+  the bucket's representative token count -- the fused cuBLASLt epilogue (GELU_AUX / RELU_AUX with
+  bias, DGELU / DRELU with bias gradient) with several cuBLASLt algorithms, and the plain GEMM
+  followed by this library's elementwise kernel with several plain algorithms -- within a time
+  budget, and keeps the fastest for the process (``fused_dense.tuning`` has the rules and
+  settings);
+* without measuring (``FUSED_DENSE_TUNING=0``, budget spent, or while a CUDA graph is being captured) a fixed
   rule chosen from H200 measurements applies: forward uses the fused epilogue with cuBLASLt's first
   algorithm; dgrad uses the plain GEMM + this library's fused activation-derivative / bias-gradient
   kernel (faster than cuBLASLt's DGELU_BGRAD at every measured shape).

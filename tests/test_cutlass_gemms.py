@@ -50,8 +50,11 @@ NEEDS_CUTLASS = "needs a build with the cutlass_sm90 kernels (fused_dense.has_cu
 
 
 def run_pinned(candidates, args, timeout=1800):
+    # exact-M keys (the verbose lines then name each call's own B), unpaced and unbounded, without
+    # the shipped table: every problem is measured
     env = dict(os.environ, FUSED_DENSE_TUNING_CANDIDATES=candidates, FUSED_DENSE_TUNING_VERBOSE="1",
-               FUSED_DENSE_TUNING="1")
+               FUSED_DENSE_TUNING="1", FUSED_DENSE_TUNING_BUCKETS="0", FUSED_DENSE_TUNING_PACE="1",
+               FUSED_DENSE_TUNING_BUDGET="1000000", FUSED_DENSE_TUNING_TABLE="0")
     env.pop("FUSED_DENSE_TUNING_CACHE", None)  # measure afresh, never reuse another run's choices
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)

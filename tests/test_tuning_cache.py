@@ -1,7 +1,7 @@
 """heuristic='auto' persisted across processes (FUSED_DENSE_TUNING_CACHE, csrc/core/tuner.cpp):
 the first process measures and appends one line per problem; a second process reads the lines
-back and measures nothing; a line written for another numbering of the cutlass_sm90 kernels'
-variants is ignored (re-measured), a choice the build does not have (a cutlass_sm90 variant out of
+back and measures nothing; a line of another format (or numbering of the cutlass_sm90 kernels'
+variants) is ignored (re-measured), a choice the build does not have (a cutlass_sm90 variant out of
 range) falls back to the plain GEMM with correct results, and an unwritable path only costs
 re-measuring.
 
@@ -55,7 +55,9 @@ torch.save([t.cpu() for t in (d_in, d_b, out, pre_out)], sys.argv[1])
 
 
 def run(tmp_path, name, cache, seed=1):
-    env = dict(os.environ, FUSED_DENSE_TUNING_VERBOSE="1", FUSED_DENSE_TUNING="1", FUSED_DENSE_TUNING_CACHE=str(cache))
+    # unpaced, without the shipped table: every problem is measured where nothing is cached
+    env = dict(os.environ, FUSED_DENSE_TUNING_VERBOSE="1", FUSED_DENSE_TUNING="1", FUSED_DENSE_TUNING_CACHE=str(cache),
+               FUSED_DENSE_TUNING_PACE="1", FUSED_DENSE_TUNING_TABLE="0")
     env.pop("FUSED_DENSE_TUNING_CANDIDATES", None)
     out = tmp_path / f"{name}.pt"
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), str(seed), str(TOL[torch.bfloat16])], cwd=ROOT, env=env,
@@ -81,8 +83,8 @@ def test_second_process_reads_the_choices_back(tmp_path):
     assert tuned == 2, f"expected the dgrad and the forward measured once each, got {tuned} lines"
     lines = cache_lines(cache)
     assert len(lines) == 2, lines
-    # tag: GPU name / compute capability / cuBLASLt version / cutlass_sm90 variant numbering
-    assert all(re.match(r"\S+/sm\d+/cublasLt\d+/cutlass\d+ ", line) for line in lines), lines
+    # tag: compute capability / cuBLASLt major.minor / line format (csrc/core/tuner.cpp)
+    assert all(re.match(r"sm\d+/cublasLt\d+\.\d+/choices\d+ ", line) for line in lines), lines
     tuned, second = run(tmp_path, "second", cache)
     assert tuned == 0, "the second process measured again instead of reading the cache"
     assert len(cache_lines(cache)) == 2, "the second process appended lines"
@@ -91,16 +93,16 @@ def test_second_process_reads_the_choices_back(tmp_path):
 
 
 @pytest.mark.cuda
-def test_line_of_another_variant_numbering_is_ignored(tmp_path):
+def test_line_of_another_format_is_ignored(tmp_path):
     cuda_or_skip()
     cache = tmp_path / "tuning.txt"
     run(tmp_path, "first", cache)
-    # the same problems as a build with another variant numbering writes them (another /cutlass tag)
-    stale = [re.sub(r"/cutlass\d+ ", "/cutlass0 ", line, count=1) for line in cache_lines(cache)]
-    assert all("/cutlass0 " in line for line in stale), stale
+    # the same problems as a build with another line format or variant numbering writes them
+    stale = [re.sub(r"/choices\d+ ", "/choices0 ", line, count=1) for line in cache_lines(cache)]
+    assert all("/choices0 " in line for line in stale), stale
     cache.write_text("\n".join(stale) + "\n")
     tuned, _ = run(tmp_path, "second", cache)
-    assert tuned == 2, "a line written for another numbering of the cutlass_sm90 variants was used"
+    assert tuned == 2, "a line written for another line format was used"
 
 
 @pytest.mark.cuda
@@ -108,8 +110,9 @@ def test_choice_the_build_lacks_falls_back_correctly(tmp_path):
     cuda_or_skip()
     cache = tmp_path / "tuning.txt"
     run(tmp_path, "first", cache)
-    # each line ends "<fused> <algorithm> <cutlass_sm90 variant>": a variant no build has
-    lacking = [line.rsplit(" ", 3)[0] + " 0 0 999" for line in cache_lines(cache)]
+    # each line ends "<fused> <algorithm> <cutlass_sm90 variant> <has_algo> <8 words>": a variant no
+    # build has
+    lacking = [line.rsplit(" ", 12)[0] + " 0 0 999 0" + " 0000000000000000" * 8 for line in cache_lines(cache)]
     cache.write_text("\n".join(lacking) + "\n")
     tuned, _ = run(tmp_path, "second", cache, seed=2)  # the script checks against float64 itself
     assert tuned == 0, "the lines were not read"

@@ -18,7 +18,7 @@
 
 #include "cuda_check.h"
 #include "device_info.h"
-#include "tuner.h"
+#include "cutlass_variants.h"
 
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
 
@@ -72,7 +72,7 @@ struct GeluApproxGrad<cutlass::Array<float, n>> {
 };
 
 // The tile scheduler's orders the tuner times, each with every tile configuration of a kernel
-// (variant = configuration * kCutlassOrders + order, tuner.h): CUTLASS's default, and tiles
+// (variant = configuration * kCutlassOrders + order, cutlass_variants.h): CUTLASS's default, and tiles
 // grouped 8 at a time along M or along N, which decides how much of A and of B the tiles running
 // at once share in L2. Each is the fastest at some shape on the H200 (docs/performance.md).
 using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
@@ -83,7 +83,7 @@ struct SchedulerOrder {
 inline constexpr SchedulerOrder kOrders[] = {
     {1, RasterOrder::Heuristic}, {8, RasterOrder::AlongM}, {8, RasterOrder::AlongN}};
 static_assert(sizeof(kOrders) / sizeof(kOrders[0]) == kCutlassOrders,
-              "tuner.h numbers the variants by kCutlassOrders");
+              "cutlass_variants.h numbers the variants by kCutlassOrders");
 
 template <class Arguments>
 void set_scheduler(Arguments& args, int order, int device) {

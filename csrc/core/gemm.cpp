@@ -1,6 +1,7 @@
 #include "gemm.h"
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -91,12 +92,32 @@ struct CacheKeyHash {
   std::size_t operator()(const CacheKey& k) const { return IntArrayHash{}(k.v); }
 };
 
-// Everything about a problem that does not depend on the call's pointers: the operand
-// layouts and cuBLASLt's ranked algorithm list. Immutable once built, so shared by threads.
+// The 8 words of a cuBLASLt algorithm, as a hashable key.
+using AlgoKey = std::array<int64_t, 8>;
+AlgoKey algo_key(const cublasLtMatmulAlgo_t& algo) {
+  static_assert(sizeof(algo.data) == sizeof(AlgoKey), "cublasLtMatmulAlgo_t holds 8 64-bit words");
+  AlgoKey key;
+  std::memcpy(key.data(), algo.data, sizeof(algo.data));
+  return key;
+}
+struct AlgoKeyHash {
+  std::size_t operator()(const AlgoKey& k) const { return IntArrayHash{}(k); }
+};
+
+// Everything about a problem that does not depend on the call's pointers: the operand layouts,
+// built with the plan, and cuBLASLt's ranked algorithm list, asked for on first need only (a
+// stored algorithm runs without it, after one cublasLtMatmulAlgoCheck per problem). Shared by
+// threads: the layouts are immutable, the list is built once, the checks sit behind a lock.
 struct PlannedGemm {
   Layout a, b, d;
+  std::once_flag listed;
   std::vector<cublasLtMatmulHeuristicResult_t> algorithms;
+  std::mutex checks_mutex;
+  std::unordered_map<AlgoKey, std::size_t, AlgoKeyHash> checked;  // workspace bytes, or kRejected
 };
+constexpr std::size_t kRejected = ~std::size_t{0};
+
+std::atomic<int64_t> heuristic_queries{0};
 
 constexpr int kRequestedAlgorithms = 16;
 
@@ -122,12 +143,17 @@ Layout make_layout(DType dtype, int64_t rows, int64_t cols, int64_t ld) {
   return Layout(raw);
 }
 
-std::unique_ptr<PlannedGemm> plan(const GemmProblem& p, const CacheKey& key) {
+std::unique_ptr<PlannedGemm> plan(const GemmProblem& p) {
   auto planned = std::make_unique<PlannedGemm>();
   planned->a = p.trans_a ? make_layout(p.dtype, p.k, p.m, p.lda) : make_layout(p.dtype, p.m, p.k, p.lda);
   planned->b = p.trans_b ? make_layout(p.dtype, p.n, p.k, p.ldb) : make_layout(p.dtype, p.k, p.n, p.ldb);
   planned->d = make_layout(p.dtype, p.m, p.n, p.ldd);
+  return planned;
+}
 
+// cuBLASLt's heuristic for the problem: its ranked list of up to kRequestedAlgorithms.
+void list_algorithms(const GemmProblem& p, const CacheKey& key, PlannedGemm* planned) {
+  heuristic_queries.fetch_add(1, std::memory_order_relaxed);
   MatmulDesc desc = make_matmul_desc(p);
   cublasLtMatmulPreference_t raw_pref = nullptr;
   FD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
@@ -148,29 +174,35 @@ std::unique_ptr<PlannedGemm> plan(const GemmProblem& p, const CacheKey& key) {
     uint32_t a = key.alignment(i);
     FD_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(raw_pref, align_attrs[i], &a, sizeof(a)));
   }
-  planned->algorithms.resize(kRequestedAlgorithms);
+  std::vector<cublasLtMatmulHeuristicResult_t> algorithms(kRequestedAlgorithms);
   int returned = 0;
   cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       device_info(p.device).cublaslt(), desc.get(), planned->a.get(), planned->b.get(), planned->d.get(),
-      planned->d.get(), pref.get(), kRequestedAlgorithms, planned->algorithms.data(), &returned);
+      planned->d.get(), pref.get(), kRequestedAlgorithms, algorithms.data(), &returned);
   // NOT_SUPPORTED here means "no algorithm for this epilogue/shape": an empty list, not an error.
   if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED)
     FD_CUBLAS_CHECK(status);
   if (status != CUBLAS_STATUS_SUCCESS) returned = 0;
-  planned->algorithms.resize(returned);
-  return planned;
+  algorithms.resize(returned);
+  planned->algorithms = std::move(algorithms);
+}
+
+const std::vector<cublasLtMatmulHeuristicResult_t>& algorithms_of(PlannedGemm& planned, const GemmProblem& p,
+                                                                 const CacheKey& key) {
+  std::call_once(planned.listed, [&] { list_algorithms(p, key, &planned); });
+  return planned.algorithms;
 }
 
 class PlanCache {
  public:
-  const PlannedGemm& get(const GemmProblem& problem, const CacheKey& key) {
+  PlannedGemm& get(const GemmProblem& problem, const CacheKey& key) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = plans_.find(key);
       if (it != plans_.end()) return *it->second;
     }
-    // Plan outside the lock (the heuristic query is slow); a racing thread's duplicate is dropped.
-    auto planned = plan(problem, key);
+    // Plan outside the lock; a racing thread's duplicate is dropped.
+    auto planned = plan(problem);
     std::lock_guard<std::mutex> lock(mutex_);
     auto [it, inserted] = plans_.emplace(key, std::move(planned));
     return *it->second;
@@ -208,7 +240,7 @@ std::string describe(const GemmProblem& p) {
 // The matmul descriptor of a plan, built once per thread: everything in it but the operand
 // pointers is fixed by the plan, and the pointers are set on each call, which is why it is not
 // shared between threads. Plans are never destroyed, so their addresses are stable keys.
-cublasLtMatmulDesc_t thread_matmul_desc(const PlannedGemm& planned, const GemmProblem& p) {
+cublasLtMatmulDesc_t thread_matmul_desc(PlannedGemm& planned, const GemmProblem& p) {
   thread_local std::unordered_map<const PlannedGemm*, MatmulDesc> descs;
   auto it = descs.find(&planned);
   if (it == descs.end()) it = descs.emplace(&planned, make_matmul_desc(p)).first;
@@ -217,11 +249,38 @@ cublasLtMatmulDesc_t thread_matmul_desc(const PlannedGemm& planned, const GemmPr
 
 enum class Outcome { kDone, kRefused };
 
+// The thread's descriptor of the plan with the call's epilogue pointers set.
+cublasLtMatmulDesc_t bound_desc(PlannedGemm& planned, const GemmProblem& p, const GemmPointers& ptrs) {
+  cublasLtMatmulDesc_t desc = thread_matmul_desc(planned, p);
+  if (uses_bias_pointer(p)) {
+    const void* bias = (p.with_bias_grad || p.epilogue == Epilogue::kBGradB) ? ptrs.bias_grad : ptrs.bias;
+    set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  }
+  if (uses_aux(p.epilogue)) set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
+  return desc;
+}
+
+// Launches `algo` with the call's pointers.
+Outcome launch(PlannedGemm& planned, const GemmProblem& p, const GemmPointers& ptrs, const cublasLtMatmulAlgo_t& algo,
+               const Workspace& ws, cudaStream_t stream) {
+  cublasLtMatmulDesc_t desc = bound_desc(planned, p, ptrs);
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
+  cublasStatus_t status =
+      cublasLtMatmul(device_info(p.device).cublaslt(), desc, &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
+                     &beta, ptrs.d, planned.d.get(), ptrs.d, planned.d.get(), &algo, ws.ptr, ws.bytes, stream);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return Outcome::kRefused;
+  FD_CUBLAS_CHECK(status);
+  return Outcome::kDone;
+}
+
 Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const Workspace& ws,
             cudaStream_t stream) {
   if (heuristic < 0) throw Error("fused_dense: internal error: negative heuristic reached gemm()");
-  const PlannedGemm& planned = plan_cache().get(p, make_key(p, &ptrs, ws.bytes));
-  const int count = static_cast<int>(planned.algorithms.size());
+  const CacheKey key = make_key(p, &ptrs, ws.bytes);
+  PlannedGemm& planned = plan_cache().get(p, key);
+  const auto& algorithms = algorithms_of(planned, p, key);
+  const int count = static_cast<int>(algorithms.size());
   if (count == 0) return Outcome::kRefused;
   if (heuristic >= count) {
     std::ostringstream msg;
@@ -230,21 +289,30 @@ Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const
         << count - 1 << "] (or -1 for the unfused path)";
     throw HeuristicOutOfRange(msg.str());
   }
-  cublasLtMatmulDesc_t desc = thread_matmul_desc(planned, p);
-  if (uses_bias_pointer(p)) {
-    const void* bias = (p.with_bias_grad || p.epilogue == Epilogue::kBGradB) ? ptrs.bias_grad : ptrs.bias;
-    set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
+  return launch(planned, p, ptrs, algorithms[heuristic].algo, ws, stream);
+}
+
+// Whether `algo` serves this exact problem with the workspace given: cublasLtMatmulAlgoCheck,
+// asked once per problem and algorithm.
+bool algorithm_fits(PlannedGemm& planned, const GemmProblem& p, const GemmPointers& ptrs,
+                    const cublasLtMatmulAlgo_t& algo, std::size_t workspace_bytes) {
+  const AlgoKey akey = algo_key(algo);
+  {
+    std::lock_guard<std::mutex> lock(planned.checks_mutex);
+    auto it = planned.checked.find(akey);
+    if (it != planned.checked.end()) return it->second != kRejected && it->second <= workspace_bytes;
   }
-  if (uses_aux(p.epilogue)) set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
-  const float alpha = 1.0f;
-  const float beta = p.accumulate ? 1.0f : 0.0f;
-  cublasStatus_t status = cublasLtMatmul(
-      device_info(p.device).cublaslt(), desc, &alpha, ptrs.a, planned.a.get(), ptrs.b, planned.b.get(),
-      &beta, ptrs.d, planned.d.get(), ptrs.d, planned.d.get(), &planned.algorithms[heuristic].algo,
-      ws.ptr, ws.bytes, stream);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return Outcome::kRefused;
-  FD_CUBLAS_CHECK(status);
-  return Outcome::kDone;
+  cublasLtMatmulHeuristicResult_t result{};
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoCheck(device_info(p.device).cublaslt(), bound_desc(planned, p, ptrs), planned.a.get(),
+                              planned.b.get(), planned.d.get(), planned.d.get(), &algo, &result);
+  // Any refusal (NOT_SUPPORTED, INVALID_VALUE for an algorithm of another shape class or of another
+  // cuBLASLt build) means: not this algorithm here; the caller takes the rule's choice.
+  const std::size_t need =
+      (status == CUBLAS_STATUS_SUCCESS && result.state == CUBLAS_STATUS_SUCCESS) ? result.workspaceSize : kRejected;
+  std::lock_guard<std::mutex> lock(planned.checks_mutex);
+  planned.checked.emplace(akey, need);
+  return need != kRejected && need <= workspace_bytes;
 }
 
 }  // namespace
@@ -254,9 +322,26 @@ std::size_t gemm_workspace_bytes(int device) {
 }
 
 int gemm_algorithm_count(const GemmProblem& problem) {
-  return static_cast<int>(
-      plan_cache().get(problem, make_key(problem, nullptr, gemm_workspace_bytes(problem.device))).algorithms.size());
+  const CacheKey key = make_key(problem, nullptr, gemm_workspace_bytes(problem.device));
+  return static_cast<int>(algorithms_of(plan_cache().get(problem, key), problem, key).size());
 }
+
+bool gemm_algorithm(const GemmProblem& problem, int index, cublasLtMatmulAlgo_t* algo) {
+  const CacheKey key = make_key(problem, nullptr, gemm_workspace_bytes(problem.device));
+  const auto& algorithms = algorithms_of(plan_cache().get(problem, key), problem, key);
+  if (index < 0 || index >= static_cast<int>(algorithms.size())) return false;
+  *algo = algorithms[index].algo;
+  return true;
+}
+
+bool try_gemm_algorithm(const GemmProblem& problem, const GemmPointers& ptrs, const cublasLtMatmulAlgo_t& algo,
+                        const Workspace& workspace, cudaStream_t stream) {
+  PlannedGemm& planned = plan_cache().get(problem, make_key(problem, &ptrs, workspace.bytes));
+  if (!algorithm_fits(planned, problem, ptrs, algo, workspace.bytes)) return false;
+  return launch(planned, problem, ptrs, algo, workspace, stream) == Outcome::kDone;
+}
+
+int64_t gemm_heuristic_queries() { return heuristic_queries.load(std::memory_order_relaxed); }
 
 bool try_gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,
               const Workspace& workspace, cudaStream_t stream) {

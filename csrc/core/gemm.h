@@ -68,6 +68,24 @@ int gemm_algorithm_count(const GemmProblem& problem);
 void gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,
           const Workspace& workspace, cudaStream_t stream);
 
+// The algorithm at `index` of cuBLASLt's list for the problem (its heuristic, asked once per
+// problem); false past the end of the list. A tuned choice stores the algorithm itself, so that
+// it can run at another M of its bucket (tuner.h).
+bool gemm_algorithm(const GemmProblem& problem, int index, cublasLtMatmulAlgo_t* algo);
+
+// Runs the problem with a stored algorithm after checking it for this exact problem with
+// cublasLtMatmulAlgoCheck (once per problem and algorithm; no heuristic query). False, with
+// nothing launched, when the check refuses it or it needs more workspace than given, and false
+// when cuBLASLt reports CUBLAS_STATUS_NOT_SUPPORTED at launch. The algorithm must come from a
+// problem whose operands were at least as aligned as these (gemm_algorithm's lists assume 256
+// bytes; the caller checks).
+bool try_gemm_algorithm(const GemmProblem& problem, const GemmPointers& ptrs, const cublasLtMatmulAlgo_t& algo,
+                        const Workspace& workspace, cudaStream_t stream);
+
+// How many times this process asked cuBLASLt's heuristic for an algorithm list (one per distinct
+// problem, alignment and workspace): what a new token count costs on the per-call path.
+int64_t gemm_heuristic_queries();
+
 // Returns false instead of throwing when cuBLASLt offers no algorithm or reports
 // CUBLAS_STATUS_NOT_SUPPORTED at launch, so a caller can take its unfused path.
 bool try_gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,

@@ -1,6 +1,9 @@
 #include "linear.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <vector>
 #include <sstream>
 
 #include "cuda_check.h"
@@ -8,6 +11,7 @@
 #include "cutlass_sm90_dgrad.h"
 #include "cutlass_sm90_forward.h"
 #include "tuner.h"
+#include "tuning_arena.h"
 
 namespace fused_dense::core {
 namespace {
@@ -39,11 +43,13 @@ void zero(void* ptr, int64_t elements, DType dtype, cudaStream_t stream) {
 
 enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2 };
 
-TuningKey tuning_key(OpKind op, const LinearContext& ctx, int64_t B, int64_t K, int64_t N, Activation act,
-                     bool flag_a, bool flag_b) {
+TuningKey tuning_key(OpKind op, const LinearContext& ctx, const MBucket& bucket, int64_t K, int64_t N,
+                     Activation act, bool flag_a, bool flag_b) {
   TuningKey key;
-  key.v = {static_cast<int64_t>(op), static_cast<int64_t>(ctx.dtype), B, K, N, static_cast<int64_t>(act),
-           flag_a, flag_b, ctx.dtype == DType::kFloat32 && ctx.allow_tf32, 0};
+  // the last slot tells bucketed keys from exact-M ones (TuningSettings::buckets)
+  key.v = {static_cast<int64_t>(op), static_cast<int64_t>(ctx.dtype), bucket.index, K, N, static_cast<int64_t>(act),
+           flag_a, flag_b, ctx.dtype == DType::kFloat32 && ctx.allow_tf32,
+           bucket.exact ? 0 : 1};
   return key;
 }
 
@@ -53,41 +59,303 @@ std::string describe(const char* op, const LinearContext& ctx, int64_t B, int64_
   return s.str();
 }
 
-// Resolves the heuristic argument into runs of `run_choice`: an explicit index tries the fused
-// epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the plain
-// list; 'auto' measures (tuner.h), the cutlass_sm90 variants included (`cutlass_variants()` of
-// them, asked only when tuning).
-template <typename RunChoice, typename Describe, typename CutlassVariants>
-void dispatch(int heuristic, bool fused_possible, const GemmProblem& fused_problem,
-              const GemmProblem& plain_problem, CutlassVariants&& cutlass_variants, const Choice& rule,
-              const LinearContext& ctx, const TuningKey& key, Describe&& describe_problem, RunChoice&& run_choice) {
-  if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !fused_possible)) {
-    run_choice(Choice{false, std::max(heuristic, 0)});
+bool aligned256(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 256 == 0; }
+
+// One op's problem, as the dispatch sees it: the two GEMM problems (fused epilogue, plain) and a
+// runner of any choice on the setup's own pointers. Built from (context, arguments) by one
+// function per op, once for the call and, to measure, once more for synthetic operands at the
+// bucket's representative M.
+struct OpSetup {
+  GemmProblem fused, plain;
+  bool fused_possible = false;
+  std::function<int()> cutlass_variants = [] { return 0; };
+  CandidateRunner run;
+  // A, B and D 256-byte aligned, as the stored algorithms' lists assumed (gemm.h): otherwise a
+  // choice runs with cuBLASLt's first algorithm for this call's problem and alignment instead.
+  bool aligned = true;
+};
+
+// The cuBLASLt GEMM of a choice: its stored algorithm ('auto') or its index (an explicit heuristic).
+bool run_gemm(const GemmProblem& p, const GemmPointers& ptrs, const Choice& c, const Workspace& ws, cudaStream_t stream) {
+  return c.has_algo ? try_gemm_algorithm(p, ptrs, c.algo, ws, stream) : try_gemm(p, ptrs, c.algorithm, ws, stream);
+}
+
+// Resolves the heuristic argument into runs of the setup's runner: an explicit index tries the
+// fused epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the
+// plain list; 'auto' takes the bucket's choice (tuner.h), measured on synthetic operands at the
+// representative M where the bucket has none yet and the budget allows.
+//   make_setup(ctx, args) -> OpSetup;  synthetic(args, M, arena) -> args at M on arena buffers;
+//   workspace_bytes(device, args) -> the workspace those need.
+template <class Args, class MakeSetup, class Synthetic, class WorkspaceBytes>
+void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, const Args& args, OpKind op,
+              int64_t K, int64_t N, Activation act, bool flag_a, bool flag_b, const char* name, MakeSetup&& make_setup,
+              Synthetic&& synthetic, WorkspaceBytes&& workspace_bytes) {
+  const OpSetup setup = make_setup(ctx, args);
+  if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !setup.fused_possible)) {
+    if (!setup.run(Choice{false, std::max(heuristic, 0)}))
+      throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
     return;
   }
   if (heuristic >= 0) {
-    if (!run_choice(Choice{true, heuristic})) run_choice(Choice{false, heuristic});
+    if (!setup.run(Choice{true, heuristic}) && !setup.run(Choice{false, heuristic}))
+      throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
     return;
   }
-  // Once tuned, the per-call cost of 'auto' is this one lookup; the algorithm counts and the
-  // description are only needed to tune.
+  const MBucket bucket = m_bucket(args.batch);
+  const TuningKey key = tuning_key(op, ctx, bucket, K, N, act, flag_a, flag_b);
+  // Once the bucket has a choice, the per-call cost of 'auto' is this lookup (and, at a new M,
+  // one cublasLtMatmulAlgoCheck per algorithm).
   Choice choice;
-  if (!cached_choice(ctx.device, key, &choice)) {
-    const int fused_count = fused_possible ? gemm_algorithm_count(fused_problem) : 0;
-    const int plain_count = gemm_algorithm_count(plain_problem);
-    Choice fallback = rule;
-    if (fallback.fused && fused_count == 0) fallback = Choice{false, 0};
-    choice = tune(ctx.device, key, describe_problem(), fused_count, plain_count, cutlass_variants(), fallback,
-                  run_choice, ctx.stream);
+  const CachedKind cached = cached_choice(ctx.device, key, &choice);
+  if (cached == CachedKind::kNone || (cached == CachedKind::kProvisional && may_measure(ctx.stream))) {
+    // The rule's choice at the representative M, with cuBLASLt's first algorithm there.
+    Args at_rep = args;
+    at_rep.batch = bucket.representative;
+    const OpSetup rep = make_setup(ctx, at_rep);
+    Choice rule = rule_kind;
+    if (rule.fused && !(rep.fused_possible && gemm_algorithm(rep.fused, 0, &rule.algo))) rule = Choice{false, 0};
+    if (!rule.fused) rule.has_algo = gemm_algorithm(rep.plain, 0, &rule.algo);
+    else rule.has_algo = true;
+    choice = rule;
+    bool measured = false;
+    if (may_measure(ctx.stream)) {
+      TuningArena arena(ctx.stream);
+      LinearContext tctx = ctx;
+      const Args t_args = synthetic(args, bucket.representative, arena);
+      const std::size_t ws_bytes = workspace_bytes(ctx.device, t_args);
+      tctx.workspace = Workspace{arena.scratch(ws_bytes), ws_bytes};
+      if (arena.ok()) {
+        const OpSetup trial = make_setup(tctx, t_args);
+        std::vector<Choice> candidates;
+        cublasLtMatmulAlgo_t algo;
+        for (int i = 0; trial.fused_possible && gemm_algorithm(trial.fused, i, &algo); ++i)
+          candidates.push_back(Choice{true, i, -1, true, algo});
+        for (int i = 0; gemm_algorithm(trial.plain, i, &algo); ++i) candidates.push_back(Choice{false, i, -1, true, algo});
+        for (int i = 0, n = trial.cutlass_variants(); i < n; ++i) candidates.push_back(Choice{false, 0, i});
+        choice = tune(ctx.device, key, describe(name, ctx, bucket.representative, K, N, act), candidates, rule,
+                      trial.run, ctx.stream);
+        measured = true;
+      }
+    }
+    if (!measured) keep_rule_choice(ctx.device, key, rule);
   }
-  // A choice tuned on aligned operands may not exist in the list of a less aligned call (nor
-  // may the cutlass_sm90 kernels take such operands).
+  if (!setup.aligned && choice.has_algo) {
+    choice.has_algo = false;
+    choice.algorithm = 0;
+  }
+  // A stored algorithm that does not serve this M (or these operands), or a cutlass_sm90 variant
+  // whose operand rules this call breaks: cuBLASLt's first plain algorithm for the exact problem.
   bool done = false;
   try {
-    done = run_choice(choice);
+    done = setup.run(choice);
   } catch (const HeuristicOutOfRange&) {
   }
-  if (!done) run_choice(Choice{false, 0});
+  if (!done && !setup.run(Choice{false, 0}))
+    throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
+}
+
+// ---- the three ops' setups and synthetic operands ----
+
+OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
+  const int64_t B = a.batch, K = a.in_features, N = a.out_features;
+  const bool mask = a.activation == Activation::kRelu && a.pre_act != nullptr;
+  // With a saved GELU / squared-ReLU pre-activation the GEMM writes it and the kernel reads it
+  // back; otherwise the GEMM writes `out` and the kernel works in place.
+  void* gemm_target = (a.pre_act != nullptr && !mask) ? a.pre_act : a.out;
+  OpSetup s;
+  // The unfused path still adds the bias in the GEMM's fp32 epilogue: adding it after the GEMM
+  // result is rounded to 16 bits would let that rounding flip the sign of x.w + b wherever
+  // x.w ~= -b, and every flipped ReLU unit passes (or blocks) a whole gradient element.
+  GemmProblem& plain = s.plain;
+  plain = base_problem(ctx);
+  plain.trans_a = true;
+  plain.m = N, plain.n = B, plain.k = K;
+  plain.lda = K, plain.ldb = K, plain.ldd = N;
+  plain.with_bias = a.bias != nullptr;
+  s.fused = plain;
+  s.fused.ld_aux = N;
+  switch (a.activation) {
+    case Activation::kNone: s.fused.epilogue = Epilogue::kNone; break;
+    case Activation::kGeluTanh: s.fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
+    case Activation::kRelu: s.fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
+    case Activation::kSquaredRelu: break;
+  }
+  s.fused_possible = a.activation != Activation::kSquaredRelu &&
+                     (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
+  s.aligned = aligned256(a.weight) && aligned256(a.input) && aligned256(a.out) &&
+              (a.pre_act == nullptr || aligned256(a.pre_act));
+  CutlassSm90ForwardArgs cutlass;
+  cutlass.device = ctx.device;
+  cutlass.batch = B, cutlass.in_features = K, cutlass.out_features = N;
+  cutlass.dtype = ctx.dtype;
+  cutlass.activation = a.activation;
+  cutlass.input = a.input, cutlass.weight = a.weight, cutlass.bias = a.bias, cutlass.out = a.out;
+  cutlass.pre_act = a.pre_act;
+  s.cutlass_variants = [cutlass] { return cutlass_sm90_forward_variants(cutlass); };
+  const Workspace ws = gemm_part(ctx);
+  const GemmProblem fused = s.fused;
+  s.run = [=](const Choice& c) -> bool {
+    if (c.cutlass >= 0) return cutlass_sm90_forward(c.cutlass, cutlass, ws, ctx.stream);
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.input;
+    if (c.fused) {
+      ptrs.d = a.out;
+      ptrs.bias = a.bias;
+      ptrs.aux = a.pre_act;
+      return run_gemm(fused, ptrs, c, ws, ctx.stream);
+    }
+    ptrs.d = gemm_target;
+    ptrs.bias = a.bias;
+    // cuBLASLt refuses the BIAS epilogue for some operand alignments (seen on the H200 for bf16
+    // at a 2-byte offset). Then the bias still joins the sum before the 16-bit rounding: the
+    // target is filled with bias rows and the GEMM accumulates onto it (beta = 1, fp32 math).
+    // Adding it after the rounding instead loses |x.w| * 2^-11 absolutely, which is a large
+    // relative error wherever x.w ~= -b (seen by the fuzz test: 1.2e-2 on a single fp16 row).
+    if (!run_gemm(plain, ptrs, c, ws, ctx.stream)) {
+      // a stored algorithm refused: the dispatch falls back to the first plain algorithm
+      if (a.bias == nullptr || c.has_algo) return false;
+      GemmProblem onto_bias = plain;
+      onto_bias.with_bias = false;
+      onto_bias.accumulate = true;
+      zero(gemm_target, B * N, ctx.dtype, ctx.stream);
+      bias_act_forward(ctx.dtype, Activation::kNone, gemm_target, a.bias, gemm_target, nullptr, B, N, ctx.device,
+                       ctx.stream);
+      // the index chose among the BIAS-epilogue algorithms, which cuBLASLt just refused: take
+      // its first choice for the accumulating problem
+      gemm(onto_bias, ptrs, 0, ws, ctx.stream);
+    }
+    // A saved GELU / squared-ReLU pre-activation is already in place; the ReLU mask is always
+    // left to the kernel.
+    if (a.activation != Activation::kNone)
+      bias_act_forward(ctx.dtype, a.activation, gemm_target, nullptr, a.out, mask ? a.pre_act : nullptr, B, N,
+                       ctx.device, ctx.stream);
+    return true;
+  };
+  return s;
+}
+
+LinearActArgs forward_synthetic(const LinearActArgs& a, int64_t M, DType dtype, TuningArena& arena) {
+  LinearActArgs t = a;  // the weight and bias are the call's own (read only, the same at every M)
+  t.batch = M;
+  t.input = arena.values(M * a.in_features, dtype);
+  t.out = arena.scratch(static_cast<std::size_t>(M * a.out_features) * dtype_size(dtype));
+  if (a.pre_act != nullptr)
+    t.pre_act = a.activation == Activation::kRelu
+                    ? arena.scratch(static_cast<std::size_t>(M * relu_mask_row_bytes(a.out_features)))
+                    : arena.scratch(static_cast<std::size_t>(M * a.out_features) * dtype_size(dtype));
+  return t;
+}
+
+OpSetup wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
+  const int64_t B = a.batch, N = a.out_features;
+  OpSetup s;
+  s.plain = base_problem(ctx);
+  s.plain.trans_b = true;
+  s.plain.m = a.in_features, s.plain.n = N, s.plain.k = B;
+  s.plain.lda = a.in_features, s.plain.ldb = N, s.plain.ldd = a.in_features;
+  s.fused = s.plain;
+  s.fused.epilogue = Epilogue::kBGradB;
+  s.fused_possible = a.d_bias != nullptr;
+  s.aligned = aligned256(a.input) && aligned256(a.d_output) && aligned256(a.d_weight);
+  const Workspace ws = gemm_part(ctx);
+  const GemmProblem plain = s.plain, fused = s.fused;
+  s.run = [=](const Choice& c) -> bool {
+    GemmPointers ptrs;
+    ptrs.a = a.input;
+    ptrs.b = a.d_output;
+    ptrs.d = a.d_weight;
+    if (c.fused) {
+      ptrs.bias_grad = a.d_bias;
+      return run_gemm(fused, ptrs, c, ws, ctx.stream);
+    }
+    if (!run_gemm(plain, ptrs, c, ws, ctx.stream)) return false;
+    if (a.d_bias != nullptr)
+      act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_output, nullptr, nullptr, a.d_bias, B, N,
+                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream);
+    return true;
+  };
+  return s;
+}
+
+LinearBiasWgradArgs wgrad_synthetic(const LinearBiasWgradArgs& a, int64_t M, DType dtype, TuningArena& arena) {
+  LinearBiasWgradArgs t = a;
+  t.batch = M;
+  t.input = arena.values(M * a.in_features, dtype);
+  t.d_output = arena.values(M * a.out_features, dtype);
+  t.d_weight = arena.scratch(static_cast<std::size_t>(a.out_features * a.in_features) * dtype_size(dtype));
+  if (a.d_bias != nullptr) t.d_bias = arena.scratch(static_cast<std::size_t>(a.out_features) * dtype_size(dtype));
+  return t;
+}
+
+OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
+  const int64_t B = a.batch, K = a.in_features, N = a.out_features;
+  OpSetup s;
+  s.plain = base_problem(ctx);
+  s.plain.m = K, s.plain.n = B, s.plain.k = N;
+  s.plain.lda = K, s.plain.ldb = N, s.plain.ldd = K;
+  s.fused = s.plain;
+  s.fused.epilogue = a.activation == Activation::kRelu ? Epilogue::kDRelu : Epilogue::kDGelu;
+  s.fused.with_bias_grad = a.d_bias != nullptr;
+  s.fused.ld_aux = K;
+  s.fused_possible = (a.activation == Activation::kGeluTanh || a.activation == Activation::kRelu) &&
+                     aux_ld_accepted(a.activation, K);
+  s.aligned = aligned256(a.weight) && aligned256(a.d_output) && aligned256(a.d_input);
+  const bool needs_kernel = a.activation != Activation::kNone || a.d_bias != nullptr;
+  CutlassSm90DgradArgs cutlass;
+  cutlass.device = ctx.device;
+  cutlass.batch = B, cutlass.in_features = K, cutlass.out_features = N;
+  cutlass.dtype = ctx.dtype;
+  cutlass.activation = a.activation;
+  cutlass.weight = a.weight, cutlass.d_output = a.d_output, cutlass.pre_act = a.pre_act;
+  cutlass.d_input = a.d_input, cutlass.d_bias = a.d_bias;
+  s.cutlass_variants = [cutlass] { return cutlass_sm90_dgrad_variants(cutlass); };
+  const Workspace ws = gemm_part(ctx);
+  const GemmProblem plain = s.plain, fused = s.fused;
+  auto rebuild_act_out = [=] {
+    if (a.act_out != nullptr)
+      bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.device,
+                       ctx.stream);
+  };
+  s.run = [=](const Choice& c) -> bool {
+    if (c.cutlass >= 0) {
+      // the whole workspace: CUTLASS's scratch, then the epilogue's partial bias-gradient sums
+      if (!cutlass_sm90_dgrad(c.cutlass, cutlass, ctx.workspace, ctx.stream)) return false;
+      rebuild_act_out();
+      return true;
+    }
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.d_output;
+    ptrs.d = a.d_input;
+    if (c.fused) {
+      ptrs.aux = const_cast<void*>(a.pre_act);
+      ptrs.bias_grad = a.d_bias;
+      if (!run_gemm(fused, ptrs, c, ws, ctx.stream)) return false;
+      rebuild_act_out();  // the epilogue reads pre_act but cannot write act(pre_act)
+      return true;
+    }
+    if (!run_gemm(plain, ptrs, c, ws, ctx.stream)) return false;
+    if (needs_kernel)
+      act_backward_bias_grad(ctx.dtype, a.activation, a.d_input, a.pre_act, a.d_input, a.d_bias, B, K,
+                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream, a.act_out);
+    return true;
+  };
+  return s;
+}
+
+ActLinearDgradArgs dgrad_synthetic(const ActLinearDgradArgs& a, int64_t M, DType dtype, TuningArena& arena) {
+  ActLinearDgradArgs t = a;  // the weight is the call's own
+  t.batch = M;
+  t.d_output = arena.values(M * a.out_features, dtype);
+  if (a.pre_act != nullptr)
+    t.pre_act = a.activation == Activation::kRelu
+                    ? arena.random_bytes(static_cast<std::size_t>(M * relu_mask_row_bytes(a.in_features)))
+                    : arena.values(M * a.in_features, dtype);
+  t.d_input = arena.scratch(static_cast<std::size_t>(M * a.in_features) * dtype_size(dtype));
+  if (a.d_bias != nullptr) t.d_bias = arena.scratch(static_cast<std::size_t>(a.in_features) * dtype_size(dtype));
+  if (a.act_out != nullptr) t.act_out = arena.scratch(static_cast<std::size_t>(M * a.in_features) * dtype_size(dtype));
+  return t;
 }
 
 }  // namespace
@@ -107,89 +375,22 @@ std::size_t act_linear_dgrad_workspace_bytes(int device, const ActLinearDgradArg
 void linear_act(const LinearContext& ctx, const LinearActArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
   if (B == 0 || N == 0) return;
-  const bool mask = a.activation == Activation::kRelu && a.pre_act != nullptr;
-  // With a saved GELU / squared-ReLU pre-activation the GEMM writes it and the kernel reads it
-  // back; otherwise the GEMM writes `out` and the kernel works in place.
-  void* gemm_target = (a.pre_act != nullptr && !mask) ? a.pre_act : a.out;
   if (K == 0) {
-    zero(gemm_target, B * N, ctx.dtype, ctx.stream);
-    bias_act_forward(ctx.dtype, a.activation, gemm_target, a.bias, a.out, a.pre_act, B, N, ctx.device,
-                     ctx.stream);
+    const bool mask = a.activation == Activation::kRelu && a.pre_act != nullptr;
+    void* target = (a.pre_act != nullptr && !mask) ? a.pre_act : a.out;
+    zero(target, B * N, ctx.dtype, ctx.stream);
+    bias_act_forward(ctx.dtype, a.activation, target, a.bias, a.out, a.pre_act, B, N, ctx.device, ctx.stream);
     return;
   }
-  // The unfused path still adds the bias in the GEMM's fp32 epilogue: adding it after the GEMM
-  // result is rounded to 16 bits would let that rounding flip the sign of x.w + b wherever
-  // x.w ~= -b, and every flipped ReLU unit passes (or blocks) a whole gradient element.
-  GemmProblem plain = base_problem(ctx);
-  plain.trans_a = true;
-  plain.m = N, plain.n = B, plain.k = K;
-  plain.lda = K, plain.ldb = K, plain.ldd = N;
-  plain.with_bias = a.bias != nullptr;
-
-  GemmProblem fused = plain;
-  fused.ld_aux = N;
-  switch (a.activation) {
-    case Activation::kNone: fused.epilogue = Epilogue::kNone; break;
-    case Activation::kGeluTanh: fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
-    case Activation::kRelu: fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
-    case Activation::kSquaredRelu: break;
-  }
-  const bool fused_possible = a.activation != Activation::kSquaredRelu &&
-                              (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
-  const Workspace ws = gemm_part(ctx);
-  CutlassSm90ForwardArgs cutlass;
-  cutlass.device = ctx.device;
-  cutlass.batch = B, cutlass.in_features = K, cutlass.out_features = N;
-  cutlass.dtype = ctx.dtype;
-  cutlass.activation = a.activation;
-  cutlass.input = a.input, cutlass.weight = a.weight, cutlass.bias = a.bias, cutlass.out = a.out;
-  cutlass.pre_act = a.pre_act;
-
-  auto run_choice = [&](const Choice& c) -> bool {
-    if (c.cutlass >= 0) return cutlass_sm90_forward(c.cutlass, cutlass, ws, ctx.stream);
-    GemmPointers ptrs;
-    ptrs.a = a.weight;
-    ptrs.b = a.input;
-    if (c.fused) {
-      ptrs.d = a.out;
-      ptrs.bias = a.bias;
-      ptrs.aux = a.pre_act;
-      return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
-    }
-    ptrs.d = gemm_target;
-    ptrs.bias = a.bias;
-    // cuBLASLt refuses the BIAS epilogue for some operand alignments (seen on the H200 for bf16
-    // at a 2-byte offset). Then the bias still joins the sum before the 16-bit rounding: the
-    // target is filled with bias rows and the GEMM accumulates onto it (beta = 1, fp32 math).
-    // Adding it after the rounding instead loses |x.w| * 2^-11 absolutely, which is a large
-    // relative error wherever x.w ~= -b (seen by the fuzz test: 1.2e-2 on a single fp16 row).
-    if (a.bias == nullptr) {
-      gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
-    } else if (!try_gemm(plain, ptrs, c.algorithm, ws, ctx.stream)) {
-      GemmProblem onto_bias = plain;
-      onto_bias.with_bias = false;
-      onto_bias.accumulate = true;
-      zero(gemm_target, B * N, ctx.dtype, ctx.stream);
-      bias_act_forward(ctx.dtype, Activation::kNone, gemm_target, a.bias, gemm_target, nullptr, B, N, ctx.device,
-                       ctx.stream);
-      // the index chose among the BIAS-epilogue algorithms, which cuBLASLt just refused: take
-      // its first choice for the accumulating problem
-      gemm(onto_bias, ptrs, 0, ws, ctx.stream);
-    }
-    // A saved GELU / squared-ReLU pre-activation is already in place; the ReLU mask is always
-    // left to the kernel.
-    if (a.activation != Activation::kNone)
-      bias_act_forward(ctx.dtype, a.activation, gemm_target, nullptr, a.out, mask ? a.pre_act : nullptr, B, N,
-                       ctx.device, ctx.stream);
-    return true;
-  };
   // Rule without measurement: the fused epilogue, cuBLASLt's first choice. Only 'auto' takes the
   // cutlass_sm90 forward (gelu_approx with bias and saved pre-activation), and only where measured
   // faster.
-  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return cutlass_sm90_forward_variants(cutlass); },
-           Choice{true, 0}, ctx,
-           tuning_key(OpKind::kForward, ctx, B, K, N, a.activation, a.bias != nullptr, a.pre_act != nullptr),
-           [&] { return describe("forward", ctx, B, K, N, a.activation); }, run_choice);
+  dispatch(a.heuristic, Choice{true, 0}, ctx, a, OpKind::kForward, K, N, a.activation, a.bias != nullptr,
+           a.pre_act != nullptr, "forward", forward_setup,
+           [&](const LinearActArgs& args, int64_t M, TuningArena& arena) {
+             return forward_synthetic(args, M, ctx.dtype, arena);
+           },
+           linear_act_workspace_bytes);
 }
 
 void linear_bias_wgrad(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
@@ -200,41 +401,20 @@ void linear_bias_wgrad(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
     return;
   }
   if (N == 0) return;
-  auto column_sum = [&] {
-    act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_output, nullptr, nullptr, a.d_bias, B, N,
-                           ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream);
-  };
   if (K == 0) {
-    if (a.d_bias != nullptr) column_sum();
+    if (a.d_bias != nullptr)
+      act_backward_bias_grad(ctx.dtype, Activation::kNone, a.d_output, nullptr, nullptr, a.d_bias, B, N,
+                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream);
     return;
   }
-  GemmProblem plain = base_problem(ctx);
-  plain.trans_b = true;
-  plain.m = K, plain.n = N, plain.k = B;
-  plain.lda = K, plain.ldb = N, plain.ldd = K;
-  GemmProblem fused = plain;
-  fused.epilogue = Epilogue::kBGradB;
-  const Workspace ws = gemm_part(ctx);
-
-  auto run_choice = [&](const Choice& c) -> bool {
-    GemmPointers ptrs;
-    ptrs.a = a.input;
-    ptrs.b = a.d_output;
-    ptrs.d = a.d_weight;
-    if (c.fused) {
-      ptrs.bias_grad = a.d_bias;
-      return try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream);
-    }
-    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
-    if (a.d_bias != nullptr) column_sum();
-    return true;
-  };
   // The op linear_bias_wgrad takes no heuristic (as flash-attn's fused_dense_lib's does not): it is
-  // always 'auto'; the rule fuses BGRADB.
-  dispatch(kHeuristicAuto, a.d_bias != nullptr, fused, plain, [] { return 0; }, Choice{a.d_bias != nullptr, 0},
-           ctx,
-           tuning_key(OpKind::kWgrad, ctx, B, K, N, Activation::kNone, a.d_bias != nullptr, false),
-           [&] { return describe("wgrad", ctx, B, K, N, Activation::kNone); }, run_choice);
+  // always 'auto'; the rule fuses BGRADB. Its M is the GEMM's reduction dimension, the batch.
+  dispatch(kHeuristicAuto, Choice{a.d_bias != nullptr, 0}, ctx, a, OpKind::kWgrad, K, N, Activation::kNone,
+           a.d_bias != nullptr, false, "wgrad", wgrad_setup,
+           [&](const LinearBiasWgradArgs& args, int64_t M, TuningArena& arena) {
+             return wgrad_synthetic(args, M, ctx.dtype, arena);
+           },
+           linear_bias_wgrad_workspace_bytes);
 }
 
 void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
@@ -246,70 +426,26 @@ void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
     if (B == 0) zero(a.d_bias, K, ctx.dtype, ctx.stream);
     return;
   }
-  auto rebuild_act_out = [&] {
-    if (a.act_out != nullptr)
-      bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.device,
-                       ctx.stream);
-  };
   if (N == 0) {
     zero(a.d_input, B * K, ctx.dtype, ctx.stream);
     zero(a.d_bias, K, ctx.dtype, ctx.stream);
-    rebuild_act_out();
+    if (a.act_out != nullptr)
+      bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.device,
+                       ctx.stream);
     return;
   }
-  GemmProblem plain = base_problem(ctx);
-  plain.m = K, plain.n = B, plain.k = N;
-  plain.lda = K, plain.ldb = N, plain.ldd = K;
-  GemmProblem fused = plain;
-  fused.epilogue = a.activation == Activation::kRelu ? Epilogue::kDRelu : Epilogue::kDGelu;
-  fused.with_bias_grad = a.d_bias != nullptr;
-  fused.ld_aux = K;
-  const bool fused_possible = (a.activation == Activation::kGeluTanh || a.activation == Activation::kRelu) &&
-                              aux_ld_accepted(a.activation, K);
-  const bool needs_kernel = a.activation != Activation::kNone || a.d_bias != nullptr;
-  const Workspace ws = gemm_part(ctx);
-  CutlassSm90DgradArgs cutlass;
-  cutlass.device = ctx.device;
-  cutlass.batch = B, cutlass.in_features = K, cutlass.out_features = N;
-  cutlass.dtype = ctx.dtype;
-  cutlass.activation = a.activation;
-  cutlass.weight = a.weight, cutlass.d_output = a.d_output, cutlass.pre_act = a.pre_act;
-  cutlass.d_input = a.d_input, cutlass.d_bias = a.d_bias;
-
-  auto run_choice = [&](const Choice& c) -> bool {
-    if (c.cutlass >= 0) {
-      // the whole workspace: CUTLASS's scratch, then the epilogue's partial bias-gradient sums
-      if (!cutlass_sm90_dgrad(c.cutlass, cutlass, ctx.workspace, ctx.stream)) return false;
-      rebuild_act_out();
-      return true;
-    }
-    GemmPointers ptrs;
-    ptrs.a = a.weight;
-    ptrs.b = a.d_output;
-    ptrs.d = a.d_input;
-    if (c.fused) {
-      ptrs.aux = const_cast<void*>(a.pre_act);
-      ptrs.bias_grad = a.d_bias;
-      if (!try_gemm(fused, ptrs, c.algorithm, ws, ctx.stream)) return false;
-      rebuild_act_out();  // the epilogue reads pre_act but cannot write act(pre_act)
-      return true;
-    }
-    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
-    if (needs_kernel)
-      act_backward_bias_grad(ctx.dtype, a.activation, a.d_input, a.pre_act, a.d_input, a.d_bias, B, K,
-                             ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream, a.act_out);
-    return true;
-  };
   // Rule without measurement: unfused. On the H200 DGELU_BGRAD is slower than GEMM + one
   // elementwise pass at every benchmarked shape (0.158 vs 0.124 ms at 8192x1024x4096:
   // docs/performance.md).
   // act_out is not part of the key: a call with it takes the choice of the call without it, so
   // checkpoint level 1 computes the same gradients as level 0, bit for bit.
   // Only 'auto' takes the cutlass_sm90 data gradient, and only where the tuner measured it faster.
-  dispatch(a.heuristic, fused_possible, fused, plain, [&] { return cutlass_sm90_dgrad_variants(cutlass); },
-           Choice{false, 0},
-           ctx, tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
-           [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
+  dispatch(a.heuristic, Choice{false, 0}, ctx, a, OpKind::kDgrad, K, N, a.activation, a.d_bias != nullptr, false,
+           "dgrad", dgrad_setup,
+           [&](const ActLinearDgradArgs& args, int64_t M, TuningArena& arena) {
+             return dgrad_synthetic(args, M, ctx.dtype, arena);
+           },
+           act_linear_dgrad_workspace_bytes);
 }
 
 }  // namespace fused_dense::core

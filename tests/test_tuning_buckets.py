@@ -1,0 +1,230 @@
+"""heuristic='auto' across token counts (csrc/core/tuner.h, fused_dense/tuning.py): M buckets, one
+measurement per bucket reused at every M in it without a heuristic query, the tuning budget, the
+table of choices (python -m fused_dense.tune writes it; a process reads it and measures nothing),
+and the settings' argument checks.
+
+Results are checked against float64 references from plain PyTorch on fresh random inputs; the
+widths are ones no other test uses, so the buckets start untuned in a shared pytest process."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_dense
+from conftest import TOL, rel_err
+from fused_dense import FusedMLP, tuning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cuda_or_skip():
+    if not (fused_dense.has_cuda_kernels() and torch.cuda.is_available()):
+        pytest.skip("needs the CUDA kernels and a GPU")
+
+
+def mlp_step_checked(mlp, m, gen):
+    """One forward + backward of mlp at m tokens on fresh random data, checked against float64."""
+    dev, dt = mlp.fc1.weight.device, mlp.fc1.weight.dtype
+    x = torch.randn(m, mlp.fc1.in_features, device=dev, dtype=dt, generator=gen).requires_grad_()
+    g = torch.randn(m, mlp.fc2.out_features, device=dev, dtype=dt, generator=gen)
+    out = mlp(x)
+    out.backward(g)
+    x64 = x.detach().double().requires_grad_()
+    w1, b1, w2, b2 = (p.detach().double().requires_grad_() for p in
+                      (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias))
+    ref = F.linear(F.gelu(F.linear(x64, w1, b1), approximate="tanh"), w2, b2)
+    ref.backward(g.double())
+    # two GEMMs and the activation chained: twice the one-rounding tolerance (docs/contract.md)
+    tol = 2 * TOL[dt]
+    for name, got, want in (("out", out, ref), ("grad x", x.grad, x64.grad), ("grad w1", mlp.fc1.weight.grad, w1.grad),
+                            ("grad w2", mlp.fc2.weight.grad, w2.grad), ("grad b1", mlp.fc1.bias.grad, b1.grad)):
+        err = rel_err(got, want)
+        assert err <= tol, f"{name} at M={m}: relative error {err:.3e} > {tol:.1e}"
+    mlp.zero_grad(set_to_none=True)
+
+
+@pytest.fixture
+def unpaced_without_table():
+    """Measuring unpaced and unbounded, without the shipped table or a cache file; restored after."""
+    cuda_or_skip()
+    previous = tuning.configure(enabled=True, budget_s=1e6, pace=1.0, buckets=True, table="", cache="")
+    yield
+    tuning.configure(**previous)
+
+
+@pytest.mark.cuda
+def test_bucket_rule():
+    cuda_or_skip()
+    previous = tuning.configure(buckets=True)
+    try:
+        last_index = -1
+        for m in list(range(1, 600)) + list(range(600, 70000, 97)):
+            index, rep = tuning.m_bucket(m)
+            assert index >= last_index, f"bucket index fell from {last_index} to {index} at M={m}"
+            last_index = index
+            assert tuning.m_bucket(rep)[0] == index, f"M={m}: representative {rep} lies outside its bucket {index}"
+            assert max(m, rep) / min(m, rep) <= 2 ** 0.5 * 1.05, f"M={m} is far from its representative {rep}"
+            if rep >= 64:
+                assert rep % 8 == 0, f"representative {rep} (M={m}) is not a multiple of 8"
+        assert tuning.m_bucket(1) == (0, 1)
+        assert tuning.m_bucket(1500)[0] == tuning.m_bucket(2040)[0] != tuning.m_bucket(1400)[0]
+        tuning.configure(buckets=False)
+        assert all(tuning.m_bucket(m) == (m, m) for m in (1, 7, 1500, 12345))
+    finally:
+        tuning.configure(**previous)
+
+
+@pytest.mark.cuda
+def test_new_token_count_in_a_tuned_bucket_measures_nothing_and_queries_nothing(unpaced_without_table):
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    mlp = FusedMLP(328, 712, device="cuda", dtype=torch.bfloat16)
+    before = tuning.stats()
+    mlp_step_checked(mlp, 1500, gen)
+    tuned = tuning.stats()
+    assert tuned["problems_measured"] > before["problems_measured"], "the first M of a bucket measured nothing"
+    for m in (1460, 1601, 1799, 2040):
+        assert tuning.m_bucket(m)[0] == tuning.m_bucket(1500)[0]
+        mlp_step_checked(mlp, m, gen)
+    after = tuning.stats()
+    assert after["problems_measured"] == tuned["problems_measured"], "a new M of a tuned bucket was measured"
+    assert after["heuristic_queries"] == tuned["heuristic_queries"], \
+        f"new M of a tuned bucket asked cuBLASLt's heuristic {after['heuristic_queries'] - tuned['heuristic_queries']} times"
+
+
+@pytest.mark.cuda
+def test_spent_budget_keeps_the_rule_and_measures_later(unpaced_without_table):
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    mlp = FusedMLP(344, 720, device="cuda", dtype=torch.float16)
+    tuning.configure(budget_s=0.0)
+    before = tuning.stats()
+    mlp_step_checked(mlp, 700, gen)
+    ruled = tuning.stats()
+    assert ruled["problems_measured"] == before["problems_measured"], "measured with no budget left"
+    assert ruled["rule_choices"] > before["rule_choices"]
+    tuning.configure(budget_s=1e6)
+    mlp_step_checked(mlp, 700, gen)
+    assert tuning.stats()["problems_measured"] > ruled["problems_measured"], \
+        "the rule's choice, kept while the budget was spent, was never measured once budget was given"
+
+
+@pytest.mark.cuda
+def test_per_problem_budget_bounds_the_measuring(unpaced_without_table):
+    """With a 0 ms budget per problem only the first two candidates are timed, once: a problem's
+    measuring takes a few runs, not rounds of every candidate."""
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    mlp = FusedMLP(352, 736, device="cuda", dtype=torch.bfloat16)
+    tuning.configure(problem_budget_ms=0.0)
+    before = tuning.stats()
+    mlp_step_checked(mlp, 3000, gen)
+    after = tuning.stats()
+    measured = after["problems_measured"] - before["problems_measured"]
+    assert measured >= 4, f"only {measured} problems measured"
+    per_problem_ms = (after["measuring_s"] - before["measuring_s"]) * 1e3 / measured
+    assert per_problem_ms < 60, f"{per_problem_ms:.1f} ms per problem with a 0 ms budget"
+
+
+def run_python(args, env_extra, timeout=600):
+    env = dict(os.environ, **env_extra)
+    env.pop("FUSED_DENSE_TUNING_CACHE", None)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args[:3]}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    return proc
+
+
+# Reads the table named by FUSED_DENSE_TUNING_TABLE with measuring off, runs FusedMLP(256, 1024)
+# at token counts of the tabled buckets, checks against float64 and prints the tuner's counters.
+READER = r"""
+import sys, torch
+sys.path.insert(0, 'tests')
+import fused_dense
+from fused_dense import FusedMLP, tuning
+from test_tuning_buckets import mlp_step_checked
+gen = torch.Generator(device='cuda'); gen.seed()
+mlp = FusedMLP(256, 1024, device='cuda', dtype=torch.bfloat16)
+for m in (612, 700, 859):
+    mlp_step_checked(mlp, m, gen)
+import json
+print('STATS', json.dumps(tuning.stats()))
+"""
+
+
+def reader_stats(table):
+    proc = run_python(["-c", READER], {"FUSED_DENSE_TUNING": "0", "FUSED_DENSE_TUNING_TABLE": str(table)})
+    line = [l for l in proc.stdout.splitlines() if l.startswith("STATS ")][-1]
+    return json.loads(line[len("STATS "):])
+
+
+@pytest.mark.cuda
+def test_table_written_by_the_tool_serves_without_measuring(tmp_path):
+    cuda_or_skip()
+    table = tmp_path / "choices.txt"
+    tool = run_python(["-m", "fused_dense.tune", "--out", str(table), "--dims", "256", "--dtypes", "bfloat16",
+                       "--activations", "gelu_approx", "--min-tokens", "600", "--max-tokens", "900", "--fresh"], {})
+    assert "choices measured" in tool.stdout, tool.stdout[-2000:]
+    lines = [l for l in table.read_text().splitlines() if l and not l.startswith("#")]
+    assert lines and all(l.startswith("sm") and "/cublasLt" in l for l in lines), lines[:3]
+    stats = reader_stats(table)
+    assert stats["table_choices"] == len(lines), stats
+    assert stats["problems_measured"] == 0 and stats["rule_choices"] == 0, \
+        f"a process with the table measured or fell back to the rule: {stats}"
+
+    # lines of another compute capability are not read (the process falls back to the rule)
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join("sm10" + l[l.index("/"):] for l in lines) + "\n")
+    stats = reader_stats(other)
+    assert stats["table_choices"] == 0 and stats["rule_choices"] > 0, stats
+
+    # an algorithm the problem never had (its 8 words zeroed) is checked before use: results stay
+    # correct (the reader checks them) whatever cuBLASLt makes of it
+    zeroed = tmp_path / "zeroed.txt"
+    zeroed.write_text("\n".join(" ".join(l.split()[:-8] + ["0" * 16] * 8) for l in lines) + "\n")
+    stats = reader_stats(zeroed)
+    assert stats["table_choices"] == len(lines), stats
+
+
+@pytest.mark.cuda
+def test_configure_checks_its_arguments():
+    cuda_or_skip()
+    for bad in (dict(budget_s=-1.0), dict(problem_budget_ms=float("nan")), dict(pace="fast"), dict(enabled=1),
+                dict(buckets="yes"), dict(cache=3)):
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=name):
+            tuning.configure(**bad)
+    previous = tuning.configure(budget_s=12.5)
+    try:
+        assert tuning.settings()["budget_s"] == 12.5
+    finally:
+        tuning.configure(**previous)
+    assert tuning.settings() == previous
+    with pytest.raises(ValueError, match="m must be an int >= 1"):
+        tuning.m_bucket(0)
+
+
+def test_tuning_module_in_this_build():
+    """A CUDA build reports its settings; a CPU-only build says it has no tuner."""
+    if fused_dense.has_cuda_kernels():
+        assert set(tuning.settings()) == {"enabled", "budget_s", "problem_budget_ms", "pace", "buckets", "cache",
+                                          "table"}
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA kernels"):
+            tuning.settings()
+
+
+def test_tune_tool_rejects_bad_arguments():
+    from fused_dense import tune
+    for argv, message in ((["--out", "t.txt", "--min-tokens", "0"], "--min-tokens must be >= 1"),
+                          (["--out", "t.txt", "--min-tokens", "900", "--max-tokens", "10"], "must be <= --max-tokens"),
+                          (["--out", "t.txt", "--dims", "0"], "--dims must be positive"),
+                          (["--out", "t.txt", "--dtypes", "float64"], "invalid choice")):
+        proc = subprocess.run([sys.executable, "-m", "fused_dense.tune", *argv], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr[-1000:])
+    key = "sm90/cublasLt13.0/choices3 0 1 20 1024 4096 1 1 1 0 1"
+    assert tune.merge([key + " 1 0 -1 1 first", key + " 0 2 -1 1 second"]) == [key + " 0 2 -1 1 second"]
