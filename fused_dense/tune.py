@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--max-tflop", type=float, default=2.5,
                    help="skip items whose fc1 GEMM exceeds this many TFLOP (2 M d 4d): the largest "
                         "token counts at the largest widths")
+    p.add_argument("--min-tflop", type=float, default=0.0,
+                   help="skip items whose fc1 GEMM is at most this many TFLOP (extends a table measured "
+                        "with --max-tflop of that value)")
     p.add_argument("--problem-budget-ms", type=float, default=120.0, help="measuring time per problem")
     p.add_argument("--minutes", type=float, default=25.0, help="stop starting items after this long")
     p.add_argument("--fresh", action="store_true", help="drop the existing lines of --out")
@@ -75,7 +78,7 @@ def work_items(args):
         for d in args.dims:
             for act in args.activations:
                 for rep in bucket_representatives(args.min_tokens, args.max_tokens):
-                    if 2.0 * rep * d * 4 * d / 1e12 <= args.max_tflop:
+                    if args.min_tflop < 2.0 * rep * d * 4 * d / 1e12 <= args.max_tflop:
                         items.append((dtype, d, act, rep))
     # smallest work first within each dtype: a sitting cut short loses the largest items
     order = {dt: i for i, dt in enumerate(args.dtypes)}
