@@ -7,15 +7,20 @@
 Parts, all bf16, gelu_approx, hidden 4d, forward + backward:
   passes   40 distinct token counts drawn from [1024, 16384): one pass over them, then a second
            pass over the same counts, for FusedMLP and for the nn.Linear MLP, each in a fresh
-           process (its own CUDA context, caches and tuner; both warmed up first on an unrelated
-           small shape, so neither pays CUDA's or cuBLAS's initialisation), --rounds processes
-           each, interleaved. At d = 1024 (a width in the shipped table) and at d = 1280 with the
-           table left out (FUSED_DENSE_TUNING_TABLE=0), so bucketing and the budget do the work.
-           Reported: each pass's wall time and its ratio to nn.Linear's (medians over rounds).
+           process (its own CUDA context, caches and tuner), --rounds processes each,
+           interleaved, under two protocols: cold (both warmed up only on an unrelated small
+           shape, so neither pays CUDA's initialisation, but each loads its GEMM kernels and
+           builds its plans on the way: what a fresh process sees) and warm (both first run an
+           nn.Linear MLP of the same width over 40 other token counts, which loads cuBLAS's
+           kernels for the range: what is left is each MLP's own per-token-count cost, for
+           FusedMLP the tuner's). At d = 1024 (a width in the shipped table) and at d = 1280
+           with the table left out (FUSED_DENSE_TUNING_TABLE=0), so bucketing and the budget do
+           the work. Reported: each pass's wall time and its ratio to nn.Linear's (medians).
   buckets  bucketed against exact-M choices at 20 token counts that are no bucket's
-           representative, at d = 1024 and 4096: both sets of choices measured first (unpaced),
-           then each count timed under both, interleaved in --rounds rounds. Reported: the loss
-           t_bucketed / t_exact - 1 per count, its median and maximum.
+           representative on the default grid, at d = 1024 and 4096, for grids of 2 (default),
+           4 and 8 buckets per octave: every grid's choices and the exact ones measured first
+           (unpaced), then each count timed under each, interleaved in --rounds rounds.
+           Reported: the loss t_bucketed / t_exact - 1 per count and grid, median and maximum.
   training examples/train_gpt.py --variable-length (each MLP in its own process): cumulative
            tokens/s of FusedMLP over nn.Linear's after each step.
 Targets (the H200): passes at d = 1024 first <= 1.3x nn.Linear and second <= today's 0.67x; at
@@ -94,6 +99,12 @@ def worker_passes(args):
     warm = make_mlp(args.model, 64, device, dtype)  # CUDA context, cuBLAS handle, the library's plans
     x = torch.randn(64, 64, device=device, dtype=dtype, requires_grad=True)
     warm(x).sum().backward()
+    if args.protocol == "warm":  # cuBLAS's kernels for the range, loaded by other token counts
+        plain = make_mlp("linear", args.d, device, dtype)
+        for m in token_counts(len(counts), min(counts), max(counts) + 1, seed=31, exclude=counts):
+            x = torch.randn(m, args.d, device=device, dtype=dtype, requires_grad=True)
+            plain(x).sum().backward()
+        del plain, x
     mlp = make_mlp(args.model, args.d, device, dtype)
     xs = [torch.randn(m, args.d, device=device, dtype=dtype).requires_grad_() for m in counts]
     gs = [torch.randn(m, args.d, device=device, dtype=dtype) for m in counts]
@@ -125,8 +136,12 @@ def time_step(mlp, x, g, reps):
     return statistics.median(times)
 
 
+GRIDS = (2, 4, 8)  # buckets per octave compared with exact-M choices (0)
+
+
 def worker_buckets(args):
-    """Prints one JSON line: per token count, the step time under bucketed and exact-M choices."""
+    """Prints one JSON line: per token count, the step time under exact-M choices and under each
+    grid's bucketed choices."""
     from fused_dense import tuning
     device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -135,24 +150,31 @@ def worker_buckets(args):
     data = {m: (torch.randn(m, args.d, device=device, dtype=dtype).requires_grad_(),
                 torch.randn(m, args.d, device=device, dtype=dtype)) for m in counts}
     tuning.configure(enabled=True, budget_s=1e6, pace=1.0, table="", cache="")
-    for buckets in (True, False):  # measure both sets of choices before timing anything
-        tuning.configure(buckets=buckets)
+    modes = (0,) + GRIDS
+    for b in modes:  # measure every set of choices before timing anything
+        tuning.configure(buckets=b)
         for m in counts:
             mlp(data[m][0]).backward(data[m][1])
     sync(device)
     rows = []
     for i, m in enumerate(counts):
         x, g = data[m]
-        ms = {True: [], False: []}
+        ms = {b: [] for b in modes}
         for r in range(args.rounds):
-            for buckets in ((True, False) if (r + i) % 2 == 0 else (False, True)):
-                tuning.configure(buckets=buckets)
+            k = (r + i) % len(modes)
+            for b in modes[k:] + modes[:k]:
+                tuning.configure(buckets=b)
                 time_step(mlp, x, g, 2)  # warm: the first call at this M under these choices
-                ms[buckets].append(time_step(mlp, x, g, args.reps))
-        b, e = statistics.median(ms[True]), statistics.median(ms[False])
-        tuning.configure(buckets=True)
-        rows.append({"tokens": m, "bucket": tuning.m_bucket(m), "bucketed_ms": b, "exact_ms": e, "loss": b / e - 1})
-        log(f"  d={args.d} M={m}: bucketed {b:.3f} ms, exact {e:.3f} ms, loss {100 * (b / e - 1):+.2f}%")
+                ms[b].append(time_step(mlp, x, g, args.reps))
+        exact = statistics.median(ms[0])
+        row = {"tokens": m, "exact_ms": exact}
+        for b in GRIDS:
+            tuning.configure(buckets=b)
+            t = statistics.median(ms[b])
+            row[str(b)] = {"bucket": tuning.m_bucket(m), "ms": t, "loss": t / exact - 1}
+        rows.append(row)
+        log(f"  d={args.d} M={m}: exact {exact:.3f} ms; " + ", ".join(
+            f"{b}/octave {100 * row[str(b)]['loss']:+.2f}%" for b in GRIDS))
     print("RESULT " + json.dumps(rows), flush=True)
 
 
@@ -178,19 +200,23 @@ def run_worker(kind, extra, env_extra=None, timeout=900):
 def part_passes(args):
     lo, hi = (1024, 16384) if args.device == "cuda" else (16, 256)
     counts = token_counts(args.counts, lo, hi, seed=23)
-    configs = [("tabled", 1024 if args.device == "cuda" else 64, {}),
-               ("untabled", 1280 if args.device == "cuda" else 80, {"FUSED_DENSE_TUNING_TABLE": "0"})]
+    configs = [(f"{table}_{protocol}", protocol, d, env)
+               for protocol in ("warm", "cold")
+               for table, d, env in (("tabled", 1024 if args.device == "cuda" else 64, {}),
+                                     ("untabled", 1280 if args.device == "cuda" else 80,
+                                      {"FUSED_DENSE_TUNING_TABLE": "0"}))]
     out = {}
-    for name, d, env in configs:
+    for name, protocol, d, env in configs:
         runs = {"fused": [], "linear": []}
         for r in range(args.rounds):
             for model in (("fused", "linear") if r % 2 == 0 else ("linear", "fused")):
                 res = run_worker("passes", ["--model", model, "--d", str(d), "--device", args.device,
-                                            "--counts-json", json.dumps(counts)], env)
+                                            "--protocol", protocol, "--counts-json", json.dumps(counts)], env)
                 runs[model].append(res)
                 log(f"passes {name} d={d} {model}: first {res['first_s']:.3f} s, second {res['second_s']:.3f} s")
         med = {m: {p: statistics.median(r[p] for r in runs[m]) for p in ("first_s", "second_s")} for m in runs}
-        out[name] = {"d": d, "hidden": 4 * d, "table": not env, "token_range": [lo, hi], "token_counts": counts,
+        out[name] = {"d": d, "hidden": 4 * d, "table": not env, "protocol": protocol, "token_range": [lo, hi],
+                     "token_counts": counts,
                      "runs": runs, "median": med,
                      "first_ratio": med["fused"]["first_s"] / med["linear"]["first_s"],
                      "second_ratio": med["fused"]["second_s"] / med["linear"]["second_s"]}
@@ -201,16 +227,19 @@ def part_passes(args):
 
 def part_buckets(args):
     from fused_dense import tuning
+    tuning.configure(buckets=2)
     reps = {tuning.m_bucket(m)[1] for m in range(1024, 16384)}
     counts = token_counts(args.bucket_counts, 1024, 16384, seed=29, exclude=reps)
     out = {}
     for d in (1024, 4096):
-        rows = run_worker("buckets", ["--d", str(d), "--counts-json", json.dumps(counts), "--rounds", str(args.rounds),
+        rows = run_worker("buckets", ["--d", str(d), "--counts-json", json.dumps(counts), "--rounds", str(args.bucket_rounds),
                                       "--reps", str(args.reps)])
-        losses = [r["loss"] for r in rows]
-        out[str(d)] = {"rows": rows, "median_loss": statistics.median(losses), "max_loss": max(losses)}
-        log(f"buckets d={d}: median loss {100 * out[str(d)]['median_loss']:+.2f}%, "
-            f"max {100 * out[str(d)]['max_loss']:+.2f}%")
+        out[str(d)] = {"rows": rows}
+        for b in GRIDS:
+            losses = [r[str(b)]["loss"] for r in rows]
+            out[str(d)][str(b)] = {"median_loss": statistics.median(losses), "max_loss": max(losses)}
+            log(f"buckets d={d}, {b} per octave: median loss {100 * statistics.median(losses):+.2f}%, "
+                f"max {100 * max(losses):+.2f}%")
     return out
 
 
@@ -242,21 +271,25 @@ def markdown(res):
         first = next(iter(res["passes"].values()))
         lo, hi = first["token_range"]
         lines += [f"## Passes over {len(first['token_counts'])} new token counts ([{lo}, {hi}))", "",
-                  "| width | table | FusedMLP first pass | nn.Linear first pass | ratio (target) | FusedMLP second | "
-                  "nn.Linear second | ratio (target) |", "|---|---|---|---|---|---|---|---|"]
+                  "| protocol | width | table | FusedMLP first pass | nn.Linear first pass | ratio (target) | "
+                  "FusedMLP second | nn.Linear second | ratio (target) |", "|---|---|---|---|---|---|---|---|---|"]
         for name, p in res["passes"].items():
-            t1, t2 = TARGETS[f"passes_{name}_first"], TARGETS[f"passes_{name}_second"]
+            table = "tabled" if p["table"] else "untabled"
+            t1, t2 = TARGETS[f"passes_{table}_first"], TARGETS[f"passes_{table}_second"]
             m = p["median"]
-            lines.append(f"| {p['d']} → {p['hidden']} | {'shipped' if p['table'] else 'off'} | "
+            lines.append(f"| {p['protocol']} | {p['d']} → {p['hidden']} | {'shipped' if p['table'] else 'off'} | "
                          f"{m['fused']['first_s'] * 1e3:.1f} ms | {m['linear']['first_s'] * 1e3:.1f} ms | "
                          f"{p['first_ratio']:.2f}× (≤ {t1}) | {m['fused']['second_s'] * 1e3:.1f} ms | "
                          f"{m['linear']['second_s'] * 1e3:.1f} ms | {p['second_ratio']:.2f}× (≤ {t2}) |")
         lines.append("")
     if "buckets" in res:
-        lines += ["## Bucketed against exact-M choices (20 token counts that are no representative)", "",
-                  "| width | median loss (≤ 1%) | max loss (≤ 3%) |", "|---|---|---|"]
-        for d, b in res["buckets"].items():
-            lines.append(f"| {d} → {4 * int(d)} | {100 * b['median_loss']:+.2f}% | {100 * b['max_loss']:+.2f}% |")
+        lines += ["## Bucketed against exact-M choices (token counts that are no representative of the default grid)",
+                  "", "| width | buckets per octave | median loss (≤ 1%) | max loss (≤ 3%) |", "|---|---|---|---|"]
+        for d, per_d in res["buckets"].items():
+            for b in GRIDS:
+                g = per_d[str(b)]
+                lines.append(f"| {d} → {4 * int(d)} | {b}{' (default)' if b == 2 else ''} | "
+                             f"{100 * g['median_loss']:+.2f}% | {100 * g['max_loss']:+.2f}% |")
         lines.append("")
     if "training" in res:
         t = res["training"]
@@ -282,12 +315,13 @@ def make_png(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     if "passes" in res:
         ax = axes[0]
-        names = list(res["passes"])
+        names = [n for n in res["passes"] if n.endswith("_warm")] or list(res["passes"])
         for j, which in enumerate(("first_ratio", "second_ratio")):
             ax.bar([i + 0.38 * j for i in range(len(names))], [res["passes"][n][which] for n in names], 0.36,
                    label=which.replace("_ratio", " pass"))
         ax.set_xticks([i + 0.19 for i in range(len(names))],
-                      [f"d={res['passes'][n]['d']} ({'table' if res['passes'][n]['table'] else 'no table'})"
+                      [f"d={res['passes'][n]['d']} ({'table' if res['passes'][n]['table'] else 'no table'}, "
+                       f"{res['passes'][n]['protocol']})"
                        for n in names])
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set(ylabel="FusedMLP time / nn.Linear MLP time", title="40 new token counts")
@@ -311,7 +345,8 @@ def parse_args(argv):
     p.add_argument("--out", help="output directory (docs/results for the run of record)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--parts", default="passes,buckets,training", help="comma list of passes, buckets, training")
-    p.add_argument("--rounds", type=int, default=3, help="processes per MLP (passes); timing rounds (buckets)")
+    p.add_argument("--rounds", type=int, default=2, help="processes per MLP and protocol (passes)")
+    p.add_argument("--bucket-rounds", type=int, default=3, help="timing rounds (buckets)")
     p.add_argument("--reps", type=int, default=10, help="steps per timing (buckets)")
     p.add_argument("--counts", type=int, default=40, help="token counts per pass")
     p.add_argument("--bucket-counts", type=int, default=20)
@@ -319,6 +354,7 @@ def parse_args(argv):
     p.add_argument("--worker", choices=["passes", "buckets"], help=argparse.SUPPRESS)
     p.add_argument("--model", choices=["fused", "linear"], help=argparse.SUPPRESS)
     p.add_argument("--d", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--protocol", choices=["warm", "cold"], default="cold", help=argparse.SUPPRESS)
     p.add_argument("--counts-json", dest="counts_json", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -332,8 +368,8 @@ def parse_args(argv):
     if args.device == "cpu" and "buckets" in parts:
         p.error("--parts buckets needs --device cuda (it compares tuned choices)")
     if args.quick:
-        args.rounds, args.reps, args.counts, args.bucket_counts = 1, 3, 8, 4
-    if min(args.rounds, args.reps, args.counts, args.bucket_counts) < 1:
+        args.rounds, args.bucket_rounds, args.reps, args.counts, args.bucket_counts = 1, 1, 3, 8, 4
+    if min(args.rounds, args.bucket_rounds, args.reps, args.counts, args.bucket_counts) < 1:
         p.error("--rounds, --reps, --counts and --bucket-counts must be >= 1")
     args.parts = parts
     return args

@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--min-tflop", type=float, default=0.0,
                    help="skip items whose fc1 GEMM is at most this many TFLOP (extends a table measured "
                         "with --max-tflop of that value)")
+    p.add_argument("--buckets", type=int, default=2, choices=[1, 2, 4, 8],
+                   help="buckets per octave of M (2: the grid 'auto' uses by default)")
     p.add_argument("--problem-budget-ms", type=float, default=120.0, help="measuring time per problem")
     p.add_argument("--minutes", type=float, default=25.0, help="stop starting items after this long")
     p.add_argument("--fresh", action="store_true", help="drop the existing lines of --out")
@@ -53,14 +55,15 @@ def parse_args(argv=None):
     return args
 
 
-def bucket_representatives(lo, hi):
+def bucket_representatives(lo, hi, per_octave):
     """The representative token counts of the buckets that meet [lo, hi], in order (the buckets
-    are csrc/core/tuner.h's: probing near each half-octave boundary finds every one)."""
+    are csrc/core/tuner.h's, on the current grid: probing next to each boundary 2^(i/b) finds
+    every one)."""
     from fused_dense import tuning
     probes = {lo, hi}
     i = 0
-    while 2 ** (i / 2) <= hi:
-        for m in (math.floor(2 ** (i / 2)), math.ceil(2 ** (i / 2))):
+    while 2 ** (i / per_octave) <= hi:
+        for m in (math.floor(2 ** (i / per_octave)), math.ceil(2 ** (i / per_octave))):
             if lo <= m <= hi:
                 probes.add(m)
         i += 1
@@ -73,11 +76,20 @@ def bucket_representatives(lo, hi):
 
 
 def work_items(args):
+    from fused_dense import tuning
+    previous = tuning.configure(buckets=args.buckets)
+    try:
+        return _work_items(args)
+    finally:
+        tuning.configure(**previous)
+
+
+def _work_items(args):
     items = []
     for dtype in args.dtypes:
         for d in args.dims:
             for act in args.activations:
-                for rep in bucket_representatives(args.min_tokens, args.max_tokens):
+                for rep in bucket_representatives(args.min_tokens, args.max_tokens, args.buckets):
                     if args.min_tflop < 2.0 * rep * d * 4 * d / 1e12 <= args.max_tflop:
                         items.append((dtype, d, act, rep))
     # smallest work first within each dtype: a sitting cut short loses the largest items
@@ -112,7 +124,7 @@ def main(argv=None):
     fd, scratch = tempfile.mkstemp(prefix="fused_dense_tune_", suffix=".txt")
     os.close(fd)
     previous = tuning.configure(enabled=True, budget_s=1e9, pace=1.0, problem_budget_ms=args.problem_budget_ms,
-                                buckets=True, cache=scratch, table="")
+                                buckets=args.buckets, cache=scratch, table="")
     device = torch.device("cuda")
     print(f"fused_dense.tune: {len(items)} items on {torch.cuda.get_device_name(device)}, "
           f"at most {args.minutes:g} min", flush=True)
@@ -151,7 +163,7 @@ def main(argv=None):
     with open(args.out, "w") as f:
         f.write("# fused_dense tuning table: heuristic='auto' choices measured by python -m fused_dense.tune\n")
         f.write(f"# on {torch.cuda.get_device_name(device)}; line: tag, key (op dtype bucket K N activation "
-                "flag flag tf32 bucketed), choice (fused algorithm cutlass has_algo, 8 words of the algorithm)\n")
+                "flag flag tf32 buckets-per-octave), choice (fused algorithm cutlass has_algo, 8 words of the algorithm)\n")
         f.write("\n".join(table) + ("\n" if table else ""))
     stats = tuning.stats()
     print(f"fused_dense.tune: {len(lines)} choices measured in {time.perf_counter() - t0:.0f} s "

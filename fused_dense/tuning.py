@@ -1,9 +1,10 @@
 """How ``heuristic='auto'`` chooses, and how to steer it.
 
-A problem (op, dtype, widths, flags) is keyed by a bucket of its token count M: half-octave
-buckets ``[2^(i/2), 2^((i+1)/2))``, each measured once at its representative M (the geometric
-middle, a multiple of 8 from 64 up; :func:`m_bucket`) on synthetic operands of that size, and the
-choice reused for every M in the bucket. Choices come from, in order: this process's measurements,
+A problem (op, dtype, widths, flags) is keyed by a bucket of its token count M: with b buckets per
+octave (2 by default), ``[2^(i/b), 2^((i+1)/b))``, each measured once at its representative M (the
+geometric middle, a multiple of 8 from 64 up; :func:`m_bucket`) on synthetic operands of that
+size, and the choice reused for every M in the bucket. A finer grid loses less against choices
+measured at each exact M and measures more often (docs/results/dynamic-*.md has both). Choices come from, in order: this process's measurements,
 the cache file, the table shipped with the package (:data:`SHIPPED_TABLE`, measured on the H200,
 valid for the compute capability and cuBLASLt major.minor it names), measuring within the budget,
 and otherwise the fixed rule. Nothing is measured while a CUDA graph is captured or under
@@ -12,7 +13,7 @@ reads and sets them.
 
 Environment variables (read at the first use; :func:`configure` overrides them):
 ``FUSED_DENSE_TUNING=0`` (never measure), ``FUSED_DENSE_TUNING_BUDGET`` (seconds per process),
-``FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS``, ``FUSED_DENSE_TUNING_PACE``, ``FUSED_DENSE_TUNING_BUCKETS=0`` (exact M),
+``FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS``, ``FUSED_DENSE_TUNING_PACE``, ``FUSED_DENSE_TUNING_BUCKETS=b`` (per octave; 0: exact M),
 ``FUSED_DENSE_TUNING_CACHE=path``, ``FUSED_DENSE_TUNING_TABLE=0|path``,
 ``FUSED_DENSE_TUNING_VERBOSE=1``.
 """
@@ -53,7 +54,8 @@ def configure(*, enabled=None, budget_s=None, problem_budget_ms=None, pace=None,
     pace: the share of wall time measuring may take (default 0.05: at most 0.1 s plus 5% of the
         time since the first measurement, so early steps stay fast and later ones measure the
         rest); 1 or more: unpaced.
-    buckets: key choices by M bucket (True) or by the exact M.
+    buckets: buckets per octave of M, 1, 2 (default; the shipped table's grid), 4 or 8; 0 keys
+        choices by the exact M.
     cache: path of the file that keeps choices across processes (None keeps it, '' turns it off).
     table: path of a table of choices (None keeps it, '' leaves the shipped one out,
         :data:`SHIPPED_TABLE` restores it).
@@ -63,9 +65,11 @@ def configure(*, enabled=None, budget_s=None, problem_budget_ms=None, pace=None,
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       and math.isfinite(value) and value >= 0):
             raise ValueError(f"fused_dense.tuning.configure: {name} must be a finite number >= 0, got {value!r}")
-    for name, value in (("enabled", enabled), ("buckets", buckets)):
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"fused_dense.tuning.configure: {name} must be True or False, got {value!r}")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"fused_dense.tuning.configure: enabled must be True or False, got {enabled!r}")
+    if buckets is not None and (isinstance(buckets, bool) or buckets not in (0, 1, 2, 4, 8)):
+        raise ValueError(f"fused_dense.tuning.configure: buckets must be 0, 1, 2, 4 or 8 (per octave of M; 0: "
+                         f"exact M), got {buckets!r}")
     for name, value in (("cache", cache), ("table", table)):
         if value is not None and not isinstance(value, (str, os.PathLike)):
             raise ValueError(f"fused_dense.tuning.configure: {name} must be a path or '', got {value!r}")
@@ -76,7 +80,7 @@ def configure(*, enabled=None, budget_s=None, problem_budget_ms=None, pace=None,
     new.update({k: (os.fspath(v) if k in ("cache", "table") else v) for k, v in given.items() if v is not None})
     torch.ops.fused_dense.set_tuning_settings(bool(new["enabled"]), float(new["budget_s"]),
                                               float(new["problem_budget_ms"]), float(new["pace"]),
-                                              bool(new["buckets"]),
+                                              int(new["buckets"]),
                                               new["cache"], new["table"])
     return previous
 

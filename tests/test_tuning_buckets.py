@@ -51,7 +51,7 @@ def mlp_step_checked(mlp, m, gen):
 def unpaced_without_table():
     """Measuring unpaced and unbounded, without the shipped table or a cache file; restored after."""
     cuda_or_skip()
-    previous = tuning.configure(enabled=True, budget_s=1e6, pace=1.0, buckets=True, table="", cache="")
+    previous = tuning.configure(enabled=True, budget_s=1e6, pace=1.0, buckets=2, table="", cache="")
     yield
     tuning.configure(**previous)
 
@@ -59,7 +59,7 @@ def unpaced_without_table():
 @pytest.mark.cuda
 def test_bucket_rule():
     cuda_or_skip()
-    previous = tuning.configure(buckets=True)
+    previous = tuning.configure(buckets=2)
     try:
         last_index = -1
         for m in list(range(1, 600)) + list(range(600, 70000, 97)):
@@ -72,7 +72,13 @@ def test_bucket_rule():
                 assert rep % 8 == 0, f"representative {rep} (M={m}) is not a multiple of 8"
         assert tuning.m_bucket(1) == (0, 1)
         assert tuning.m_bucket(1500)[0] == tuning.m_bucket(2040)[0] != tuning.m_bucket(1400)[0]
-        tuning.configure(buckets=False)
+        for b in (1, 4, 8):  # finer grids: nested in the coarser ones, representatives inside
+            tuning.configure(buckets=b)
+            for m in (1, 3, 64, 100, 1500, 4097, 12345, 65535):
+                index, rep = tuning.m_bucket(m)
+                assert tuning.m_bucket(rep)[0] == index and 2 ** (index / b) <= m * (1 + 1e-12) < 2 ** ((index + 1) / b), \
+                    (b, m, index, rep)
+        tuning.configure(buckets=0)
         assert all(tuning.m_bucket(m) == (m, m) for m in (1, 7, 1500, 12345))
     finally:
         tuning.configure(**previous)
@@ -193,7 +199,7 @@ def test_table_written_by_the_tool_serves_without_measuring(tmp_path):
 def test_configure_checks_its_arguments():
     cuda_or_skip()
     for bad in (dict(budget_s=-1.0), dict(problem_budget_ms=float("nan")), dict(pace="fast"), dict(enabled=1),
-                dict(buckets="yes"), dict(cache=3)):
+                dict(buckets="yes"), dict(buckets=3), dict(buckets=True), dict(cache=3)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             tuning.configure(**bad)

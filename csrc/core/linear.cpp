@@ -46,10 +46,10 @@ enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2 };
 TuningKey tuning_key(OpKind op, const LinearContext& ctx, const MBucket& bucket, int64_t K, int64_t N,
                      Activation act, bool flag_a, bool flag_b) {
   TuningKey key;
-  // the last slot tells bucketed keys from exact-M ones (TuningSettings::buckets)
+  // the last slot: the bucket grid (TuningSettings::buckets; 0 for exact-M keys)
   key.v = {static_cast<int64_t>(op), static_cast<int64_t>(ctx.dtype), bucket.index, K, N, static_cast<int64_t>(act),
            flag_a, flag_b, ctx.dtype == DType::kFloat32 && ctx.allow_tf32,
-           bucket.exact ? 0 : 1};
+           bucket.per_octave};
   return key;
 }
 

@@ -49,7 +49,7 @@ constexpr double kInitialAllowanceS = 0.1;
 // Versions of what a stored line means: raise kChoiceFormat when the key, the line or the
 // numbering of the cutlass_sm90 variants changes, so files written by another build are ignored
 // rather than read as other choices.
-constexpr int kChoiceFormat = 3;
+constexpr int kChoiceFormat = 4;
 
 struct TuningKeyHash {
   std::size_t operator()(const TuningKey& k) const { return IntArrayHash{}(k.v); }
@@ -88,6 +88,8 @@ double env_number(const char* name, double default_value, double lowest) {
   return x;
 }
 
+bool valid_bucket_grid(double b) { return b == 0 || b == 1 || b == 2 || b == 4 || b == 8; }
+
 // The settings, the default table's path, the budget spent and the counters: one lock.
 struct TunerState {
   std::mutex mutex;
@@ -113,7 +115,11 @@ void initialize_locked(TunerState& st) {
   st.settings.budget_s = env_number("FUSED_DENSE_TUNING_BUDGET", st.settings.budget_s, 0.0);
   st.settings.problem_budget_ms = env_number("FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS", st.settings.problem_budget_ms, 0.0);
   st.settings.pace = env_number("FUSED_DENSE_TUNING_PACE", st.settings.pace, 0.0);
-  st.settings.buckets = env_flag("FUSED_DENSE_TUNING_BUCKETS", true);
+  const double buckets = env_number("FUSED_DENSE_TUNING_BUCKETS", st.settings.buckets, 0.0);
+  if (!valid_bucket_grid(buckets))
+    throw Error("fused_dense: FUSED_DENSE_TUNING_BUCKETS must be 0, 1, 2, 4 or 8 (buckets per octave of M), got '" +
+                std::string(env("FUSED_DENSE_TUNING_BUCKETS")) + "'");
+  st.settings.buckets = static_cast<int>(buckets);
   if (const char* c = env("FUSED_DENSE_TUNING_CACHE")) st.settings.cache_path = c;
   if (const char* t = env("FUSED_DENSE_TUNING_TABLE")) {
     st.table_from_env = true;
@@ -344,22 +350,35 @@ const char* choice_kind(const Choice& c) {
 
 }  // namespace
 
-MBucket m_bucket(int64_t m) {
-  if (m <= 0 || !current_settings().buckets) return {m, m, true};
-  // index = floor(2 log2 m), in integers: k = floor(log2 m), then the upper half-octave when
-  // m >= 2^k sqrt(2), i.e. m^2 >= 2^(2k+1).
+namespace {
+
+// Index of M's bucket on a grid of b per octave: the largest i with 2^(i/b) <= M.
+int64_t bucket_index(int64_t m, int b) {
   int k = 0;
   while ((int64_t{1} << (k + 1)) <= m) ++k;
-  const bool upper = static_cast<long double>(m) * m >= std::ldexp(1.0L, 2 * k + 1);
-  const int64_t index = 2 * k + (upper ? 1 : 0);
-  int64_t rep = std::llround(std::pow(2.0, (static_cast<double>(index) + 0.5) / 2.0));
-  if (rep >= 64) rep = (rep + 4) / 8 * 8;
-  return {index, rep, false};
+  int j = b - 1;
+  while (j > 0 && static_cast<long double>(m) < std::ldexp(std::pow(2.0L, static_cast<long double>(j) / b), k)) --j;
+  return static_cast<int64_t>(b) * k + j;
+}
+
+}  // namespace
+
+MBucket m_bucket(int64_t m) {
+  const int b = current_settings().buckets;
+  if (m <= 0 || b == 0) return {m, m, 0};
+  const int64_t index = bucket_index(m, b);
+  int64_t rep = std::llround(std::pow(2.0, (static_cast<double>(index) + 0.5) / b));
+  const int64_t rep8 = (rep + 4) / 8 * 8;
+  if (rep >= 64 && bucket_index(rep8, b) == index) rep = rep8;
+  return {index, rep, b};
 }
 
 TuningSettings tuning_settings() { return current_settings(); }
 
 void set_tuning_settings(const TuningSettings& settings) {
+  if (!valid_bucket_grid(settings.buckets))
+    throw Error("fused_dense: tuning buckets must be 0, 1, 2, 4 or 8 per octave, got " +
+                std::to_string(settings.buckets));
   if (!(settings.budget_s >= 0.0) || !(settings.problem_budget_ms >= 0.0) || !(settings.pace >= 0.0))
     throw Error("fused_dense: tuning budgets must be >= 0, got budget_s=" + std::to_string(settings.budget_s) +
                 ", problem_budget_ms=" + std::to_string(settings.problem_budget_ms) +

@@ -1,5 +1,5 @@
 // Measured choice for heuristic = auto. A problem is keyed by its op, dtype, widths, flags and a
-// bucket of its token count M (m_bucket: half-octave buckets, each measured once at its
+// bucket of its token count M (m_bucket: half-octave buckets by default, each measured once at its
 // representative M on synthetic operands of that size, and the choice reused for every M in it).
 // The candidates are the fused epilogue with several of cuBLASLt's algorithms, plain GEMM +
 // elementwise kernel with several plain algorithms, and where it applies each variant of the
@@ -18,7 +18,7 @@
 //   FUSED_DENSE_TUNING_BUDGET=s            seconds of measuring per process (default 30)
 //   FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS=ms  per problem (default 100)
 //   FUSED_DENSE_TUNING_PACE=f              share of wall time measuring may take (default 0.05)
-//   FUSED_DENSE_TUNING_BUCKETS=0           key by the exact M instead of its bucket
+//   FUSED_DENSE_TUNING_BUCKETS=b           buckets per octave: 1, 2 (default), 4, 8; 0: exact M
 //   FUSED_DENSE_TUNING_CACHE=path          persist choices across processes (one line each)
 //   FUSED_DENSE_TUNING_TABLE=0|path        leave the shipped table out, or read another
 //   FUSED_DENSE_TUNING_VERBOSE=1|2         print each choice (2: every candidate's time)
@@ -50,14 +50,14 @@ struct Choice {
   bool operator==(const Choice& o) const;
 };
 
-// The bucket of a token count M: buckets [2^(i/2), 2^((i+1)/2)), each represented by its
-// geometric middle 2^((i + 1/2) / 2), rounded to a multiple of 8 from 64 up (cuBLASLt's and the
-// cutlass_sm90 kernels' fast paths want it). With buckets off (TuningSettings), M is its own
-// bucket and representative.
+// The bucket of a token count M, with b = TuningSettings::buckets per octave: buckets
+// [2^(i/b), 2^((i+1)/b)), each represented by its geometric middle 2^((i + 1/2) / b), rounded to a
+// multiple of 8 from 64 up where that stays in the bucket (cuBLASLt's and the cutlass_sm90
+// kernels' fast paths want it). With b = 0, M is its own bucket and representative.
 struct MBucket {
   int64_t index = 0;           // what the tuning key holds
   int64_t representative = 0;  // the M measured for the whole bucket
-  bool exact = false;          // buckets off: index = representative = M
+  int per_octave = 0;          // the grid it was taken on (0: exact M)
 };
 MBucket m_bucket(int64_t m);
 
@@ -70,7 +70,9 @@ struct TuningSettings {
   // step spends a bounded share of its time measuring and later steps measure what earlier ones
   // could not.
   double pace = 0.05;
-  bool buckets = true;
+  // Buckets per octave of M: 2 (the default, and the shipped table's grid), 1, 4 or 8; 0 keys by
+  // the exact M. A choice is stored for the grid it was measured on.
+  int buckets = 2;
   std::string cache_path;   // empty: none
   std::string table_path;   // empty: none
 };

@@ -11,7 +11,7 @@
 namespace fused_dense {
 namespace {
 
-using Settings = std::tuple<bool, double, double, double, bool, std::string, std::string>;
+using Settings = std::tuple<bool, double, double, double, int64_t, std::string, std::string>;
 
 // Core errors (a bad budget) reach Python as RuntimeError with the core's message.
 template <class Fn>
@@ -30,7 +30,7 @@ Settings get_settings() {
   });
 }
 
-void set_settings(bool enabled, double budget_s, double problem_budget_ms, double pace, bool buckets, const std::string& cache,
+void set_settings(bool enabled, double budget_s, double problem_budget_ms, double pace, int64_t buckets, const std::string& cache,
                   const std::string& table) {
   translated([&] {
     core::TuningSettings s;
@@ -38,7 +38,7 @@ void set_settings(bool enabled, double budget_s, double problem_budget_ms, doubl
     s.budget_s = budget_s;
     s.problem_budget_ms = problem_budget_ms;
     s.pace = pace;
-    s.buckets = buckets;
+    s.buckets = static_cast<int>(buckets);
     s.cache_path = cache;
     s.table_path = table;
     core::set_tuning_settings(s);
@@ -61,10 +61,10 @@ std::tuple<int64_t, int64_t> bucket(int64_t m) {
 }  // namespace fused_dense
 
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  m.def("tuning_settings() -> (bool enabled, float budget_s, float problem_budget_ms, float pace, bool buckets, "
+  m.def("tuning_settings() -> (bool enabled, float budget_s, float problem_budget_ms, float pace, int buckets, "
         "str cache, str table)",
         &fused_dense::get_settings);
-  m.def("set_tuning_settings(bool enabled, float budget_s, float problem_budget_ms, float pace, bool buckets, "
+  m.def("set_tuning_settings(bool enabled, float budget_s, float problem_budget_ms, float pace, int buckets, "
         "str cache, str table) -> ()",
         &fused_dense::set_settings);
   m.def("set_default_tuning_table(str path) -> ()",
