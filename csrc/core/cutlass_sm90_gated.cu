@@ -151,6 +151,14 @@ class GatedEpilogue {
     auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     Tensor t_coord = thr_mma.partition_C(make_identity_tensor(make_shape(Int<kTileM>{}, Int<kTileN>{})));
     static_assert(decltype(size(t_coord))::value == decltype(size(acc))::value, "one coordinate per value");
+    // What the pairing rests on, read off the coordinates: (v0, v1, v2) step (row, column) by
+    // (0, 1), (8, 0) and (0, 8).
+    static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(stride<0>(t_coord))>,
+                                  cute::remove_cvref_t<decltype(make_stride(E<1>{}, Int<8>{} * E<0>{},
+                                                                            Int<8>{} * E<1>{}))>>,
+                  "the wgmma accumulator layout CLayout_64xN");
+
+    if constexpr (kDgrad) prefetch_gu<kTileM, kTileN, decltype(size(tiled_mma))::value>(m0, n0, m, n, thread_idx);
 
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < kMmaM; ++mm) {
@@ -166,6 +174,23 @@ class GatedEpilogue {
             forward_row<A, kGroups>(acc, t_coord, row, n0, n, mm, v1, nn);
         }
       }
+    }
+  }
+
+  // Asks L2 for the part of gu the data gradient's epilogue of this tile reads (rows m0 on, the
+  // packed columns of units n0 on: 4 kTileN bytes per row, 16-byte aligned, so kLines 128-byte
+  // lines cover it), the threads of the tile sharing the lines: the rounds of loads that follow
+  // then wait on L2 rather than on DRAM.
+  template <int kTileM, int kTileN, int kThreads>
+  CUTLASS_DEVICE void prefetch_gu(int m0, int n0, int m, int n, int thread_idx) const {
+    constexpr int kLines = 4 * kTileN / 128 + 1;
+    const int bytes = 4 * (n - n0 < kTileN ? n - n0 : kTileN);  // of each row's part, > 0
+    const char* const part = reinterpret_cast<const char*>(params_.gu) + 4 * static_cast<int64_t>(n0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = thread_idx; i < kTileM * kLines; i += kThreads) {
+      const int row = m0 + i / kLines;
+      const int offset = (i % kLines) * 128 < bytes - 2 ? (i % kLines) * 128 : bytes - 2;
+      if (row < m) asm volatile("prefetch.global.L2 [%0];" : : "l"(part + 4 * static_cast<int64_t>(row) * n + offset));
     }
   }
 
@@ -249,20 +274,24 @@ using namespace cutlass_sm90;
 
 // Both GEMMs as row-major D[B, n] = A[B, k] * B[k, n]: A is x (forward) or d_out (data
 // gradient), K-major; B is the fc1 weight W[2h, d] (K-major) or the fc2 weight W2[N, h] (N-major).
-// Two tile configurations, each with the gated epilogue:
+// Three tile configurations, each with the gated epilogue (128 accumulators per thread in all):
 //  0: 128 x 128 tiles, 2 x 1 clusters, ping-pong: one warp group's epilogue under the other's
 //     MMAs, as the library's other epilogue-heavy kernels;
 //  1: 128 x 256 tiles, 2 x 1 clusters, cooperative: the tile the library's plain data gradient
-//     runs fastest with; its epilogue does not overlap the MMAs.
-inline constexpr int kGatedConfigs = 2;
+//     runs fastest with; its epilogue does not overlap the MMAs;
+//  2: 256 x 128 tiles, 2 x 1 clusters, cooperative: the same with the roles of the operands'
+//     tiles swapped (twice the batch rows per tile, half the features).
+inline constexpr int kGatedConfigs = 3;
 
 template <class Element, bool kDgrad, int kConfig>
 struct GatedKernel {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cute::conditional_t<kDgrad, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
   static constexpr int kAlign = 16 / sizeof(Element);
-  using TileShape = cute::conditional_t<kConfig == 0, cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                        cute::Shape<cute::_128, cute::_256, cute::_64>>;
+  using TileShape = cute::conditional_t<
+      kConfig == 0, cute::Shape<cute::_128, cute::_128, cute::_64>,
+      cute::conditional_t<kConfig == 1, cute::Shape<cute::_128, cute::_256, cute::_64>,
+                          cute::Shape<cute::_256, cute::_128, cute::_64>>>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using MainloopSchedule = cute::conditional_t<kConfig == 0, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                                cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
@@ -300,6 +329,7 @@ bool with_config(int config, Element, int order, int device, int m, int n, int k
   switch (config) {
     case 0: return run_gated<Element, kDgrad, 0>(order, device, m, n, k, a, b, epilogue, ws, stream);
     case 1: return run_gated<Element, kDgrad, 1>(order, device, m, n, k, a, b, epilogue, ws, stream);
+    case 2: return run_gated<Element, kDgrad, 2>(order, device, m, n, k, a, b, epilogue, ws, stream);
     default: return false;
   }
 }

@@ -57,7 +57,7 @@ struct CutlassSm90GatedDgradArgs {
   const void* d_output = nullptr;               // [B, N]
   const void* weight = nullptr;                 // W2 [N, h]
   const void* gu = nullptr;                     // [B, 2h] packed, as the forward stored it
-  void* d_gu = nullptr;                         // [B, 2h] packed
+  void* d_gu = nullptr;                         // [B, 2h] packed; may be gu itself (in place)
   void* act_out = nullptr;                      // [B, h] = act(g) * u; null: not computed
 };
 
