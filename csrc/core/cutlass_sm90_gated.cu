@@ -40,10 +40,11 @@ struct Pair<cutlass::half_t> {
 // The GEMM is row-major D[M, N] (M = batch). The accumulator fragment of a thread is cute's
 // CLayout_64xN partitioned by the tiled MMA: (V, MMA_M, MMA_N) with V = (2, 2, n / 8) over one
 // 64 x n wgmma atom, where value (v0, v1, v2) sits at row 8 v1 + r and column 8 v2 + 2 q + v0 of
-// the atom (r, q: the thread's row and column pair). So v0 steps one column, v2 eight: in the
-// forward the values at v2 = 2p (gate) and v2 = 2p + 1 (up) are the gate and up of the same
-// two units of the packed layout (G = 8, 16-column blocks aligned to the tile), and (v0 = 0, 1)
-// is one 4-byte word of every tensor touched.
+// the atom (r, q: the thread's row and column pair). So v0 steps one column, v2 eight: with
+// G = kGatedInterleave a multiple of 8 (kGroupsPerBlock = G / 8 groups of 8 columns) and 2G
+// dividing the atom's width, the packed blocks of 2G columns are aligned to the atoms, and in
+// the forward the values at a gate group v2 and at v2 + kGroupsPerBlock are the gate and up of
+// the same two units; (v0 = 0, 1) is one 4-byte word of every tensor touched.
 //
 // kDgrad = false, forward, N = 2h: out[M, h] = act(g) * u; gu[M, 2h] = the accumulator (rounded)
 //   when gu is set.
@@ -90,7 +91,7 @@ class GatedEpilogue {
     return cutlass::Status::kSuccess;
   }
 
-  // The packed layout needs whole 8-column groups (h % 8 == 0) and 4-byte words.
+  // The packed layout needs whole blocks (h % G == 0).
   template <class ProblemShape>
   static bool can_implement(ProblemShape const& problem_shape, Arguments const& args) {
     const int n = cute::get<1>(problem_shape);
@@ -117,10 +118,12 @@ class GatedEpilogue {
  private:
   using Word = typename Pair<Element>::Word;
   static_assert(sizeof(Word) == 4, "two 16-bit values");
+  static constexpr int kG = static_cast<int>(kGatedInterleave);
+  static constexpr int kGroupsPerBlock = kG / 8;
 
   // The data gradient's loads of g and u, this many 8-column groups at a time (16 registers),
   // in flight together. Loads cannot move past the stores before them (d_gu may be gu), so
-  // rounds do not overlap. 16 groups spill: the kernel's 168 registers hold 128 accumulators.
+  // rounds do not overlap. 16 groups make ptxas spill, next to the 128 accumulators.
   static constexpr int kLoadGroups = 8;
 
   template <Activation A, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
@@ -134,8 +137,8 @@ class GatedEpilogue {
     static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
                   "a wgmma accumulator fragment (CLayout_64xN)");
     constexpr int kGroups = size<0, 2>(FrgLayout{});  // 8-column groups per atom
-    static_assert(kDgrad || kGroups % 2 == 0, "gate and up groups in pairs");
-    static_assert(kGatedInterleave == 8, "one 8-column group of the accumulator per interleave block");
+    static_assert(kG % 8 == 0 && kGroups % (2 * kGroupsPerBlock) == 0,
+                  "packed blocks of whole groups, whole in an atom");
     constexpr int kMmaM = size<1>(FrgLayout{});
     constexpr int kMmaN = size<2>(FrgLayout{});
     constexpr int kTileM = size<0>(BlockShapeMNK{});
@@ -194,7 +197,7 @@ class GatedEpilogue {
     }
   }
 
-  // One row of one atom of the forward: kGroups / 2 pairs of (gate, up) groups.
+  // One row of one atom of the forward: kGroups / 2 (gate, up) pairs of groups.
   template <Activation A, int kGroups, class Acc, class Coord>
   CUTLASS_DEVICE void forward_row(Acc const& acc, Coord const& t_coord, int row, int n0, int n, int mm, int v1,
                                   int nn) {
@@ -205,16 +208,19 @@ class GatedEpilogue {
         params_.gu == nullptr ? nullptr : reinterpret_cast<Word*>(params_.gu) + (static_cast<int64_t>(row) * n) / 2;
     CUTLASS_PRAGMA_UNROLL
     for (int p = 0; p < kGroups / 2; ++p) {
-      const int col = n0 + get<1>(t_coord(make_coord(0, v1, 2 * p), mm, nn));  // gate column, even
-      if (col >= n) continue;  // whole 16-column blocks: n % 16 == 0
-      const float g0 = acc(make_coord(0, v1, 2 * p), mm, nn), g1 = acc(make_coord(1, v1, 2 * p), mm, nn);
-      const float u0 = acc(make_coord(0, v1, 2 * p + 1), mm, nn), u1 = acc(make_coord(1, v1, 2 * p + 1), mm, nn);
-      // unit of column col: block col / 16, place col % 16 (< 8)
-      const int unit = (col >> 4) * kGatedInterleave + (col & 15);
+      // the p-th gate group of the atom and its up group
+      const int vg = (p / kGroupsPerBlock) * 2 * kGroupsPerBlock + p % kGroupsPerBlock;
+      const int vu = vg + kGroupsPerBlock;
+      const int col = n0 + get<1>(t_coord(make_coord(0, v1, vg), mm, nn));  // gate column, even
+      if (col >= n) continue;  // whole packed blocks: n % 2G == 0
+      const float g0 = acc(make_coord(0, v1, vg), mm, nn), g1 = acc(make_coord(1, v1, vg), mm, nn);
+      const float u0 = acc(make_coord(0, v1, vu), mm, nn), u1 = acc(make_coord(1, v1, vu), mm, nn);
+      // unit of column col: block col / 2G, place col % 2G (< G)
+      const int unit = (col / (2 * kG)) * kG + col % (2 * kG);
       out_row[unit >> 1] = Pair<Element>::pack(gate_act<A, true>(g0) * u0, gate_act<A, true>(g1) * u1);
       if (gu_row != nullptr) {
         gu_row[col >> 1] = Pair<Element>::pack(g0, g1);
-        gu_row[(col + kGatedInterleave) >> 1] = Pair<Element>::pack(u0, u1);
+        gu_row[(col + kG) >> 1] = Pair<Element>::pack(u0, u1);  // the column of u0 (static_assert above)
       }
     }
   }
@@ -239,24 +245,24 @@ class GatedEpilogue {
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < kChunk; ++c) {
         const int unit = n0 + get<1>(t_coord(make_coord(0, v1, c0 + c), mm, nn));  // even
-        if (unit < n) {  // whole 8-unit groups: n % 8 == 0
-          const int pos = (unit >> 3) * (2 * kGatedInterleave) + (unit & 7);  // gate column in gu
+        if (unit < n) {  // whole 8-unit groups: n % G == 0
+          const int pos = (unit / kG) * (2 * kG) + unit % kG;  // gate column in gu
           g[c] = gu_row[pos >> 1];
-          u[c] = gu_row[(pos + kGatedInterleave) >> 1];
+          u[c] = gu_row[(pos + kG) >> 1];
         }
       }
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < kChunk; ++c) {
         const int unit = n0 + get<1>(t_coord(make_coord(0, v1, c0 + c), mm, nn));
         if (unit >= n) continue;
-        const int pos = (unit >> 3) * (2 * kGatedInterleave) + (unit & 7);
+        const int pos = (unit / kG) * (2 * kG) + unit % kG;
         const float2 gf = Pair<Element>::unpack(g[c]), uf = Pair<Element>::unpack(u[c]);
         const float d0 = acc(make_coord(0, v1, c0 + c), mm, nn), d1 = acc(make_coord(1, v1, c0 + c), mm, nn);
         float a0, a1;
         const float da0 = gate_act_derivative<A, true>(gf.x, &a0);
         const float da1 = gate_act_derivative<A, true>(gf.y, &a1);
         d_gu_row[pos >> 1] = Pair<Element>::pack(d0 * uf.x * da0, d1 * uf.y * da1);
-        d_gu_row[(pos + kGatedInterleave) >> 1] = Pair<Element>::pack(d0 * a0, d1 * a1);
+        d_gu_row[(pos + kG) >> 1] = Pair<Element>::pack(d0 * a0, d1 * a1);
         if (act_row != nullptr) act_row[unit >> 1] = Pair<Element>::pack(a0 * uf.x, a1 * uf.y);
       }
     }
@@ -322,29 +328,40 @@ bool run_gated(int order, int device, int m, int n, int k, const void* a, const 
   return launch<Gemm>(args, ws.ptr, ws.bytes, stream);
 }
 
+// The packed layouts the epilogue pairs within a thread (the class comment): G a multiple of 8,
+// 2G dividing the narrowest atom (128 columns). With another kGatedInterleave the kernels offer
+// no variant and are not compiled.
+inline constexpr bool kInterleaveFits = kGatedInterleave % 8 == 0 && 128 % (2 * kGatedInterleave) == 0;
+
 template <bool kDgrad, class Element>
 bool with_config(int config, Element, int order, int device, int m, int n, int k, const void* a, const void* b,
                  typename GatedEpilogue<Element, kDgrad>::Arguments const& epilogue, const Workspace& ws,
                  cudaStream_t stream) {
-  switch (config) {
-    case 0: return run_gated<Element, kDgrad, 0>(order, device, m, n, k, a, b, epilogue, ws, stream);
-    case 1: return run_gated<Element, kDgrad, 1>(order, device, m, n, k, a, b, epilogue, ws, stream);
-    case 2: return run_gated<Element, kDgrad, 2>(order, device, m, n, k, a, b, epilogue, ws, stream);
-    default: return false;
+  if constexpr (!kInterleaveFits) {
+    return false;
+  } else {
+    switch (config) {
+      case 0: return run_gated<Element, kDgrad, 0>(order, device, m, n, k, a, b, epilogue, ws, stream);
+      case 1: return run_gated<Element, kDgrad, 1>(order, device, m, n, k, a, b, epilogue, ws, stream);
+      case 2: return run_gated<Element, kDgrad, 2>(order, device, m, n, k, a, b, epilogue, ws, stream);
+      default: return false;
+    }
   }
 }
 
 bool gated_activation(Activation act) { return act == Activation::kSwiGLU || act == Activation::kGeGLU; }
 
 bool fits(const CutlassSm90GatedForwardArgs& a) {
-  return gated_activation(a.activation) && a.dtype != DType::kFloat32 && a.hidden % kGatedInterleave == 0 &&
-         a.hidden <= INT32_MAX / 2 && widths_fit(a.batch, a.in_features, 2 * a.hidden) && aligned16(a.input) &&
+  return kInterleaveFits && gated_activation(a.activation) && a.dtype != DType::kFloat32 &&
+         a.hidden % kGatedInterleave == 0 && a.hidden <= INT32_MAX / 2 &&
+         widths_fit(a.batch, a.in_features, 2 * a.hidden) && aligned16(a.input) &&
          aligned16(a.weight) && a.out != nullptr && aligned16(a.out) && (a.gu == nullptr || aligned16(a.gu));
 }
 
 bool fits(const CutlassSm90GatedDgradArgs& a) {
-  return gated_activation(a.activation) && a.dtype != DType::kFloat32 && a.hidden % kGatedInterleave == 0 &&
-         a.hidden <= INT32_MAX / 2 && widths_fit(a.batch, a.out_features, a.hidden) && aligned16(a.d_output) &&
+  return kInterleaveFits && gated_activation(a.activation) && a.dtype != DType::kFloat32 &&
+         a.hidden % kGatedInterleave == 0 && a.hidden <= INT32_MAX / 2 &&
+         widths_fit(a.batch, a.out_features, a.hidden) && aligned16(a.d_output) &&
          aligned16(a.weight) && a.gu != nullptr && aligned16(a.gu) && a.d_gu != nullptr && aligned16(a.d_gu) &&
          (a.act_out == nullptr || aligned16(a.act_out));
 }

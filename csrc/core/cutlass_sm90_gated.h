@@ -12,9 +12,13 @@
 // columns holds the gate of units [b G, b G + G), then their up. Both GEMMs run as row-major
 // D[B, n] = A[B, k] * B[k, n] in CUTLASS's terms (the batch along M, features along N), so in
 // the wgmma accumulator (cute's CLayout_64xN) each thread holds, at each of its rows, the column
-// pairs 2q, 2q + 1 (q = lane % 4) of every 8-column group: columns c and c + 8 = gate and up of
+// pairs 2q, 2q + 1 (q = lane % 4) of every 8-column group: columns c and c + G = gate and up of
 // the same units in the forward, and two neighbouring units (one 4-byte access into gu, d_gu,
-// out and h) in both kernels.
+// out and h) in both kernels. Any G that is a multiple of 8 with 2G dividing 128 pairs so; 8 is
+// the smallest, and with another G the kernels offer no variant. (With out features along M
+// instead, as the library's other forward kernel has them, a thread holds rows r and r + 8, which
+// pairs as well for G = 8, but every access is then 2 bytes wide: the neighbouring units of a
+// column sit in neighbouring threads.)
 //
 // Epilogue: the stock TMA epilogues map one accumulator element to one element of one output
 // tile of the accumulator's shape; the forward's out has half the columns of its accumulator

@@ -248,7 +248,7 @@ std::vector<int64_t> all_rows(int64_t b) {
 // Reads rows `rows` of a [b, cols] 16-bit device matrix.
 std::vector<uint16_t> download_rows(const Dev& buf, int64_t cols, const std::vector<int64_t>& rows) {
   std::vector<uint16_t> v(rows.size() * cols);
-  if (static_cast<size_t>(rows.size() * cols * 2) == buf.bytes && rows.back() == static_cast<int64_t>(rows.size()) - 1) {
+  if (rows.size() * cols * 2 == buf.bytes && rows.back() == static_cast<int64_t>(rows.size()) - 1) {
     CK(cudaMemcpy(v.data(), buf.p, buf.bytes, cudaMemcpyDeviceToHost));  // all rows, in order
     return v;
   }
@@ -558,7 +558,8 @@ void print_timing(const char* kernel, Activation act, int variant, const char* e
 
 void bench(DType t, const Workspace& ws, Rng& rng) {
   const int64_t b = 8192, d = 4096, h = 11008;
-  std::printf("\n== %s, B %lld, d %lld, h %lld (fc1: [%lld x %lld] x [%lld x %lld]^T; fc2 dgrad: [%lld x %lld] x [%lld x %lld])\n",
+  std::printf("\n== %s, B %lld, d %lld, h %lld (fc1: [%lld x %lld] x [%lld x %lld]^T; "
+              "fc2 dgrad: [%lld x %lld] x [%lld x %lld])\n",
               dtype_str(t), (long long)b, (long long)d, (long long)h, (long long)b, (long long)d, (long long)(2 * h),
               (long long)d, (long long)b, (long long)d, (long long)d, (long long)h);
   // The correctness of the timed kernels at this size, on a sample of rows (the last included).
