@@ -550,6 +550,20 @@ double time_baseline(const char* what, const LtGemm& g, const void* a, const voi
   return ms;
 }
 
+// The memory floor of the unfused path's elementwise pass: a device-to-device copy that reads and
+// writes `values` 16-bit values in all (what the pass reads plus what it writes), printed with
+// the GEMM's time added.
+void time_traffic(const char* what, int64_t values, const Dev& from, Dev& to, double gemm_ms) {
+  const size_t bytes = static_cast<size_t>(values);  // half of them read, half written, 2 bytes each
+  if (bytes > from.bytes || bytes > to.bytes) {
+    std::printf("  %s: copy buffers too small\n", what);
+    return;
+  }
+  const double ms = time_ms([&] { CK(cudaMemcpyAsync(to.p, from.p, bytes, cudaMemcpyDeviceToDevice, 0)); });
+  std::printf("  %-38s %8.3f ms  (copy of equal traffic; + GEMM %.3f ms = %.3fx cuBLASLt)\n", what, ms,
+              gemm_ms + ms, gemm_ms > 0 ? (gemm_ms + ms) / gemm_ms : 0.0);
+}
+
 void print_timing(const char* kernel, Activation act, int variant, const char* extra, double ms, double flop,
                   double base_ms) {
   std::printf("  %-8s %-6s variant %d %-10s     %8.3f ms  %6.1f TFLOP/s  %.3fx cuBLASLt\n", kernel, act_name(act),
@@ -575,6 +589,9 @@ void bench(DType t, const Workspace& ws, Rng& rng) {
   const double fwd_flop = 2.0 * b * 2 * h * d;
   LtGemm lt_fwd(t, true, 2 * h, b, d, ws.bytes);
   const double base_fwd = time_baseline("forward  cuBLASLt GEMM [B, 2h]", lt_fwd, w.p, x.p, big.p, ws, fwd_flop);
+  // the unfused path's gating pass reads gu and writes out: B (2h + h) 16-bit values
+  Dev copy_from(b * 3 * h), copy_to(b * 3 * h);  // 6 B h bytes each
+  time_traffic("forward  gating pass's traffic", b * 3 * h, copy_from, copy_to, base_fwd);
   for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU}) {
     CutlassSm90GatedForwardArgs a = forward_args(b, d, h, t, act, x.p, w.p, out.p, gu.p);
     for (int v = 0; v < cutlass_sm90_gated_forward_variants(a); ++v)
@@ -592,6 +609,9 @@ void bench(DType t, const Workspace& ws, Rng& rng) {
   const double bwd_flop = 2.0 * b * h * d;
   LtGemm lt_bwd(t, false, h, b, d, ws.bytes);
   const double base_bwd = time_baseline("dgrad    cuBLASLt GEMM [B, h]", lt_bwd, w2.p, d_out.p, big.p, ws, bwd_flop);
+  // the unfused path's gating backward reads d_h and gu and writes d_gu (and h): B (h + 2h + 2h (+ h))
+  time_traffic("dgrad    gating backward's traffic", b * 5 * h, copy_from, copy_to, base_bwd);
+  time_traffic("dgrad    the same, with h", b * 6 * h, copy_from, copy_to, base_bwd);
   for (Activation act : {Activation::kSwiGLU, Activation::kGeGLU}) {
     CutlassSm90GatedDgradArgs a = dgrad_args(b, h, d, t, act, d_out.p, w2.p, gu_in.p, d_gu.p);
     for (int v = 0; v < cutlass_sm90_gated_dgrad_variants(a); ++v)
