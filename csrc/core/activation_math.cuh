@@ -101,4 +101,69 @@ __device__ __forceinline__ float act_derivative(float p, float* value = nullptr)
   }
 }
 
+
+// SiLU(p) = p * sigmoid(p), the gate activation of SwiGLU. The fast form (16-bit outputs) takes
+// sigmoid(p) = 1 / (1 + exp(-p)) from the hardware ex2 / rcp approximations, as the GELU does.
+// Returns s = sigmoid(p) and sets *e = exp(-p), so that 1 - s == e * s.
+__device__ __forceinline__ float silu_sigmoid_fast(float p, float* e) {
+  float s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(*e) : "f"(p * -1.4426950408889634f));
+  // e == inf (very negative p) gives rcp(inf) == 0, the correct limit.
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + *e));
+  return s;
+}
+
+template <bool kFast>
+__device__ __forceinline__ float silu_forward(float p) {
+  if constexpr (kFast) {
+    float e;
+    return p * silu_sigmoid_fast(p, &e);
+  } else {
+    return p / (1.f + expf(-p));
+  }
+}
+
+// SiLU'(p) = s + p s (1 - s), s = sigmoid(p); with `value` non-null also SiLU(p) = p s from the
+// same s.
+template <bool kFast>
+__device__ __forceinline__ float silu_derivative(float p, float* value = nullptr) {
+  if constexpr (kFast) {
+    float e;
+    const float s = silu_sigmoid_fast(p, &e);
+    if (value != nullptr) *value = p * s;
+    const float st = (p * s) * e;  // p (1 - s)
+    // NaN only where a factor saturates and the exact tail is 0 (e = inf and p s = -0 for very
+    // negative p, p = inf and e = 0): the derivative is s (0 or 1) there. A NaN p makes s NaN.
+    return isnan(st) ? s : fmaf(st, s, s);
+  } else {
+    const float s = 1.f / (1.f + expf(-p));
+    if (value != nullptr) *value = p * s;
+    const float s1s = s * (1.f - s);
+    return s1s == 0.f ? s : fmaf(p, s1s, s);
+  }
+}
+
+// The gated activations A = kSwiGLU (gate activation SiLU) and kGeGLU (GELU tanh approximation):
+// out = gate_act(g) * u, d_g = d_out * u * gate_act'(g), d_u = d_out * gate_act(g).
+template <Activation A, bool kFast>
+__device__ __forceinline__ float gate_act(float g) {
+  static_assert(A == Activation::kSwiGLU || A == Activation::kGeGLU, "a gated activation");
+  if constexpr (A == Activation::kSwiGLU) {
+    return silu_forward<kFast>(g);
+  } else {
+    return act_forward<Activation::kGeluTanh, kFast>(g);
+  }
+}
+
+// gate_act'(g), and gate_act(g) into *value, from one sigmoid.
+template <Activation A, bool kFast>
+__device__ __forceinline__ float gate_act_derivative(float g, float* value) {
+  static_assert(A == Activation::kSwiGLU || A == Activation::kGeGLU, "a gated activation");
+  if constexpr (A == Activation::kSwiGLU) {
+    return silu_derivative<kFast>(g, value);
+  } else {
+    return act_derivative<Activation::kGeluTanh, kFast>(g, value);
+  }
+}
+
 }  // namespace fused_dense::core

@@ -27,6 +27,10 @@ const char* activation_name(Activation act) {
       return "relu";
     case Activation::kSquaredRelu:
       return "sqrelu";
+    case Activation::kSwiGLU:
+      return "swiglu";
+    case Activation::kGeGLU:
+      return "geglu";
   }
   return "unknown";
 }

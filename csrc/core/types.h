@@ -11,7 +11,18 @@ namespace fused_dense::core {
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 // Integer codes are part of the op schema (the `activation` argument), keep them stable.
-enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3 };
+// kSwiGLU / kGeGLU are the gated activations act(g) * u of a gated MLP (act = SiLU / GELU tanh
+// approximation), g and u packed as kGatedInterleave says.
+// TODO(gated): the gated-MLP ops branch defines these codes and kGatedInterleave too; keep one
+// definition when the branches meet (the cutlass_sm90_gated kernels need only the names).
+enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3, kSwiGLU = 4, kGeGLU = 5 };
+
+// The packed fc1 weight of a gated MLP, W[2h, d], holds the gate and up rows interleaved in
+// blocks of kGatedInterleave hidden units: block b is the gate rows of units [b G, b G + G), then
+// the up rows of the same units. The pre-activation gu[B, 2h] and its gradient use the same
+// column order. 8 = the column distance between the values a thread holds at the same row of a
+// wgmma accumulator (cutlass_sm90_gated.h), so a thread holds the gate and up of its units.
+inline constexpr int64_t kGatedInterleave = 8;
 
 // The heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
 constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel
