@@ -101,4 +101,41 @@ __device__ __forceinline__ float act_derivative(float p, float* value = nullptr)
   }
 }
 
+// sigmoid(x) = 1 / (1 + exp(-x)); the fast form (16-bit outputs) on the hardware ex2 / rcp
+// approximations, as gelu_sigmoid_fast.
+template <bool kFast>
+__device__ __forceinline__ float sigmoid_f(float x) {
+  if constexpr (kFast) {
+    float e, s;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));  // e == inf gives 0, the limit
+    return s;
+  } else {
+    return 1.f / (1.f + expf(-x));
+  }
+}
+
+// The gate's activation of a gated unit (kSwiGlu: SiLU, g sigmoid(g); kGeGlu: tanh GELU), and with
+// `deriv` non-null its derivative, from the same sigmoid: the value is bit-identical either way,
+// so a backward pass that rebuilds act(g) * u gives the forward's bits.
+template <Activation A, bool kFast>
+__device__ __forceinline__ float gate_act(float g, float* deriv = nullptr) {
+  static_assert(A == Activation::kSwiGlu || A == Activation::kGeGlu, "gate_act takes a gated activation");
+  if constexpr (A == Activation::kGeGlu) {
+    if (deriv == nullptr) return act_forward<Activation::kGeluTanh, kFast>(g);
+    float value;
+    *deriv = act_derivative<Activation::kGeluTanh, kFast>(g, &value);
+    return value;
+  } else {
+    const float s = sigmoid_f<kFast>(g);
+    if (deriv != nullptr) {
+      // d/dg [g s(g)] = s + g s (1 - s). NaN only where g is infinite (inf * 0): the limits 0 / 1
+      // are s there; a NaN g keeps its NaN.
+      const float d = s * fmaf(g, 1.f - s, 1.f);
+      *deriv = (d != d && g == g) ? s : d;
+    }
+    return s == 0.f ? 0.f : g * s;  // g -> -inf: 0, not -inf * 0
+  }
+}
+
 }  // namespace fused_dense::core

@@ -7,6 +7,7 @@
 #include "elementwise.h"
 #include "cutlass_sm90_dgrad.h"
 #include "cutlass_sm90_forward.h"
+#include "gated.h"
 #include "tuner.h"
 
 namespace fused_dense::core {
@@ -37,7 +38,7 @@ void zero(void* ptr, int64_t elements, DType dtype, cudaStream_t stream) {
     FD_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<std::size_t>(elements) * dtype_size(dtype), stream));
 }
 
-enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2 };
+enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2, kGatedForward = 3, kGatedDgrad = 4 };
 
 TuningKey tuning_key(OpKind op, const LinearContext& ctx, int64_t B, int64_t K, int64_t N, Activation act,
                      bool flag_a, bool flag_b) {
@@ -310,6 +311,120 @@ void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
            Choice{false, 0},
            ctx, tuning_key(OpKind::kDgrad, ctx, B, K, N, a.activation, a.d_bias != nullptr, false),
            [&] { return describe("dgrad", ctx, B, K, N, a.activation); }, run_choice);
+}
+
+// ---- gated layers (gated.h) ----
+
+namespace {
+
+// Hooks of the cutlass_sm90 gated kernels (x @ packed W^T with act(g) * u in the epilogue; the
+// data gradient with the gating derivative in its epilogue, writing d_pre packed). This build has
+// none yet, so they offer 0 variants and 'auto' measures the unfused path alone. To plug them in:
+// fill their argument struct from `a` here, return their variant count from the *_variants hook
+// and run variant `v` in the other (false where the kernel refuses the operands).
+int gated_forward_cutlass_variants(const LinearContext&, const GatedLinearArgs&) { return 0; }
+bool gated_forward_cutlass(int, const LinearContext&, const GatedLinearArgs&, const Workspace&) { return false; }
+int gated_dgrad_cutlass_variants(const LinearContext&, const GatedLinearDgradArgs&) { return 0; }
+bool gated_dgrad_cutlass(int, const LinearContext&, const GatedLinearDgradArgs&, const Workspace&) { return false; }
+
+// The unfused path's intermediate lies after the GEMM's workspace, at a 256-byte boundary.
+std::size_t gated_scratch_offset(int device) { return (gemm_workspace_bytes(device) + 255) / 256 * 256; }
+
+void* gated_scratch(const LinearContext& ctx, std::size_t bytes) {
+  const std::size_t offset = gated_scratch_offset(ctx.device);
+  if (ctx.workspace.ptr == nullptr || ctx.workspace.bytes < offset + bytes)
+    throw Error("fused_dense: the gated layer's workspace holds " + std::to_string(ctx.workspace.bytes) +
+                " bytes, needs " + std::to_string(offset + bytes));
+  return static_cast<char*>(ctx.workspace.ptr) + offset;
+}
+
+void check_gated(const char* op, Activation act) {
+  if (!is_gated(act))
+    throw Error(std::string("fused_dense: ") + op + ": activation must be gated (swiglu or geglu), got " +
+                activation_name(act));
+}
+
+std::size_t elements_bytes(int64_t rows, int64_t cols, DType dtype) {
+  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * dtype_size(dtype);
+}
+
+}  // namespace
+
+std::size_t gated_linear_workspace_bytes(int device, DType dtype, const GatedLinearArgs& a) {
+  if (a.pre_act != nullptr) return gemm_workspace_bytes(device);
+  return gated_scratch_offset(device) + elements_bytes(a.batch, 2 * a.hidden, dtype);
+}
+
+std::size_t gated_linear_dgrad_workspace_bytes(int device, DType dtype, const GatedLinearDgradArgs& a) {
+  return gated_scratch_offset(device) + elements_bytes(a.batch, a.hidden, dtype);
+}
+
+void gated_linear(const LinearContext& ctx, const GatedLinearArgs& a) {
+  check_gated("gated_linear", a.activation);
+  const int64_t B = a.batch, K = a.in_features, H = a.hidden;
+  if (B == 0 || H == 0) return;
+  void* gu = a.pre_act != nullptr ? a.pre_act : gated_scratch(ctx, elements_bytes(B, 2 * H, ctx.dtype));
+  if (K == 0) {
+    zero(gu, B * 2 * H, ctx.dtype, ctx.stream);
+    gated_act_forward(ctx.dtype, a.activation, gu, a.out, B, H, ctx.device, ctx.stream);
+    return;
+  }
+  GemmProblem plain = base_problem(ctx);
+  plain.trans_a = true;
+  plain.m = 2 * H, plain.n = B, plain.k = K;
+  plain.lda = K, plain.ldb = K, plain.ldd = 2 * H;
+  const Workspace ws = gemm_part(ctx);
+  auto run_choice = [&](const Choice& c) -> bool {
+    if (c.cutlass >= 0) return gated_forward_cutlass(c.cutlass, ctx, a, ws);
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.input;
+    ptrs.d = gu;
+    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
+    gated_act_forward(ctx.dtype, a.activation, gu, a.out, B, H, ctx.device, ctx.stream);
+    return true;
+  };
+  // No cuBLASLt epilogue pairs two accumulators: the rule and every explicit heuristic take the
+  // unfused path; 'auto' also measures the cutlass_sm90 gated variants.
+  dispatch(a.heuristic, false, plain, plain, [&] { return gated_forward_cutlass_variants(ctx, a); },
+           Choice{false, 0}, ctx,
+           tuning_key(OpKind::kGatedForward, ctx, B, K, H, a.activation, false, a.pre_act != nullptr),
+           [&] { return describe("gated forward", ctx, B, K, H, a.activation); }, run_choice);
+}
+
+void gated_linear_dgrad(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+  check_gated("gated_linear_dgrad", a.activation);
+  const int64_t B = a.batch, H = a.hidden, N = a.out_features;
+  if (B == 0 || H == 0) return;
+  void* d_h = gated_scratch(ctx, elements_bytes(B, H, ctx.dtype));
+  if (N == 0) {
+    zero(d_h, B * H, ctx.dtype, ctx.stream);
+    gated_act_backward(ctx.dtype, a.activation, d_h, a.pre_act, a.d_pre, a.act_out, B, H, ctx.device, ctx.stream);
+    return;
+  }
+  GemmProblem plain = base_problem(ctx);
+  plain.m = H, plain.n = B, plain.k = N;
+  plain.lda = H, plain.ldb = N, plain.ldd = H;
+  const Workspace ws = gemm_part(ctx);
+  auto run_choice = [&](const Choice& c) -> bool {
+    if (c.cutlass >= 0) {
+      if (!gated_dgrad_cutlass(c.cutlass, ctx, a, ws)) return false;
+      if (a.act_out != nullptr)
+        gated_act_forward(ctx.dtype, a.activation, a.pre_act, a.act_out, B, H, ctx.device, ctx.stream);
+      return true;
+    }
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.d_output;
+    ptrs.d = d_h;
+    gemm(plain, ptrs, c.algorithm, ws, ctx.stream);
+    gated_act_backward(ctx.dtype, a.activation, d_h, a.pre_act, a.d_pre, a.act_out, B, H, ctx.device, ctx.stream);
+    return true;
+  };
+  // act_out is not part of the key, as in act_linear_dgrad: level 1 takes level 0's choice.
+  dispatch(a.heuristic, false, plain, plain, [&] { return gated_dgrad_cutlass_variants(ctx, a); }, Choice{false, 0},
+           ctx, tuning_key(OpKind::kGatedDgrad, ctx, B, H, N, a.activation, false, false),
+           [&] { return describe("gated dgrad", ctx, B, H, N, a.activation); }, run_choice);
 }
 
 }  // namespace fused_dense::core

@@ -27,6 +27,10 @@ const char* activation_name(Activation act) {
       return "relu";
     case Activation::kSquaredRelu:
       return "sqrelu";
+    case Activation::kSwiGlu:
+      return "swiglu";
+    case Activation::kGeGlu:
+      return "geglu";
   }
   return "unknown";
 }

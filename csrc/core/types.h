@@ -6,12 +6,40 @@
 #include <stdexcept>
 #include <string>
 
+// The few helpers below that device code calls too (the gated layout).
+#if defined(__CUDACC__)
+#define FD_HOST_DEVICE __host__ __device__
+#else
+#define FD_HOST_DEVICE
+#endif
+
 namespace fused_dense::core {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 // Integer codes are part of the op schema (the `activation` argument), keep them stable.
-enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3 };
+// kSwiGlu and kGeGlu are the gated activations act(g) * u of a gated MLP (SiLU, and GELU with the
+// tanh approximation); they take a packed pre-activation of twice the output's width (below).
+enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3, kSwiGlu = 4, kGeGlu = 5 };
+
+FD_HOST_DEVICE inline bool is_gated(Activation act) { return act == Activation::kSwiGlu || act == Activation::kGeGlu; }
+
+// The packed layout of a gated MLP's fc1, one definition: the weight [2h, d] holds the gate and
+// up rows of the h hidden units interleaved in blocks of kGatedInterleave units. Block b holds the
+// gate rows of units [b G, min(b G + G, h)), then the up rows of the same units; only the last
+// block may be short. The pre-activation gu [rows, 2h] and its gradient have the same column
+// layout, so the GEMMs over the packed weight are plain GEMMs.
+inline constexpr int64_t kGatedInterleave = 8;
+
+// Columns of hidden unit j's gate and up values in a packed row of a gated layer of h units.
+FD_HOST_DEVICE inline int64_t gated_gate_column(int64_t unit) {
+  return (unit / kGatedInterleave) * 2 * kGatedInterleave + unit % kGatedInterleave;
+}
+FD_HOST_DEVICE inline int64_t gated_up_column(int64_t unit, int64_t hidden) {
+  const int64_t start = (unit / kGatedInterleave) * kGatedInterleave;
+  const int64_t width = hidden - start < kGatedInterleave ? hidden - start : kGatedInterleave;
+  return gated_gate_column(unit) + width;
+}
 
 // The heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
 constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel
