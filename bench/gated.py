@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bench.sections import (BASELINES, DTYPES, Unavailable, VariantSpec, errstr, float32_pass, floor_steps, log,
-                            run_variants)
+from bench.sections import (BASELINES, DTYPES, Unavailable, VariantSpec, baseline_module, errstr, float32_pass,
+                            floor_steps, log, run_variants)
 
 try:
     from fused_dense import FusedGatedMLP, replace_llama_mlps
@@ -56,11 +56,9 @@ def _liger(activation, d, h, device, dtype):
 
 
 def make_gated_module(key, eager, activation, d, h, device, dtype):
-    if key == "eager":
-        return eager
-    if key == "compile":
-        torch._dynamo.reset()
-        return torch.compile(eager, dynamic=False)
+    base = baseline_module(key, eager)
+    if base is not None:
+        return base
     try:
         if key == "liger":
             mod = _liger(activation, d, h, device, dtype)

@@ -240,12 +240,20 @@ def floor_steps(ctx, M, d, h, dtype, fc1_width=None):
     return six, parts
 
 
-def make_module(key, eager, act, d, h, device, dtype):
+def baseline_module(key, eager):
+    """The eager module itself, or its torch.compile (default mode); None for any other key."""
     if key == "eager":
         return eager
     if key == "compile":
         torch._dynamo.reset()
         return torch.compile(eager, dynamic=False)
+    return None
+
+
+def make_module(key, eager, act, d, h, device, dtype):
+    base = baseline_module(key, eager)
+    if base is not None:
+        return base
     try:
         if key == "flash_attn":
             mod = FlashFusedMLP(d, h, d, activation=act, device=device, dtype=dtype)

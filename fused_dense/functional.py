@@ -501,6 +501,14 @@ def fused_gated_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, activation
     they mean for :func:`fused_mlp_func`: level 0 keeps x, the packed pre-activation gu and the
     gated output, 1 keeps x and gu, 2 keeps x only. The tensor-parallel form is
     :class:`fused_dense.parallel.ParallelFusedGatedMLP`.
+
+    The arguments, against the two forms users know: Hugging Face's LlamaMLP keeps gate_proj and
+    up_proj as two weights and has no function form; flash-attn's GatedMlp packs fc1 as the two
+    halves [up; gate] of one [2h, d] weight (``y, gate = fc1(x).chunk(2, -1)``) with bias1 and bias2
+    on by default. Here weight1 is one packed weight as in flash-attn, but in the interleaved layout
+    the fused GEMM reads (build it with ``ops.pack_gate_up`` from either form: flash-attn's halves
+    are ``up, gate = w.chunk(2)``); activation is a name, as fused_mlp_func's; and there is no fc1
+    bias, as in the Llama-family checkpoints.
     """
     act = ops.check_mlp_arguments(activation, checkpoint_lvl, "gated")
     return _one_process_mlp(x, weight1, weight2, None, bias2, activation, act, save_pre_act, return_residual,
