@@ -26,7 +26,7 @@ static_assert(kBlock * 2 % 16 == 0, "a block of 16-bit gate values must fill who
 
 // Gate and up values of an item: V == kBlock reads the item's block (item idx = row * (hidden /
 // kBlock) + block, packed at idx * 2 kBlock); V == 1 the unit's two columns of its row.
-template <typename T, int V>
+template <int V>
 struct GatedItem {
   int64_t g_at, u_at;  // element offsets of the gate / up values in gu
   __device__ __forceinline__ GatedItem(const Cursor& c, int64_t hidden) {
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (c[k].idx < plan.total) {
-        const GatedItem<T, V> item(c[k], hidden);
+        const GatedItem<V> item(c[k], hidden);
         gv[k] = load_pack<T, V>(gu + item.g_at);
         uv[k] = load_pack<T, V>(gu + item.u_at);
       }
@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (c[k].idx < plan.total) {
-        const GatedItem<T, V> item(c[k], hidden);
+        const GatedItem<V> item(c[k], hidden);
         dv[k] = load_pack<T, V>(d_out + c[k].idx * V);
         gv[k] = load_pack<T, V>(gu + item.g_at);
         uv[k] = load_pack<T, V>(gu + item.u_at);
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       if (c[k].idx < plan.total) {
-        const GatedItem<T, V> item(c[k], hidden);
+        const GatedItem<V> item(c[k], hidden);
         float d[V], g[V], u[V], dg[V], du[V], h[V];
         pack_to_floats(d, dv[k]);
         pack_to_floats(g, gv[k]);

@@ -134,6 +134,10 @@ void linear_act(const LinearContext& ctx, const LinearActArgs& a) {
     case Activation::kGeluTanh: fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
     case Activation::kRelu: fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
     case Activation::kSquaredRelu: break;
+    case Activation::kSwiGlu:
+    case Activation::kGeGlu:
+      throw Error(std::string("fused_dense: linear_act: ") + activation_name(a.activation) +
+                  " is gated; gated_linear (gated.h) takes it");
   }
   const bool fused_possible = a.activation != Activation::kSquaredRelu &&
                               (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
