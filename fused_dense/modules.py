@@ -239,7 +239,9 @@ def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Uni
     ``gate_proj``, ``up_proj``, ``down_proj`` linear layers and an ``act_fn`` of SiLU or tanh GELU:
     LlamaMLP, MistralMLP, Qwen2MLP, GemmaMLP, ...) with a FusedGatedMLP holding the same weights,
     on the same device and dtype; returns how many it replaced. Every MLP is checked before any is
-    replaced: one with biases or another activation is a ValueError naming it."""
+    replaced: one with biases or another activation is a ValueError naming it. The new modules hold
+    new parameters (the packed gate / up weight): call it before building the optimizer. The model's
+    state_dict keeps Hugging Face's names, so its checkpoints load either way."""
     found = [(name, m) for name, m in model.named_modules() if _is_llama_mlp(m)]
     plans = []
     for name, mlp in found:

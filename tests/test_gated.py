@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from conftest import (TOL, assert_close_rel, capture_training_step, needs_caching_allocator, poison_cuda_cache,
                       rel_err, saved_bytes)
 from fused_dense import FusedGatedMLP, FusedMLP, fused_gated_mlp_func, ops
+from op_checks import run_heuristic
 
 OPS = torch.ops.fused_dense
 GATED = {"swiglu": 4, "geglu": 5}
@@ -103,7 +104,9 @@ def check_gated_forward(device, dtype, activation, save, heuristic, shape, poiso
     w = randn(2 * H, K, dtype=dtype, device=device, scale=max(K, 1) ** -0.5)
     if poison:
         poison_cuda_cache()
-    res = OPS.gated_linear(x, w, GATED[activation], save, heuristic)
+    res = run_heuristic(lambda: OPS.gated_linear(x, w, GATED[activation], save, heuristic), heuristic)
+    if res is None:
+        return False
     ctx = f"gated_linear {activation} {dtype} shape={shape} heuristic={heuristic}"
     assert len(res) == (2 if save else 1), ctx
     gu_ref = F.linear(x.double(), w.double())
@@ -115,6 +118,7 @@ def check_gated_forward(device, dtype, activation, save, heuristic, shape, poiso
         assert_close_rel(res[1], gu_ref, dtype, ctx + " pre_act")
         assert_close_rel(res[0], ref_gated(gu_ref, activation), dtype, ctx + " out vs exact pre_act",
                          tol=2 * TOL[dtype])
+    return True
 
 
 def check_gated_dgrad(device, dtype, activation, act_out, heuristic, shape, poison=False):
@@ -124,7 +128,10 @@ def check_gated_dgrad(device, dtype, activation, act_out, heuristic, shape, pois
     gu = randn(B, 2 * H, dtype=dtype, device=device, scale=2.0)
     if poison:
         poison_cuda_cache()
-    res = OPS.gated_linear_dgrad(w, d_out, gu, GATED[activation], heuristic, act_out)
+    res = run_heuristic(lambda: OPS.gated_linear_dgrad(w, d_out, gu, GATED[activation], heuristic, act_out),
+                        heuristic)
+    if res is None:
+        return False
     ctx = f"gated_linear_dgrad {activation} {dtype} shape={shape} heuristic={heuristic}"
     assert len(res) == (2 if act_out else 1), ctx
     gu64 = gu.to(torch.float64, copy=True).requires_grad_()
@@ -135,6 +142,7 @@ def check_gated_dgrad(device, dtype, activation, act_out, heuristic, shape, pois
     assert_close_rel(res[0], d_ref, dtype, ctx + " d_pre")
     if act_out:
         assert torch.equal(res[1], OPS.gated_act_forward(gu, GATED[activation])), ctx + " act_out bits"
+    return True
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
@@ -171,8 +179,11 @@ def test_cpu_gated_act_forward_far_values(activation):
 @pytest.mark.parametrize("save", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
 def test_cuda_gated_linear(dtype, activation, save, heuristic, no_tf32):
-    for shape in CUDA_SHAPES + [(0, 64, 64), (5, 0, 24), (5, 64, 0)]:
-        check_gated_forward("cuda", dtype, activation, save, heuristic, shape, poison=True)
+    """An index >= 1 may be past cuBLASLt's list for a shape (the documented ValueError); -2, -1
+    and 0 must run everywhere."""
+    ran = [check_gated_forward("cuda", dtype, activation, save, heuristic, shape, poison=True)
+           for shape in CUDA_SHAPES + [(0, 64, 64), (5, 0, 24), (5, 64, 0)]]
+    assert all(ran) or heuristic > 0
 
 
 @pytest.mark.cuda
@@ -181,8 +192,9 @@ def test_cuda_gated_linear(dtype, activation, save, heuristic, no_tf32):
 @pytest.mark.parametrize("act_out", [False, True])
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
 def test_cuda_gated_linear_dgrad(dtype, activation, act_out, heuristic, no_tf32):
-    for shape in CUDA_SHAPES + [(0, 64, 64), (5, 24, 0), (5, 0, 64)]:
-        check_gated_dgrad("cuda", dtype, activation, act_out, heuristic, shape, poison=True)
+    ran = [check_gated_dgrad("cuda", dtype, activation, act_out, heuristic, shape, poison=True)
+           for shape in CUDA_SHAPES + [(0, 64, 64), (5, 24, 0), (5, 0, 64)]]
+    assert all(ran) or heuristic > 0
 
 
 @pytest.mark.cuda

@@ -115,13 +115,13 @@ __device__ __forceinline__ float sigmoid_f(float x) {
   }
 }
 
-// The gate's activation of a gated unit (kSwiGlu: SiLU, g sigmoid(g); kGeGlu: tanh GELU), and with
+// The gate's activation of a gated unit (kSwiGLU: SiLU, g sigmoid(g); kGeGLU: tanh GELU), and with
 // `deriv` non-null its derivative, from the same sigmoid: the value is bit-identical either way,
 // so a backward pass that rebuilds act(g) * u gives the forward's bits.
 template <Activation A, bool kFast>
 __device__ __forceinline__ float gate_act(float g, float* deriv = nullptr) {
-  static_assert(A == Activation::kSwiGlu || A == Activation::kGeGlu, "gate_act takes a gated activation");
-  if constexpr (A == Activation::kGeGlu) {
+  static_assert(A == Activation::kSwiGLU || A == Activation::kGeGLU, "gate_act takes a gated activation");
+  if constexpr (A == Activation::kGeGLU) {
     if (deriv == nullptr) return act_forward<Activation::kGeluTanh, kFast>(g);
     float value;
     *deriv = act_derivative<Activation::kGeluTanh, kFast>(g, &value);

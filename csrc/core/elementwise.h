@@ -58,7 +58,7 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
 void sum_partials(DType dtype, const float* partial, int64_t stride, int64_t nparts, int64_t cols, void* out,
                   cudaStream_t stream);
 
-// The gating of a gated MLP (act = SiLU for kSwiGlu, tanh GELU for kGeGlu) over a packed
+// The gating of a gated MLP (act = SiLU for kSwiGLU, tanh GELU for kGeGLU) over a packed
 // pre-activation gu [rows, 2 hidden] (the layout of types.h, kGatedInterleave):
 //   gated_act_forward:  out[i, j] = act(g[i, j]) * u[i, j], out [rows, hidden];
 //   gated_act_backward: d_gu = (d_g, d_u) in gu's layout, d_g = d_out * u * act'(g),

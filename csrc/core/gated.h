@@ -1,4 +1,4 @@
-// The two GEMM computations of a gated MLP (act = SiLU for kSwiGlu, tanh GELU for kGeGlu), in
+// The two GEMM computations of a gated MLP (act = SiLU for kSwiGLU, tanh GELU for kGeGLU), in
 // PyTorch's row-major terms, over the packed fc1 layout of types.h (kGatedInterleave):
 //   gated_linear (forward):  gu[B,2h] = input[B,K] @ weight[2h,K]^T (saved on request),
 //                            out[B,h] = act(g) * u
@@ -6,9 +6,10 @@
 //                            d_pre[B,2h] = (d_h * u * act'(g), d_h * act(g)) in gu's layout,
 //                            act(g) * u on request (checkpoint level 1's rebuild)
 // Each chooses, like linear.h's ops, among the unfused path (one plain cuBLASLt GEMM, then the
-// gating kernel of elementwise.h) and the cutlass_sm90 gated kernels where the build has them
-// (candidates of 'auto'). The weight gradients of a gated MLP are plain GEMMs: linear.h's
-// linear_bias_wgrad. The implementation lives in linear.cpp, beside the dispatch it shares.
+// gating kernel of elementwise.h) and, where the tree holds cutlass_sm90_gated.h, the
+// cutlass_sm90 gated kernels (candidates of 'auto' only). The weight gradients of a gated MLP are
+// plain GEMMs: linear.h's linear_bias_wgrad. The implementation lives in linear.cpp, beside the
+// dispatch it shares.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +23,7 @@ struct GatedLinearArgs {
   int64_t batch = 0, in_features = 0, hidden = 0;  // weight [2 hidden, in_features]
   const void* input = nullptr;
   const void* weight = nullptr;
-  Activation activation = Activation::kSwiGlu;
+  Activation activation = Activation::kSwiGLU;
   void* out = nullptr;      // [batch, hidden]
   void* pre_act = nullptr;  // may be null: gu [batch, 2 hidden], packed
   int heuristic = kHeuristicAuto;
@@ -33,7 +34,7 @@ struct GatedLinearDgradArgs {
   const void* weight = nullptr;
   const void* d_output = nullptr;  // [batch, out_features]
   const void* pre_act = nullptr;   // gu [batch, 2 hidden], packed
-  Activation activation = Activation::kSwiGlu;
+  Activation activation = Activation::kSwiGLU;
   void* d_pre = nullptr;    // [batch, 2 hidden], packed
   void* act_out = nullptr;  // may be null: act(g) * u [batch, hidden], bit-identical to the forward's
   int heuristic = kHeuristicAuto;

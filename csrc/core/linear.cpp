@@ -10,6 +10,12 @@
 #include "gated.h"
 #include "tuner.h"
 
+// The cutlass_sm90 gated kernels are candidates of the gated layers' 'auto' where the tree has them.
+#if __has_include("cutlass_sm90_gated.h")
+#include "cutlass_sm90_gated.h"
+#define FD_CUTLASS_GATED_HOOKS 1
+#endif
+
 namespace fused_dense::core {
 namespace {
 
@@ -134,8 +140,8 @@ void linear_act(const LinearContext& ctx, const LinearActArgs& a) {
     case Activation::kGeluTanh: fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
     case Activation::kRelu: fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
     case Activation::kSquaredRelu: break;
-    case Activation::kSwiGlu:
-    case Activation::kGeGlu:
+    case Activation::kSwiGLU:
+    case Activation::kGeGLU:
       throw Error(std::string("fused_dense: linear_act: ") + activation_name(a.activation) +
                   " is gated; gated_linear (gated.h) takes it");
   }
@@ -321,15 +327,51 @@ void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
 
 namespace {
 
-// Hooks of the cutlass_sm90 gated kernels (x @ packed W^T with act(g) * u in the epilogue; the
-// data gradient with the gating derivative in its epilogue, writing d_pre packed). This build has
-// none yet, so they offer 0 variants and 'auto' measures the unfused path alone. To plug them in:
-// fill their argument struct from `a` here, return their variant count from the *_variants hook
-// and run variant `v` in the other (false where the kernel refuses the operands).
+// The cutlass_sm90 gated kernels (cutlass_sm90_gated.h: the forward with act(g) * u in its
+// epilogue; the down projection's data gradient with the gating derivative in its epilogue,
+// writing d_pre packed) as candidates of 'auto'. A tree without that header builds these hooks
+// with no variants, and 'auto' measures the unfused path alone.
+#if defined(FD_CUTLASS_GATED_HOOKS)
+
+CutlassSm90GatedForwardArgs cutlass_gated_forward_args(const LinearContext& ctx, const GatedLinearArgs& a) {
+  CutlassSm90GatedForwardArgs c;
+  c.device = ctx.device;
+  c.batch = a.batch, c.in_features = a.in_features, c.hidden = a.hidden;
+  c.dtype = ctx.dtype;
+  c.activation = a.activation;
+  c.input = a.input, c.weight = a.weight, c.out = a.out, c.gu = a.pre_act;
+  return c;
+}
+
+CutlassSm90GatedDgradArgs cutlass_gated_dgrad_args(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+  CutlassSm90GatedDgradArgs c;
+  c.device = ctx.device;
+  c.batch = a.batch, c.hidden = a.hidden, c.out_features = a.out_features;
+  c.dtype = ctx.dtype;
+  c.activation = a.activation;
+  c.d_output = a.d_output, c.weight = a.weight, c.gu = a.pre_act, c.d_gu = a.d_pre, c.act_out = a.act_out;
+  return c;
+}
+
+int gated_forward_cutlass_variants(const LinearContext& ctx, const GatedLinearArgs& a) {
+  return cutlass_sm90_gated_forward_variants(cutlass_gated_forward_args(ctx, a));
+}
+bool gated_forward_cutlass(int v, const LinearContext& ctx, const GatedLinearArgs& a, const Workspace& ws) {
+  return cutlass_sm90_gated_forward(v, cutlass_gated_forward_args(ctx, a), ws, ctx.stream);
+}
+int gated_dgrad_cutlass_variants(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+  return cutlass_sm90_gated_dgrad_variants(cutlass_gated_dgrad_args(ctx, a));
+}
+// writes act_out itself when asked
+bool gated_dgrad_cutlass(int v, const LinearContext& ctx, const GatedLinearDgradArgs& a, const Workspace& ws) {
+  return cutlass_sm90_gated_dgrad(v, cutlass_gated_dgrad_args(ctx, a), ws, ctx.stream);
+}
+#else
 int gated_forward_cutlass_variants(const LinearContext&, const GatedLinearArgs&) { return 0; }
 bool gated_forward_cutlass(int, const LinearContext&, const GatedLinearArgs&, const Workspace&) { return false; }
 int gated_dgrad_cutlass_variants(const LinearContext&, const GatedLinearDgradArgs&) { return 0; }
 bool gated_dgrad_cutlass(int, const LinearContext&, const GatedLinearDgradArgs&, const Workspace&) { return false; }
+#endif
 
 // The unfused path's intermediate lies after the GEMM's workspace, at a 256-byte boundary.
 std::size_t gated_scratch_offset(int device) { return (gemm_workspace_bytes(device) + 255) / 256 * 256; }
@@ -411,12 +453,7 @@ void gated_linear_dgrad(const LinearContext& ctx, const GatedLinearDgradArgs& a)
   plain.lda = H, plain.ldb = N, plain.ldd = H;
   const Workspace ws = gemm_part(ctx);
   auto run_choice = [&](const Choice& c) -> bool {
-    if (c.cutlass >= 0) {
-      if (!gated_dgrad_cutlass(c.cutlass, ctx, a, ws)) return false;
-      if (a.act_out != nullptr)
-        gated_act_forward(ctx.dtype, a.activation, a.pre_act, a.act_out, B, H, ctx.device, ctx.stream);
-      return true;
-    }
+    if (c.cutlass >= 0) return gated_dgrad_cutlass(c.cutlass, ctx, a, ws);
     GemmPointers ptrs;
     ptrs.a = a.weight;
     ptrs.b = a.d_output;

@@ -51,8 +51,8 @@ void dispatch_act(Activation act, F&& f) {
     case Activation::kSquaredRelu:
       f(ActTag<Activation::kSquaredRelu>{});
       return;
-    case Activation::kSwiGlu:
-    case Activation::kGeGlu:
+    case Activation::kSwiGLU:
+    case Activation::kGeGLU:
       break;  // the gating kernels' own dispatch: dispatch_gated_act
   }
   throw Error("fused_dense: unsupported activation code " + std::to_string(static_cast<int>(act)));
@@ -61,11 +61,11 @@ void dispatch_act(Activation act, F&& f) {
 template <typename F>
 void dispatch_gated_act(Activation act, F&& f) {
   switch (act) {
-    case Activation::kSwiGlu:
-      f(ActTag<Activation::kSwiGlu>{});
+    case Activation::kSwiGLU:
+      f(ActTag<Activation::kSwiGLU>{});
       return;
-    case Activation::kGeGlu:
-      f(ActTag<Activation::kGeGlu>{});
+    case Activation::kGeGLU:
+      f(ActTag<Activation::kGeGLU>{});
       return;
     default:
       break;

@@ -27,9 +27,9 @@ const char* activation_name(Activation act) {
       return "relu";
     case Activation::kSquaredRelu:
       return "sqrelu";
-    case Activation::kSwiGlu:
+    case Activation::kSwiGLU:
       return "swiglu";
-    case Activation::kGeGlu:
+    case Activation::kGeGLU:
       return "geglu";
   }
   return "unknown";

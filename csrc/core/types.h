@@ -18,11 +18,11 @@ namespace fused_dense::core {
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 // Integer codes are part of the op schema (the `activation` argument), keep them stable.
-// kSwiGlu and kGeGlu are the gated activations act(g) * u of a gated MLP (SiLU, and GELU with the
+// kSwiGLU and kGeGLU are the gated activations act(g) * u of a gated MLP (SiLU, and GELU with the
 // tanh approximation); they take a packed pre-activation of twice the output's width (below).
-enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3, kSwiGlu = 4, kGeGlu = 5 };
+enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3, kSwiGLU = 4, kGeGLU = 5 };
 
-FD_HOST_DEVICE inline bool is_gated(Activation act) { return act == Activation::kSwiGlu || act == Activation::kGeGlu; }
+FD_HOST_DEVICE inline bool is_gated(Activation act) { return act == Activation::kSwiGLU || act == Activation::kGeGLU; }
 
 // The packed layout of a gated MLP's fc1, one definition: the weight [2h, d] holds the gate and
 // up rows of the h hidden units interleaved in blocks of kGatedInterleave units. Block b holds the

@@ -40,8 +40,8 @@ at::Tensor apply_act(const at::Tensor& x, ActivationCode act) {
     case ActivationCode::kGeluTanh: return at::gelu(x, "tanh");
     case ActivationCode::kRelu: return at::relu(x);
     case ActivationCode::kSquaredRelu: return at::relu(x).square();
-    case ActivationCode::kSwiGlu:
-    case ActivationCode::kGeGlu: break;  // refused by the checks: the gated ops below
+    case ActivationCode::kSwiGLU:
+    case ActivationCode::kGeGLU: break;  // refused by the checks: the gated ops below
   }
   return x;
 }
@@ -69,12 +69,12 @@ std::pair<at::Tensor, at::Tensor> gated_columns(int64_t hidden, const at::Device
 
 // act(g) of the gate in math precision, for ATen's act (and its derivative below).
 at::Tensor gate_act(const at::Tensor& g, ActivationCode act) {
-  return act == ActivationCode::kSwiGlu ? at::silu(g) : at::gelu(g, "tanh");
+  return act == ActivationCode::kSwiGLU ? at::silu(g) : at::gelu(g, "tanh");
 }
 
 // (act(g), act'(g) * d) of the gate in math precision.
 std::pair<at::Tensor, at::Tensor> gate_act_and_grad(const at::Tensor& g, const at::Tensor& d, ActivationCode act) {
-  if (act == ActivationCode::kSwiGlu) return {gate_act(g, act), at::silu_backward(d, g)};
+  if (act == ActivationCode::kSwiGLU) return {gate_act(g, act), at::silu_backward(d, g)};
   return {gate_act(g, act), gelu_tanh_backward(d, g)};
 }
 
@@ -122,8 +122,8 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
     case ActivationCode::kGeluTanh: d_pre = gelu_tanh_backward(d_act, pre_act->to(mt)); break;
     case ActivationCode::kRelu: d_pre = d_act * unpack_mask(*pre_act, weight.size(1)).to(mt); break;
     case ActivationCode::kSquaredRelu: d_pre = d_act * 2 * at::relu(pre_act->to(mt)); break;
-    case ActivationCode::kSwiGlu:
-    case ActivationCode::kGeGlu: break;  // refused by the checks: the gated ops below
+    case ActivationCode::kSwiGLU:
+    case ActivationCode::kGeGLU: break;  // refused by the checks: the gated ops below
   }
   std::vector<at::Tensor> out{d_pre.to(dtype).contiguous()};
   if (has_d_bias) out.push_back(out[0].to(mt).sum(0).to(dtype));

@@ -531,7 +531,7 @@ void gated_columns_ref(int64_t hidden, std::vector<int64_t>& gate, std::vector<i
 }
 
 double ref_gate(Activation a, double g, double* deriv) {
-  if (a == Activation::kGeGlu) {
+  if (a == Activation::kGeGLU) {
     *deriv = ref_dact(Activation::kGeluTanh, g);
     return ref_act(Activation::kGeluTanh, g);
   }
@@ -659,13 +659,13 @@ void expect_throw(const std::string& name, const std::function<void()>& f) {
 void test_errors() {
   DevBuf a(4096, 0), b(4096, 0), c(4096, 0);
   expect_throw("error/gated code to the non-gated forward", [&] {
-    bias_act_forward(DType::kFloat16, Activation::kSwiGlu, a.ptr, nullptr, b.ptr, nullptr, 4, 8, g_device, nullptr);
+    bias_act_forward(DType::kFloat16, Activation::kSwiGLU, a.ptr, nullptr, b.ptr, nullptr, 4, 8, g_device, nullptr);
   });
   expect_throw("error/non-gated code to the gating forward", [&] {
     gated_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, 4, 8, g_device, nullptr);
   });
   expect_throw("error/gating backward: d_out overlapping gu", [&] {
-    gated_act_backward(DType::kFloat16, Activation::kGeGlu, a.ptr + 16, a.ptr, c.ptr, nullptr, 4, 8, g_device,
+    gated_act_backward(DType::kFloat16, Activation::kGeGLU, a.ptr + 16, a.ptr, c.ptr, nullptr, 4, 8, g_device,
                        nullptr);
   });
   expect_throw("error/negative rows fwd", [&] {
@@ -839,7 +839,7 @@ void run_sanitize_cases(uint64_t& seed) {
     }
   // gating: vector path (hidden % 8 == 0, aligned), scalar path (short last block, misaligned), in place
   for (DType d : dtypes)
-    for (Activation a : {Activation::kSwiGlu, Activation::kGeGlu}) {
+    for (Activation a : {Activation::kSwiGLU, Activation::kGeGLU}) {
       test_gated(d, a, 7, 13, false, false, ++seed);
       test_gated(d, a, 33, 64, false, true, ++seed);
       test_gated(d, a, 33, 64, true, false, ++seed);
@@ -983,7 +983,7 @@ int main(int argc, char** argv) {
                 for (int mis = 0; mis < 2; ++mis) test_backward_act_out(d, a, rows, cols, bg, mis, ++seed);
           }
     for (DType d : dtypes)
-      for (Activation a : {Activation::kSwiGlu, Activation::kGeGlu})
+      for (Activation a : {Activation::kSwiGLU, Activation::kGeGLU})
         for (int64_t rows : rows_list)
           for (int64_t hidden : cols_list)
             for (int mis = 0; mis < 2; ++mis)
