@@ -70,6 +70,8 @@ def _cutlass_includes():
 # Every csrc/torch/*.cpp is part of the build; the CUDA kernels' registration only with CUDA.
 CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp", "csrc/torch/tuning.cpp"}
 torch_sources = [s for s in _sources("csrc/torch/*.cpp") if s not in CUDA_ONLY_TORCH_SOURCES]
+# The core's plain C++ vocabulary (names of the codes), which the CPU kernels' messages use too.
+CORE_HOST_SOURCES = ["csrc/core/types.cpp"]
 cxx_flags = ["-O3", "-std=c++17"]
 
 if _want_cuda():
@@ -95,7 +97,7 @@ if _want_cuda():
         extra_compile_args={"cxx": cxx, "nvcc": nvcc_flags},
     )
 else:
-    ext = cpp_extension.CppExtension(name="fused_dense._C", sources=torch_sources,
+    ext = cpp_extension.CppExtension(name="fused_dense._C", sources=torch_sources + CORE_HOST_SOURCES,
                                      extra_compile_args={"cxx": cxx_flags})
 
 

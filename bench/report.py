@@ -14,13 +14,20 @@ MIB = 1024 * 1024
 LABELS = {"floor": "six GEMMs (floor)", "eager": "eager PyTorch", "compile": "torch.compile",
           "auto_l0": "FusedMLP auto", "auto_l1": "FusedMLP auto, ckpt 1", "auto_l2": "FusedMLP auto, ckpt 2",
           "h-1_l0": "FusedMLP h=-1 (unfused)", "h0_l0": "FusedMLP h=0", "h1_l0": "FusedMLP h=1",
-          "h2_l0": "FusedMLP h=2", "flash_attn": "flash-attn FusedMLP"}
+          "h2_l0": "FusedMLP h=2", "flash_attn": "flash-attn FusedMLP",
+          "liger": "Liger (Triton)", "fused_l0": "FusedGatedMLP", "fused_l1": "FusedGatedMLP, ckpt 1",
+          "fused_l2": "FusedGatedMLP, ckpt 2", "fused_eager": "FusedGatedMLP MLPs", "fused_compile":
+          "FusedGatedMLP MLPs, torch.compile"}
 COLORS = {"floor": "#9e9e9e", "eager": "#ef6c00", "compile": "#c62828", "auto_l0": "#1565c0", "auto_l1": "#42a5f5",
           "auto_l2": "#90caf9", "h-1_l0": "#2e7d32", "h0_l0": "#66bb6a", "h1_l0": "#a5d6a7", "h2_l0": "#c8e6c9",
-          "flash_attn": "#6a1b9a"}
+          "flash_attn": "#6a1b9a", "liger": "#6a1b9a", "fused_l0": "#1565c0", "fused_l1": "#42a5f5",
+          "fused_l2": "#90caf9", "fused_eager": "#1565c0", "fused_compile": "#42a5f5"}
 ORDER = list(LABELS)
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}  # relative error, docs/contract.md
-ACT = {"gelu_approx": "gelu", "relu": "relu", "sqrelu": "sqrelu"}
+ACT = {"gelu_approx": "gelu", "relu": "relu", "sqrelu": "sqrelu", "swiglu": "swiglu", "geglu": "geglu"}
+# the gated MLP's targets: FusedGatedMLP's time / the floor's at most this, per (M, d, h)
+GATED_FLOOR_TARGET = {(8192, 2048, 5632): 1.05, (8192, 4096, 11008): 1.03, (16384, 4096, 14336): 1.03}
+GATED_CKPT2_TARGET = 1.30
 SUSTAINED_KEYS = ("floor", "eager", "compile", "auto_l0")
 
 
@@ -185,6 +192,86 @@ def _sustained(res):
     return L
 
 
+def gated_targets(res):
+    """(target, figure, met) rows of the gated section: FusedGatedMLP ahead of torch.compile and
+    Liger, within its floor target, and checkpoint level 2 at most 1.30x level 0, keeping only x."""
+    rows = []
+    for r in res.get("gated", []):
+        vs, shape = r["variants"], f"{r['activation']} {r['M']} × {r['d']} → {r['h']}"
+        f = vs.get("fused_l0")
+        if not _ok(f):
+            continue
+        for k in ("compile", "liger"):
+            o = vs.get(k)
+            if _ok(o):
+                rows.append((f"{shape}: FusedGatedMLP ahead of {label(k)}",
+                             f"{f['ms']:.3f} vs {o['ms']:.3f} ms{round_range(f, o)}", f["ms"] < o["ms"]))
+            else:
+                rows.append((f"{shape}: FusedGatedMLP ahead of {label(k)}", _cell(o), None))
+        goal = GATED_FLOOR_TARGET.get((r["M"], r["d"], r["h"]))
+        fl = vs.get("floor")
+        if goal and _ok(fl):
+            rows.append((f"{shape}: ≤ {goal:.2f}× floor", f"{f['ms'] / fl['ms']:.3f}×{round_range(f, fl)}",
+                         f["ms"] / fl["ms"] <= goal))
+        l2 = vs.get("fused_l2")
+        if _ok(l2):
+            x_bytes = r["M"] * r["d"] * (2 if r["dtype"] in ("bf16", "fp16") else 4)
+            saved = (l2.get("memory") or {}).get("saved_bytes")
+            rows.append((f"{shape}: ckpt 2 ≤ {GATED_CKPT2_TARGET:.2f}× ckpt 0, keeps at most x",
+                         f"{l2['ms'] / f['ms']:.3f}×{round_range(l2, f)}, saved {_f(saved and saved / MIB, '{:.1f}')} "
+                         f"MiB (x: {x_bytes / MIB:.1f} MiB)",
+                         l2["ms"] / f["ms"] <= GATED_CKPT2_TARGET and saved is not None and saved <= x_bytes))
+    return rows
+
+
+def _gated(res):
+    gated, stack, L = res.get("gated", []), res.get("gated_stack", []), []
+    if gated:
+        L += ["## Gated MLP forward + backward: ms (× floor)\n",
+              "down(act(gate(x)) · up(x)), no biases, M tokens; floor = six plain GEMMs with gate and up as one "
+              "GEMM of width 2h; TF/s = 18·M·d·h / time.\n"]
+        for cfg in dict.fromkeys((r["dtype"], r["activation"]) for r in gated):
+            recs = [r for r in gated if (r["dtype"], r["activation"]) == cfg]
+            keys = _keys(recs)
+            L += [f"### {cfg[0]}, {cfg[1]}\n", "| M × d → h | " + " | ".join(map(label, keys)) + " |",
+                  "|---" * (len(keys) + 1) + "|"]
+            for r in recs:
+                cells = [f"{v['ms']:.3f} ({_f(v.get('x_floor'))}×)" if _ok(v) else _cell(v)
+                         for v in map(r["variants"].get, keys)]
+                L.append(f"| {r['M']} × {r['d']} → {r['h']} | " + " | ".join(cells) + " |")
+            L.append("")
+        L += ["### Gated detail: memory kept for backward, accuracy, checkpoint levels\n",
+              "| dtype act | M × d → h | variant | ms | p20–p80 | TF/s | vs compile | saved MiB | peak Δ MiB | "
+              "err out | err dx | note |", "|---" * 12 + "|"]
+        for r in gated:
+            for k in _keys([r]):
+                v, head = r["variants"][k], f"| {_cfg(r)} | {r['M']} × {r['d']} → {r['h']} | {label(k)} |"
+                if not _ok(v):
+                    err = str(v.get("error", ""))[:160].replace("|", "/")
+                    L.append(f"{head} {v.get('status')} |" + " |" * 7 + f" {err} |")
+                    continue
+                mem, re = v.get("memory", {}), v.get("rel_err", {})
+                L.append(f"{head} {v['ms']:.3f} | {_f(v.get('p20'))}–{_f(v.get('p80'))} | {v['tflops']:.0f} | "
+                         f"{_f(v.get('speedup_vs_compile'))} | "
+                         f"{_f(mem.get('saved_bytes') and mem['saved_bytes'] / MIB, '{:.1f}')} | "
+                         f"{_f(mem.get('peak_delta_bytes') and mem['peak_delta_bytes'] / MIB, '{:.1f}')} | "
+                         f"{_f(re.get('out'), '{:.1e}')} | {_f(re.get('dx'), '{:.1e}')} | |")
+        L.append("")
+    for r in stack:
+        L += [f"## Llama-style stack forward + backward ({r['blocks']} blocks, B {r['batch']}, T {r['seq']}, d {r['d']}, "
+              f"h {r['h']}, {r['heads']} heads, {r['dtype']} {r['activation']})\n",
+              "| variant | ms | p20–p80 | × eager | × compile |", "|---|---|---|---|---|"]
+        e, c = r["variants"].get("eager"), r["variants"].get("compile")
+        for k, v in r["variants"].items():
+            if not _ok(v):
+                L.append(f"| {label(k)} | {v.get('status')}: {str(v.get('error', ''))[:120]} | | | |")
+                continue
+            L.append(f"| {label(k)} | {v['ms']:.3f} | {_f(v.get('p20'))}–{_f(v.get('p80'))} | "
+                     f"{_f(e['ms'] / v['ms'] if _ok(e) else None)} | {_f(c['ms'] / v['ms'] if _ok(c) else None)} |")
+        L.append("")
+    return L
+
+
 def _header(res):
     env, m = res.get("env", {}), res.get("method", {})
     gpu = env.get("gpu") or f"CPU ({env.get('cpu_threads')} threads) — smoke test, not a performance figure"
@@ -206,8 +293,9 @@ def _header(res):
     L.append("Method: " + "; ".join(filter(None, [
         m.get("timer"), m.get("timer") and f"warm-up ≥ {m.get('warmup_ms')} ms, ≥ {m.get('rep_ms')} ms and ≥ "
                                           f"{m.get('min_reps')} reps of measurement per figure",
-        m.get("mlp_timer"), "fresh random data (normal), never zeros", m.get("mlp"),
-        m.get("floor") and "floor = " + m["floor"]])) + ". Full method: bench/README.md.\n")
+        m.get("mlp_timer"), "fresh random data (normal), never zeros", res.get("mlp") and m.get("mlp"),
+        res.get("mlp") and m.get("floor") and "floor = " + m["floor"],
+        (res.get("gated") or res.get("gated_stack")) and m.get("gated")])) + ". Full method: bench/README.md.\n")
     if m.get("budget_s") is not None:
         L.append(f"Time budget {m['budget_s']:.0f} s; run time {_f(res.get('elapsed_s'), '{:.0f}')} s.\n")
     c, ce = res.get("ceiling") or {}, res.get("ceiling_end") or {}
@@ -321,12 +409,12 @@ def _ops_and_host(res):
 
 def markdown(res):
     L = _header(res)
-    trg = targets(res)
+    trg = targets(res) + gated_targets(res)
     if trg:
         L += ["## Targets, from this run\n", "| target | figure | met |", "|---|---|---|"]
         L += [f"| {t} | {fig} | {'yes' if met else ('no' if met is False else '–')} |" for t, fig, met in trg]
         L.append("")
-    L += _mlp(res) + _ops_and_host(res)
+    L += _mlp(res) + _gated(res) + _ops_and_host(res)
     skipped, errors, crashed = res.get("skipped") or [], res.get("errors") or [], res.get("crashed") or []
     if skipped or errors or crashed or not res.get("complete"):
         L.append("## Not measured\n")
@@ -366,8 +454,10 @@ def summary(res):
             L.append(f"{_cfg(r):<11}{str(r['M']) + 'x' + str(r['d']):>12}"
                      + "".join(f"{ms(vs.get(k)):>9}" for k in SUSTAINED_KEYS) + ratios(a)
                      + (f"  auto at {a['clocks'].get('sm_mhz', 0):.0f} MHz" if "clocks" in a else ""))
+    for r in res.get("gated", []) + res.get("gated_stack", []):
+        L.append(f"{r['id']}: " + ", ".join(f"{k} {ms(v)}" for k, v in r["variants"].items()))
     L += ["targets:"] + [f"  [{'ok' if met else ('NO' if met is False else '--')}] {t}: {fig}"
-                         for t, fig, met in targets(res)]
+                         for t, fig, met in targets(res) + gated_targets(res)]
     if res.get("skipped"):
         L.append(f"skipped (budget): {', '.join(res['skipped'])}")
     L += [f"CRASHED (exit {c.get('rc')}): {c.get('item')} / {c.get('variant')}" for c in res.get("crashed") or []]
@@ -383,7 +473,7 @@ def make_png(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mlp, env = res.get("mlp", []), res.get("env", {})
+    mlp, env = res.get("mlp", []) + res.get("gated", []), res.get("env", {})
     configs = list(dict.fromkeys((r["dtype"], r["activation"]) for r in mlp))
     if not configs:
         raise ValueError("no MLP results to plot")
@@ -404,9 +494,10 @@ def make_png(res, path):
             ax.text(0.995, ceiling, f"ceiling: {res['ceiling']['n']}³ {res['ceiling'].get('dtype', '')} mm "
                     f"{ceiling:.0f} TF/s", transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7)
         ax.set_xticks(range(len(recs)))
-        ax.set_xticklabels([f"M={r['M']}, d={r['d']}" for r in recs])
-        ax.set_ylabel("TF/s (12·M·d·h / time)")
-        ax.set_title(f"MLP forward + backward, {cfg[0]}, {cfg[1]}", fontsize=10)
+        gated = cfg[1] in ("swiglu", "geglu")
+        ax.set_xticklabels([f"M={r['M']}, d={r['d']}" + (f", h={r['h']}" if gated else "") for r in recs])
+        ax.set_ylabel("TF/s (18·M·d·h / time)" if gated else "TF/s (12·M·d·h / time)")
+        ax.set_title(f"{'gated MLP' if gated else 'MLP'} forward + backward, {cfg[0]}, {cfg[1]}", fontsize=10)
         top = max([ceiling or 0] + [v["tflops"] for r in recs for v in r["variants"].values() if _ok(v)])
         ax.set_ylim(0, top * 1.18 or 1)
         ax.legend(fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 1.07), frameon=False)

@@ -4,6 +4,7 @@
     python bench/run.py --out docs/results            # the run of record (replaces the one there)
     python bench/run.py --out DIR --quick             # one shape, a smoke subset
     python bench/run.py --out DIR --device cpu --quick   # without a GPU: plumbing only
+    python bench/run.py --out docs/results --sections gated   # the gated MLP's run of record
 
 Writes DIR/mlp-<YYYY-MM-DD>.json (every figure and the environment, rewritten after each
 measurement), .md (tables, targets) and .png (chart; needs matplotlib). A complete run removes
@@ -29,12 +30,22 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import environment, report, sections  # noqa: E402
+from bench import environment, gated, report, sections  # noqa: E402
 from bench.power import INTERVAL_MS  # noqa: E402
 from bench.sections import FULL_VARIANTS, REDUCED_VARIANTS, log  # noqa: E402
 
-SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained")
-RECORD = re.compile(r"^mlp-\d{4}-\d{2}-\d{2}\.(json|md|png)$")
+SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained", "gated")
+DEFAULT_SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained")  # gated: asked for by name
+
+
+def record_prefix(args):
+    """The run of record's file stem: gated-<date> for a run of the gated section alone (its own
+    record beside the MLP one), else mlp-<date>."""
+    return "gated" if args.sections.split(",") == ["gated"] else "mlp"
+
+
+def record_pattern(prefix):
+    return re.compile(rf"^{prefix}-\d{{4}}-\d{{2}}-\d{{2}}\.(json|md|png)$")
 
 
 def parse_shape(s):
@@ -52,7 +63,8 @@ def parse_args(argv):
     ap.add_argument("--shapes", nargs="+", type=parse_shape, metavar="MxD",
                     help="MLP shapes (M tokens x d), default 8192x{1024,2048,4096} and 16384x8192")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny sizes, figures meaningless)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list out of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                    help=f"comma list out of {','.join(SECTIONS)} (default: all but gated)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which measurements not yet started are recorded as skipped (420)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
@@ -85,12 +97,14 @@ def parse_args(argv):
 
 def output_paths(args):
     """{json, md, png} paths in --out: the newest existing run with --resume, else the start's date."""
-    old = sorted(p for p in glob.glob(os.path.join(args.out, "mlp-*.json")) if RECORD.match(os.path.basename(p)))
+    prefix = record_prefix(args)
+    record = record_pattern(prefix)
+    old = sorted(p for p in glob.glob(os.path.join(args.out, f"{prefix}-*.json")) if record.match(os.path.basename(p)))
     if args.resume and old:
         stem = old[-1][:-5]
     else:
         day = datetime.datetime.fromtimestamp(sections.T0, datetime.timezone.utc).date().isoformat()
-        stem = os.path.join(args.out, f"mlp-{day}")
+        stem = os.path.join(args.out, f"{prefix}-{day}")
     return {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
 
 
@@ -122,6 +136,8 @@ def build_plan(args):
     if "sustained" in want:
         plan += [(f"sustained:bf16:gelu_approx:{M}x{d}", "sustained", ("bf16", "gelu_approx", M, d, REDUCED_VARIANTS))
                  for M, d in shapes + big]
+    if "gated" in want:
+        plan += gated.plan_items(args)
     if "ceiling" in want:
         plan.append(("ceiling_end", "ceiling", ("ceiling_end",)))
     return plan
@@ -144,6 +160,12 @@ def method(args, bench):
                   "included; not for torch.compile); alloc_kept_bytes: memory_allocated after forward minus before, "
                   "output excluded; peak_delta_bytes: max_memory_allocated over fwd+bwd minus before",
         "accuracy": "rel. error ||v - ref|| / ||ref|| against a float32 (no tf32) eager reference",
+        "gated": "fwd + bwd of down(act(gate(x)) * up(x)) on x[M,d] (requires grad), no biases, act SiLU (swiglu) "
+                 "or tanh GELU (geglu); variants in interleaved rounds as in the mlp section; floor = the six "
+                 "plain torch.mm of the step with gate and up as one GEMM of width 2h; accuracy of out and dx "
+                 "against float32 eager; TF/s = 18*M*d*h/time. gated_stack: 2 pre-norm blocks (RMSNorm, causal "
+                 "F.scaled_dot_product_attention, gated MLP) fwd + bwd, nn.Linear MLPs or FusedGatedMLP "
+                 "(replace_llama_mlps), eager and torch.compile; TF/s counts the projections' GEMMs only",
         "sustained": f"floor, eager, compile and FusedMLP auto at the bf16 gelu_approx shapes in {args.rounds} "
                      f"interleaved rounds as in the mlp section, but each block after {args.sustained_warmup_ms:.0f} "
                      "ms of that variant's own steps, so it is timed at the steady state of sustained load (the "
@@ -166,8 +188,9 @@ def finalize(results, paths, prune=False):
     if prune:
         out = os.path.dirname(paths["json"])
         mine = {os.path.basename(p) for p in paths.values()}
+        record = record_pattern(os.path.basename(paths["json"]).split("-")[0])
         for name in sorted(os.listdir(out)):
-            if RECORD.match(name) and name not in mine:
+            if record.match(name) and name not in mine:
                 os.remove(os.path.join(out, name))
                 log(f"removed the older run of record {os.path.join(out, name)}")
     print(report.summary(results), flush=True)
@@ -208,7 +231,7 @@ def supervise(args, argv):
 
 
 RUNNERS = {"ceiling": sections.run_ceiling, "mlp": sections.run_mlp, "ops": sections.run_ops,
-           "host": sections.run_host}
+           "host": sections.run_host, "gated": gated.run_gated, "gated_stack": gated.run_stack}
 
 
 def worker(ap, args, argv):
@@ -245,6 +268,8 @@ def worker(ap, args, argv):
             f"{[(c['item'], c['variant']) for c in ctx.results.get('crashed', [])]}")
     plan = build_plan(args)
     ctx.results["plan"] = [item_id for item_id, _, _ in plan]
+    if any(section == "gated" for _, section, _ in plan):
+        gated.note_liger()
     log(f"plan: {len(plan)} items, budget {args.budget:.0f} s ({ctx.time_left():.0f} s left)")
     ctx.save()
     for i, (item_id, section, payload) in enumerate(plan, 1):

@@ -148,7 +148,7 @@ class Ctx:
             return {"status": "skipped", "error": f"not run: fused code crashed the process {n} times in this run"}
         if self.time_left() < 0:
             return {"status": "skipped", "error": "time budget exhausted"}
-        if variant == "compile" and self.args.no_compile:
+        if variant.endswith("compile") and self.args.no_compile:
             return {"status": "skipped", "error": "--no-compile"}
         if fused and fused.startswith("FusedMLP") and FusedMLP is None:
             return {"status": "unavailable", "error": FD_IMPORT_ERROR}
@@ -221,12 +221,14 @@ def run_ceiling(ctx, item_id, key="ceiling"):
     log(f"{key} {n}^3 {dtype}: {t['ms']:.3f} ms, {tf:.0f} TF/s")
 
 
-def floor_steps(ctx, M, d, h, dtype):
+def floor_steps(ctx, M, d, h, dtype, fc1_width=None):
     """The six plain GEMMs of one MLP step on pre-made tensors, no bias, no activation: the step,
-    and each GEMM alone by name."""
+    and each GEMM alone by name. fc1_width: fc1's output width when it is not h (2h: a gated MLP's
+    gate and up as one GEMM)."""
+    n1 = h if fc1_width is None else fc1_width
     x, dy = ctx.randn(M, d, dtype=dtype), ctx.randn(M, d, dtype=dtype)
-    hh, dh = ctx.randn(M, h, dtype=dtype), ctx.randn(M, h, dtype=dtype)
-    w1 = ctx.randn(h, d, dtype=dtype, scale=d ** -0.5)
+    hh, dh = ctx.randn(M, h, dtype=dtype), ctx.randn(M, n1, dtype=dtype)
+    w1 = ctx.randn(n1, d, dtype=dtype, scale=d ** -0.5)
     w2 = ctx.randn(d, h, dtype=dtype, scale=h ** -0.5)
     parts = {"fwd1": lambda: torch.mm(x, w1.t()), "fwd2": lambda: torch.mm(hh, w2.t()),
              "dgrad2": lambda: torch.mm(dy, w2), "wgrad2": lambda: torch.mm(dy.t(), hh),
@@ -238,12 +240,20 @@ def floor_steps(ctx, M, d, h, dtype):
     return six, parts
 
 
-def make_module(key, eager, act, d, h, device, dtype):
+def baseline_module(key, eager):
+    """The eager module itself, or its torch.compile (default mode); None for any other key."""
     if key == "eager":
         return eager
     if key == "compile":
         torch._dynamo.reset()
         return torch.compile(eager, dynamic=False)
+    return None
+
+
+def make_module(key, eager, act, d, h, device, dtype):
+    base = baseline_module(key, eager)
+    if base is not None:
+        return base
     try:
         if key == "flash_attn":
             mod = FlashFusedMLP(d, h, d, activation=act, device=device, dtype=dtype)
@@ -293,9 +303,8 @@ def measure_pass(ctx, mod, x, dy, params, use_hooks=True):
     return mem, outs
 
 
-def reference(ctx, eager, x, dy):
-    """float32 (no tf32) out, dx, dW1, dW2 of the eager MLP."""
-    ref = EagerMLP(eager.fc1.in_features, eager.fc1.out_features, eager.activation, ctx.device, torch.float32)
+def float32_pass(ref, eager, x, dy):
+    """{out, dx} of ref (a float32 module of eager's kind) with eager's weights, in float32 without tf32."""
     ref.load_state_dict({k: v.float() for k, v in eager.state_dict().items()})
     xr = x.detach().float().requires_grad_(True)
     prev = torch.backends.cuda.matmul.allow_tf32
@@ -305,7 +314,13 @@ def reference(ctx, eager, x, dy):
         out.backward(dy.float())
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
-    return {"out": out.detach(), "dx": xr.grad, "dw1": ref.fc1.weight.grad, "dw2": ref.fc2.weight.grad}
+    return {"out": out.detach(), "dx": xr.grad}
+
+
+def reference(ctx, eager, x, dy):
+    """float32 (no tf32) out, dx, dW1, dW2 of the eager MLP."""
+    ref = EagerMLP(eager.fc1.in_features, eager.fc1.out_features, eager.activation, ctx.device, torch.float32)
+    return dict(float32_pass(ref, eager, x, dy), dw1=ref.fc1.weight.grad, dw2=ref.fc2.weight.grad)
 
 
 def ratios(variants):
@@ -335,25 +350,51 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
     timed in interleaved rounds. The sustained section times with each block after a long warm-up
     of its own steps, samples clock and power beside it, and leaves out the accuracy and memory
     pass (the mlp section takes them for the same shapes)."""
-    sustained = section == "sustained"
-    bench = ctx.sustained_bench if sustained else ctx.bench
     dtype, h = DTYPES[dtype_name], 4 * d
     flops = 12 * M * d * h
     rec = ctx.record(section, item_id, dtype=dtype_name, activation=act, M=M, d=d, h=h, flops=flops, variants={})
-    tag = f"{section} {dtype_name} {act} M={M} d={d}"
-    todo = [k for k in variants if rec["variants"].get(k, {}).get("status") not in FINAL]
     ctx.seed(item_id)
     eager = EagerMLP(d, h, act, ctx.device, dtype)
     x = ctx.randn(M, d, dtype=dtype).requires_grad_(True)
     dy = ctx.randn(M, d, dtype=dtype)
+
+    def settings(key):
+        return dict(zip(("heuristic", "checkpoint_lvl"), fused_spec(key))) \
+            if key not in BASELINES and key != "flash_attn" else {}
+    spec = VariantSpec(build=lambda key: make_module(key, eager, act, d, h, ctx.device, dtype),
+                       floor=lambda: floor_steps(ctx, M, d, h, dtype), fused_path=fused_path, settings=settings,
+                       reference=lambda: reference(ctx, eager, x, dy))
+    run_variants(ctx, item_id, section, rec, f"{section} {dtype_name} {act} M={M} d={d}", variants, spec, x, dy,
+                 eager, floor_parts=section == "mlp" and not ctx.args.quick and variants == FULL_VARIANTS)
+
+
+class VariantSpec:
+    """What run_variants needs of a section: build(key) -> the module of a variant (Unavailable
+    where it cannot run here); floor() -> (step, {name: GEMM}); fused_path(key) -> the code path or
+    None; settings(key) -> fields recorded with the variant; reference() -> {name: float32 tensor}
+    compared with a pass's outputs of the same names (out, dx, dw1, ...), or None."""
+
+    def __init__(self, build, floor, fused_path, settings, reference):
+        self.build, self.floor, self.fused_path, self.settings, self.reference = (build, floor, fused_path, settings,
+                                                                                   reference)
+
+
+def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, floor_parts=False):
+    """A shape's variants into rec['variants']: each one's first call, memory and accuracy pass,
+    then all of them timed in interleaved rounds (the sustained section: each block after a long
+    warm-up of its own steps, clock and power sampled, no accuracy or memory pass)."""
+    sustained = section == "sustained"
+    bench = ctx.sustained_bench if sustained else ctx.bench
+    flops = rec["flops"]
+    todo = [k for k in variants if rec["variants"].get(k, {}).get("status") not in FINAL]
     ref = None
     if not ctx.args.no_accuracy and not sustained and any(k != "floor" for k in todo):
-        ref = reference(ctx, eager, x, dy)
+        ref = spec.reference()
         x.grad = None
 
-    prepared, floor_parts = {}, None  # key -> (step, tensors whose grads reset, record, fused path)
+    prepared, parts = {}, None  # key -> (step, tensors whose grads reset, record, fused path)
     for key in todo:
-        fused = fused_path(key)
+        fused = spec.fused_path(key)
         pre = ctx.precheck(item_id, key, fused)
         if pre is not None:
             rec["variants"][key] = pre
@@ -363,14 +404,13 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
         v = {"status": "ok"}
         try:
             if key == "floor":
-                step, floor_parts = floor_steps(ctx, M, d, h, dtype)
+                step, parts = spec.floor()
                 step()
                 ctx.sync()
                 prepared[key] = (step, None, v, fused)
                 continue
-            if key not in BASELINES and key != "flash_attn":
-                v["heuristic"], v["checkpoint_lvl"] = fused_spec(key)
-            mod = make_module(key, eager, act, d, h, ctx.device, dtype)
+            v.update(spec.settings(key))
+            mod = spec.build(key)
             params = list(mod.parameters())
 
             def step(mod=mod):
@@ -383,10 +423,9 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
                 raise (Unavailable(errstr(exc)) if fused else exc) from exc
             v["first_call_s"] = round(time.perf_counter() - t0, 3)
             if not sustained:
-                v["memory"], outs = measure_pass(ctx, mod, x, dy, params, use_hooks=(key != "compile"))
+                v["memory"], outs = measure_pass(ctx, mod, x, dy, params, use_hooks="compile" not in key)
                 if ref is not None:
-                    v["rel_err"] = {k: rel_err(outs[k], ref[k]) for k in ("out", "dx", "dw1", "dw2")
-                                    if outs.get(k) is not None}
+                    v["rel_err"] = {k: rel_err(outs[k], r) for k, r in ref.items() if outs.get(k) is not None}
             prepared[key] = (step, params + [x], v, fused)
         except Exception as exc:  # noqa: BLE001
             record_failure(ctx, rec, tag, key, v, exc)
@@ -421,9 +460,8 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
         ctx.end()
         if sampler is not None:
             power.record_clocks(rec, {k: p[2] for k, p in prepared.items()}, sampler, windows)
-        if "floor" in prepared and "error" not in timed["floor"] and section == "mlp" and not ctx.args.quick \
-                and variants == FULL_VARIANTS:
-            timed["floor"]["parts_ms"] = {name: ctx.bench(fn)["ms"] for name, fn in floor_parts.items()}
+        if floor_parts and "floor" in prepared and "error" not in timed["floor"]:
+            timed["floor"]["parts_ms"] = {name: ctx.bench(fn)["ms"] for name, fn in parts.items()}
         for key, (_, _, v, _) in prepared.items():
             if "error" in timed[key]:
                 record_failure(ctx, rec, tag, key, v, timed[key]["error"])
@@ -436,7 +474,7 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
                    if "clocks" in v else ""))
     ratios(rec["variants"])
     ctx.save()
-    prepared = floor_parts = timed = eager = x = dy = ref = None  # noqa: F841
+    prepared = parts = timed = ref = None  # noqa: F841
     torch._dynamo.reset()
     ctx.free()
 

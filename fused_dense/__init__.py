@@ -11,13 +11,15 @@ load_library()
 from . import ops, tuning  # noqa: E402
 
 tuning._install_shipped_table()
-from .functional import FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_mlp_func  # noqa: E402
-from .modules import FusedDense, FusedMLP  # noqa: E402
+from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_gated_mlp_func,  # noqa: E402
+                         fused_mlp_func)
+from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # noqa: E402
 
 import torch.distributed as _dist  # noqa: E402
 
 if _dist.is_available():  # tensor / sequence parallel layers (flash-attn exports them alongside)
-    from .parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear  # noqa: E402
+    from .parallel import (ColumnParallelLinear, ParallelFusedGatedMLP, ParallelFusedMLP,  # noqa: E402
+                           RowParallelLinear)
 
 __all__ = [
     "ops",
@@ -28,8 +30,11 @@ __all__ = [
     "FusedMLPFunc",
     "fused_dense_func",
     "fused_mlp_func",
+    "fused_gated_mlp_func",
     "FusedDense",
     "FusedMLP",
+    "FusedGatedMLP",
+    "replace_llama_mlps",
 ]
 if _dist.is_available():
-    __all__ += ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP"]
+    __all__ += ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "ParallelFusedGatedMLP"]

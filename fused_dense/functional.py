@@ -56,7 +56,7 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["FusedDenseFunc", "FusedMLPFunc", "fused_dense_func", "fused_mlp_func"]
+__all__ = ["FusedDenseFunc", "FusedMLPFunc", "fused_dense_func", "fused_mlp_func", "fused_gated_mlp_func"]
 
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
@@ -133,6 +133,11 @@ def _use_ops(x: Tensor, *others: Optional[Tensor]) -> bool:
 
 
 def _plain_act(pre: Tensor, activation: str) -> Tensor:
+    if activation in ops.GATED_ACTIVATIONS:  # the packed gate and up pre-activations
+        gate, up = ops.unpack_gate_up(pre, dim=-1)
+        return _plain_act(gate, "silu" if activation == "swiglu" else "gelu_approx") * up
+    if activation == "silu":
+        return F.silu(pre)
     if activation == "gelu_approx":
         return F.gelu(pre, approximate="tanh")
     if activation == "relu":
@@ -334,7 +339,7 @@ class FusedMLPFunc(torch.autograd.Function):
     def forward(ctx, x, weight1, bias1, weight2, bias2, activation="gelu_approx", save_pre_act=True,
                 return_residual=False, checkpoint_lvl=0, heuristic=0, process_group=None,
                 sequence_parallel=True):
-        act = ops.check_mlp_arguments(activation, checkpoint_lvl)
+        act = ops.check_mlp_arguments(activation, checkpoint_lvl, "any")
         code = ops.heuristic_code(heuristic)
         lvl = checkpoint_lvl if save_pre_act else 2
         dtype, autocast = _compute_dtype(x)
@@ -439,10 +444,19 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
     autocast off.
     """
     act = ops.check_mlp_arguments(activation, checkpoint_lvl)
-    code = ops.heuristic_code(heuristic)
     if process_group is not None:
+        ops.heuristic_code(heuristic)
         return FusedMLPFunc.apply(x, weight1, bias1, weight2, bias2, activation, save_pre_act, return_residual,
                                   checkpoint_lvl, heuristic, process_group, sequence_parallel)
+    return _one_process_mlp(x, weight1, weight2, bias1, bias2, activation, act, save_pre_act, return_residual,
+                            checkpoint_lvl, heuristic)
+
+
+def _one_process_mlp(x, weight1, weight2, bias1, bias2, activation, act, save_pre_act, return_residual,
+                     checkpoint_lvl, heuristic):
+    """The MLP op (or, for what the ops do not serve, plain PyTorch) on one process: fused_mlp_func's
+    and fused_gated_mlp_func's body, with the activation checked to its code."""
+    code = ops.heuristic_code(heuristic)
     lvl = checkpoint_lvl if save_pre_act else 2
     dtype, autocast = _compute_dtype(x)
     xc = _cast_for_op(x, dtype, True)
@@ -473,3 +487,29 @@ def _cast_for_op(t: Optional[Tensor], dtype: torch.dtype, cast: bool) -> Optiona
 
 
 _op_fused_mlp = ops._op("fused_mlp")
+
+
+def fused_gated_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, activation: str = "swiglu",
+                         save_pre_act: bool = True, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto",
+                         bias2: Optional[Tensor] = None, return_residual: bool = False):
+    """down(act(gate(x)) * up(x)) for x of shape [..., in_features]: the gated MLP of Llama-family
+    models (act = SiLU for 'swiglu', tanh GELU for 'geglu'); (out, x) with return_residual.
+
+    weight1 is the packed gate and up weight [2 * hidden, in_features] (``ops.pack_gate_up(gate_proj,
+    up_proj)``; layout in docs/contract.md), weight2 the down weight [out_features, hidden]. bias2 is
+    the optional down bias; the gated GEMM takes no bias. checkpoint_lvl and heuristic mean what
+    they mean for :func:`fused_mlp_func`: level 0 keeps x, the packed pre-activation gu and the
+    gated output, 1 keeps x and gu, 2 keeps x only. The tensor-parallel form is
+    :class:`fused_dense.parallel.ParallelFusedGatedMLP`.
+
+    The arguments, against the two forms users know: Hugging Face's LlamaMLP keeps gate_proj and
+    up_proj as two weights and has no function form; flash-attn's GatedMlp packs fc1 as the two
+    halves [up; gate] of one [2h, d] weight (``y, gate = fc1(x).chunk(2, -1)``) with bias1 and bias2
+    on by default. Here weight1 is one packed weight as in flash-attn, but in the interleaved layout
+    the fused GEMM reads (build it with ``ops.pack_gate_up`` from either form: flash-attn's halves
+    are ``up, gate = w.chunk(2)``); activation is a name, as fused_mlp_func's; and there is no fc1
+    bias, as in the Llama-family checkpoints.
+    """
+    act = ops.check_mlp_arguments(activation, checkpoint_lvl, "gated")
+    return _one_process_mlp(x, weight1, weight2, None, bias2, activation, act, save_pre_act, return_residual,
+                            checkpoint_lvl, heuristic)

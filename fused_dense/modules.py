@@ -28,12 +28,14 @@ ValueError). The CPU kernels ignore the heuristic.
 """
 from typing import Optional, Union
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .functional import fused_dense_func, fused_mlp_func
+from .functional import fused_dense_func, fused_gated_mlp_func, fused_mlp_func
 
-__all__ = ["FusedDense", "FusedMLP"]
+__all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "replace_llama_mlps"]
 
 
 class FusedDense(nn.Linear):
@@ -113,3 +115,153 @@ class FusedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, checkpoint_lvl={self.checkpoint_lvl}, "
                 f"heuristic={self.heuristic!r}, return_residual={self.return_residual}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Gated MLP
+
+_GATE_PROJ, _UP_PROJ, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj.weight"
+
+
+class GatedStateDictNames:
+    """State-dict names of Hugging Face's LlamaMLP for a module whose packed gate and up weight is
+    ``gate_up_proj.weight``: saving writes ``gate_proj.weight`` and ``up_proj.weight`` (unpacked
+    with ``ops.unpack_gate_up``) in its place; loading takes those two (packed with
+    ``ops.pack_gate_up``) or ``gate_up_proj.weight`` itself. ``down_proj.weight`` is the same
+    tensor in both. The mixin of FusedGatedMLP and ParallelFusedGatedMLP (whose shards save and
+    load this rank's units)."""
+
+    def _register_gated_state_dict_names(self) -> None:
+        self.register_state_dict_post_hook(_save_unpacked)
+        self.register_load_state_dict_pre_hook(_load_packed)
+
+
+def _save_unpacked(module, state_dict, prefix, local_metadata):
+    packed = state_dict.pop(prefix + _PACKED, None)
+    if packed is not None:
+        gate, up = ops.unpack_gate_up(packed)
+        state_dict[prefix + _GATE_PROJ], state_dict[prefix + _UP_PROJ] = gate, up
+
+
+def _load_packed(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    gate, up = state_dict.get(prefix + _GATE_PROJ), state_dict.get(prefix + _UP_PROJ)
+    if gate is None and up is None:
+        return  # gate_up_proj.weight given itself, or missing (load_state_dict reports it)
+    if gate is None or up is None:
+        error_msgs.append(f"{prefix}: {_GATE_PROJ} and {_UP_PROJ} must be loaded together, got only "
+                          f"{_GATE_PROJ if up is None else _UP_PROJ}")
+        return
+    if gate.shape != up.shape:
+        error_msgs.append(f"{prefix}: {_GATE_PROJ} and {_UP_PROJ} must have the same shape, got "
+                          f"{tuple(gate.shape)} and {tuple(up.shape)}")
+        return
+    del state_dict[prefix + _GATE_PROJ], state_dict[prefix + _UP_PROJ]
+    state_dict[prefix + _PACKED] = ops.pack_gate_up(gate, up)
+
+
+def _check_gated_bias(bias) -> None:
+    if bias is not False:
+        raise ValueError(f"bias must be False: the gated layers have no bias (Llama-family MLPs have none), got "
+                         f"{bias!r}")
+
+
+class FusedGatedMLP(GatedStateDictNames, nn.Module):
+    """down(act(gate(x)) * up(x)), the gated MLP of Llama, Mistral, Qwen ('swiglu': act = SiLU) and
+    Gemma ('geglu': act = GELU, tanh approximation, as Hugging Face's ``gelu_pytorch_tanh``).
+
+    Args:
+        in_features: input width (Hugging Face's ``hidden_size``).
+        hidden_features: the gated width h (``intermediate_size``). Required, as in LlamaMLP: the
+            models set it (flash-attn's GatedMlp derives 8/3 * in_features rounded to multiple_of).
+        out_features: down's output width (default ``in_features``).
+        activation: ``'swiglu'`` or ``'geglu'`` (names, as FusedMLP's activation; flash-attn's
+            GatedMlp takes a function, LlamaMLP a config string).
+        bias: False. The gated GEMM takes no bias (LlamaMLP's ``mlp_bias=True`` is not supported);
+            True is a ValueError.
+        checkpoint_lvl: 0 keeps x, the packed pre-activation gu [.., 2h] and the gated output
+            [.., h] for backward; 1 keeps x and gu and rebuilds the gated output in backward's
+            gating pass; 2 keeps only x and re-runs the gate / up GEMM (docs/contract.md).
+        heuristic: ``'auto'``, ``-1`` (unfused) or a cuBLASLt algorithm index, as FusedMLP's.
+
+    Parameters: ``gate_up_proj`` (an ``nn.Linear`` without bias, ``in_features -> 2h``) holds the
+    gate and up weights packed as the fused GEMM reads them (``ops.pack_gate_up``; layout in
+    docs/contract.md); ``down_proj`` (``h -> out_features``). The state_dict uses LlamaMLP's names
+    and layout whatever the packing: ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``
+    on saving, and loading takes them (or ``gate_up_proj.weight``), so a LlamaMLP's state_dict loads
+    here and this module's into a LlamaMLP. ``forward(x)`` takes ``[..., in_features]``.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
+                 activation: str = "swiglu", bias: bool = False, checkpoint_lvl: int = 0,
+                 heuristic: Union[int, str] = "auto", device=None, dtype=None) -> None:
+        super().__init__()
+        ops.check_mlp_arguments(activation, checkpoint_lvl, "gated")
+        ops.heuristic_code(heuristic)
+        _check_gated_bias(bias)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        out_features = out_features if out_features is not None else in_features
+        self.activation = activation
+        self.checkpoint_lvl = checkpoint_lvl
+        self.heuristic = heuristic
+        self.hidden_features = hidden_features
+        self.gate_up_proj = nn.Linear(in_features, 2 * hidden_features, bias=False, **factory_kwargs)
+        self.down_proj = nn.Linear(hidden_features, out_features, bias=False, **factory_kwargs)
+        self._register_gated_state_dict_names()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fused_gated_mlp_func(x, self.gate_up_proj.weight, self.down_proj.weight, activation=self.activation,
+                                    save_pre_act=self.training, checkpoint_lvl=self.checkpoint_lvl,
+                                    heuristic=self.heuristic)
+
+    def extra_repr(self) -> str:
+        return (f"activation={self.activation!r}, checkpoint_lvl={self.checkpoint_lvl}, "
+                f"heuristic={self.heuristic!r}")
+
+
+def _gate_activation(act_fn, where: str) -> str:
+    """'swiglu' or 'geglu' for a Hugging Face MLP's act_fn, by what it computes (SiLU, or GELU with
+    the tanh approximation); ValueError naming the module otherwise."""
+    probe = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
+    with torch.no_grad():
+        value = act_fn(probe)
+    for name, ref in (("swiglu", F.silu(probe)), ("geglu", F.gelu(probe, approximate="tanh"))):
+        if torch.allclose(value, ref, rtol=1e-6, atol=1e-9):
+            return name
+    raise ValueError(f"{where}: act_fn {act_fn!r} is neither SiLU nor GELU (tanh approximation); FusedGatedMLP "
+                     f"takes 'swiglu' and 'geglu' only")
+
+
+def _is_llama_mlp(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
+        and callable(getattr(module, "act_fn", None))
+
+
+def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto") -> int:
+    """Replaces, in place, every Hugging Face Llama-family MLP in `model` (a module with
+    ``gate_proj``, ``up_proj``, ``down_proj`` linear layers and an ``act_fn`` of SiLU or tanh GELU:
+    LlamaMLP, MistralMLP, Qwen2MLP, GemmaMLP, ...) with a FusedGatedMLP holding the same weights,
+    on the same device and dtype; returns how many it replaced. Every MLP is checked before any is
+    replaced: one with biases or another activation is a ValueError naming it. The new modules hold
+    new parameters (the packed gate / up weight): call it before building the optimizer. The model's
+    state_dict keeps Hugging Face's names, so its checkpoints load either way."""
+    found = [(name, m) for name, m in model.named_modules() if _is_llama_mlp(m)]
+    plans = []
+    for name, mlp in found:
+        where = f"replace_llama_mlps: {name or type(model).__name__}"
+        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{where} has biases (mlp_bias=True); FusedGatedMLP has none")
+        plans.append((name, mlp, _gate_activation(mlp.act_fn, where)))
+    for name, mlp, activation in plans:
+        w = mlp.gate_proj.weight
+        fused = FusedGatedMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.down_proj.out_features,
+                              activation=activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
+                              device=w.device, dtype=w.dtype)
+        fused.load_state_dict(mlp.state_dict())
+        fused.train(mlp.training)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else None
+        if parent is None:
+            raise ValueError("replace_llama_mlps: the model itself is an MLP; build a FusedGatedMLP and load its "
+                             "state_dict instead")
+        setattr(parent, child, fused)
+    return len(plans)

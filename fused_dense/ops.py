@@ -4,6 +4,7 @@ The ops take 2-D contiguous tensors; the autograd layer (functional.py) reshapes
 inputs contiguous. Activations are passed by name here and by integer code to the ops; the codes
 and every rule about them come from the compiled library.
 """
+import functools
 from typing import Optional, Tuple, Union
 
 import torch
@@ -14,11 +15,15 @@ from ._loader import load_library
 load_library()
 
 # The schema's codes, defined once in C++ (csrc/core/types.h) and read here.
-_ACTIVATION_NAMES, HEURISTIC_AUTO, HEURISTIC_UNFUSED, _LEVELS = torch.ops.fused_dense.library_constants()
+(_ACTIVATION_NAMES, HEURISTIC_AUTO, HEURISTIC_UNFUSED, _LEVELS, _GATED_CODES,
+ GATED_INTERLEAVE) = torch.ops.fused_dense.library_constants()
 CHECKPOINT_LEVELS = tuple(_LEVELS)
 ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
-# The activations an MLP takes between its two GEMMs (every one but 'none').
-MLP_ACTIVATIONS = tuple(name for name in _ACTIVATION_NAMES if ACTIVATIONS[name] != ACTIVATIONS["none"])
+# The gated activations act(g) * u of a gated MLP (its fc1 is the packed gate and up weight).
+GATED_ACTIVATIONS = tuple(_ACTIVATION_NAMES[code] for code in _GATED_CODES)
+# The activations a (non-gated) MLP takes between its two GEMMs (every other one but 'none').
+MLP_ACTIVATIONS = tuple(name for name in _ACTIVATION_NAMES
+                        if ACTIVATIONS[name] != ACTIVATIONS["none"] and name not in GATED_ACTIVATIONS)
 
 Heuristic = Union[int, str]
 
@@ -33,10 +38,15 @@ def activation_code(activation: str) -> int:
         ) from None
 
 
-def mlp_activation_code(activation: str) -> int:
-    """As activation_code, for the activation between an MLP's GEMMs ('none' is refused)."""
-    if not isinstance(activation, str) or activation not in MLP_ACTIVATIONS:
-        raise ValueError(f"activation must be one of {list(MLP_ACTIVATIONS)}, got {activation!r}")
+_MLP_FAMILIES = {"plain": MLP_ACTIVATIONS, "gated": GATED_ACTIVATIONS, "any": MLP_ACTIVATIONS + GATED_ACTIVATIONS}
+
+
+def mlp_activation_code(activation: str, family: str = "plain") -> int:
+    """As activation_code, for the activation between an MLP's GEMMs ('none' is refused). family:
+    'plain' (FusedMLP's), 'gated' (FusedGatedMLP's) or 'any'."""
+    names = _MLP_FAMILIES[family]
+    if not isinstance(activation, str) or activation not in names:
+        raise ValueError(f"activation must be one of {list(names)}, got {activation!r}")
     return ACTIVATIONS[activation]
 
 
@@ -58,10 +68,11 @@ def relu_mask_row_bytes(cols: int) -> int:
     return torch.ops.fused_dense.relu_mask_row_bytes(cols)
 
 
-def check_mlp_arguments(activation: str, checkpoint_lvl: int) -> int:
-    """The MLP's activation code, after checking it and checkpoint_lvl; ValueError naming the
-    argument otherwise. Plain Python over the compiled library's codes, so torch.compile traces it."""
-    code = mlp_activation_code(activation)
+def check_mlp_arguments(activation: str, checkpoint_lvl: int, family: str = "plain") -> int:
+    """The MLP's activation code, after checking it (among `family`'s, as mlp_activation_code) and
+    checkpoint_lvl; ValueError naming the argument otherwise. Plain Python over the compiled
+    library's codes, so torch.compile traces it."""
+    code = mlp_activation_code(activation, family)
     if isinstance(checkpoint_lvl, bool) or not isinstance(checkpoint_lvl, int) \
             or checkpoint_lvl not in CHECKPOINT_LEVELS:
         levels = ", ".join(map(str, CHECKPOINT_LEVELS[:-1])) + f" or {CHECKPOINT_LEVELS[-1]}"
@@ -76,6 +87,48 @@ def mlp_plan(activation: int, checkpoint_lvl: int, needs_input_grad) -> dict:
     return dict(zip(_PLAN_FIELDS, flags))
 
 
+@functools.lru_cache(maxsize=None)
+def _gated_columns(hidden: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    gate, up = torch.ops.fused_dense.gated_columns(hidden)
+    return tuple(gate), tuple(up)
+
+
+def gated_columns(hidden: int, device=None) -> Tuple[Tensor, Tensor]:
+    """(gate, up): int64 tensors of the packed rows (or columns) that hold each of the `hidden`
+    units' gate and up values, in the layout the compiled library defines (csrc/core/types.h:
+    blocks of GATED_INTERLEAVE units, each block's gate rows, then its up rows; docs/contract.md)."""
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
+        raise ValueError(f"hidden must be an integer >= 0, got {hidden!r}")
+    gate, up = _gated_columns(hidden)
+    return (torch.tensor(gate, dtype=torch.long, device=device), torch.tensor(up, dtype=torch.long, device=device))
+
+
+def pack_gate_up(gate: Tensor, up: Tensor, dim: int = 0) -> Tensor:
+    """The packed [.., 2h, ..] tensor of a gated layer from its gate and up parts [.., h, ..] along
+    `dim`: e.g. Hugging Face's gate_proj.weight and up_proj.weight [h, d] -> the fc1 weight [2h, d]
+    that the gated ops take."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dim() == 0:
+        raise ValueError("gate and up must have at least one dimension")
+    dim = dim % gate.dim()
+    g_cols, u_cols = gated_columns(gate.shape[dim], gate.device)
+    shape = list(gate.shape)
+    shape[dim] *= 2
+    packed = gate.new_empty(shape)
+    packed.index_copy_(dim, g_cols, gate)
+    packed.index_copy_(dim, u_cols, up)
+    return packed
+
+
+def unpack_gate_up(packed: Tensor, dim: int = 0) -> Tuple[Tensor, Tensor]:
+    """(gate, up) of a packed gated tensor along `dim`: the inverse of pack_gate_up."""
+    if packed.dim() == 0 or packed.shape[dim] % 2 != 0:
+        raise ValueError(f"packed must have an even size along dim {dim}, got shape {tuple(packed.shape)}")
+    g_cols, u_cols = gated_columns(packed.shape[dim] // 2, packed.device)
+    return packed.index_select(dim, g_cols), packed.index_select(dim, u_cols)
+
+
 _PLAN_FIELDS = ("keep_pre", "keep_act_out", "recompute_fc1", "save_x", "save_weight1", "save_bias1",
                 "save_weight2")
 
@@ -86,7 +139,8 @@ _PLAN_FIELDS = ("keep_pre", "keep_act_out", "recompute_fc1", "save_x", "save_wei
 # failed in a fresh process whose first backward was compiled).
 _OVERLOADS = {name: getattr(torch.ops.fused_dense, name).default
               for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "fused_mlp",
-                           "fused_mlp_plan", "fused_mlp_train_forward", "fused_mlp_backward")}
+                           "fused_mlp_plan", "fused_mlp_train_forward", "fused_mlp_backward", "gated_linear",
+                           "gated_linear_dgrad", "gated_act_forward")}
 
 
 def _op(name: str):
@@ -148,3 +202,25 @@ def linear_bias_wgrad(input: Tensor, d_output: Tensor, has_d_bias: bool) -> Tupl
 def act_forward(pre_act: Tensor, activation: str) -> Tensor:
     """act(pre_act), elementwise; used to recompute activations for checkpointing."""
     return act_forward_coded(pre_act, activation_code(activation))
+
+
+def gated_linear(input: Tensor, weight: Tensor, activation: str = "swiglu", save_pre_act: bool = False,
+                 heuristic: Heuristic = "auto") -> Tuple[Tensor, Optional[Tensor]]:
+    """(act(g) * u [B, h], the packed pre-activation gu [B, 2h] or None): gu = input @ weight.T for
+    the packed weight [2h, K] (pack_gate_up); act is SiLU ('swiglu') or tanh GELU ('geglu')."""
+    res = _op("gated_linear")(input, weight, mlp_activation_code(activation, "gated"), save_pre_act,
+                              heuristic_code(heuristic))
+    return res[0], (res[1] if save_pre_act else None)
+
+
+def gated_linear_dgrad(weight: Tensor, d_output: Tensor, pre_act: Tensor, activation: str = "swiglu",
+                       heuristic: Heuristic = "auto") -> Tensor:
+    """The packed gradient d_gu [B, 2h] at the pre-activation gu [B, 2h], from the gradient
+    d_output [B, N] of the next layer's output and its weight [N, h]."""
+    return _op("gated_linear_dgrad")(weight, d_output, pre_act, mlp_activation_code(activation, "gated"),
+                                     heuristic_code(heuristic))[0]
+
+
+def gated_act_forward(pre_act: Tensor, activation: str = "swiglu") -> Tensor:
+    """act(g) * u [B, h] of a packed pre-activation gu [B, 2h]."""
+    return _op("gated_act_forward")(pre_act, mlp_activation_code(activation, "gated"))

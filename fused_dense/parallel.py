@@ -19,6 +19,10 @@ Layout, for a process group of ``world_size`` ranks:
   (fc2) in one fused autograd Function, with the gather of its input and the reduction of its
   output pipelined against its GEMMs in ``overlap_chunks`` row blocks (``fused_dense.pipeline``);
   the hidden activations never leave the rank.
+* ``ParallelFusedGatedMLP`` is the gated form on the same pipeline: rank r holds the gate AND up
+  rows of the same hidden units ``shard_range(hidden, world, r)``, packed as the local gated
+  layer's weight (``ops.pack_gate_up(gate[shard], up[shard])``), and down's columns of those
+  units (a ``RowParallelLinear``).
 
 Shard sizes come from ``get_dim_for_local_rank``: features are cut in units of ``multiple_of``
 and the first ranks take one unit more when the units do not divide evenly.
@@ -32,9 +36,10 @@ from torch.distributed import ProcessGroup
 from . import ops
 from .distributed import all_reduce, get_dim_for_local_rank, reduce_scatter
 from .functional import fused_dense_func
+from .modules import GatedStateDictNames, _check_gated_bias
 from .pipeline import PipelinedColumnLinearFunc, PipelinedRowLinearFunc, pipelined_parallel_mlp
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "shard_range"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "ParallelFusedGatedMLP", "shard_range"]
 
 def shard_range(dim: int, world_size: int, rank: int, multiple_of: int = 1) -> slice:
     """The slice of ``range(dim)`` that ``rank`` holds (shards in rank order, sizes from
@@ -51,6 +56,21 @@ def _check_overlap_chunks(overlap_chunks) -> None:
 def _require_group(process_group: Optional[ProcessGroup], cls: str) -> None:
     if process_group is None:
         raise ValueError(f"{cls} needs a process_group (e.g. torch.distributed.group.WORLD)")
+
+
+def _init_parallel_mlp(module: nn.Module, family: str, activation: str, process_group, sequence_parallel: bool,
+                       checkpoint_lvl: int, heuristic, overlap_chunks: int) -> None:
+    """The checks and options a parallel MLP module of `family` ('plain', 'gated') starts with."""
+    ops.check_mlp_arguments(activation, checkpoint_lvl, family)
+    ops.heuristic_code(heuristic)
+    _check_overlap_chunks(overlap_chunks)
+    _require_group(process_group, type(module).__name__)
+    module.activation = activation
+    module.process_group = process_group
+    module.sequence_parallel = sequence_parallel
+    module.checkpoint_lvl = checkpoint_lvl
+    module.heuristic = heuristic
+    module.overlap_chunks = overlap_chunks
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -155,19 +175,11 @@ class ParallelFusedMLP(nn.Module):
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto",
                  device=None, dtype=None, overlap_chunks: int = 1) -> None:
         super().__init__()
-        ops.check_mlp_arguments(activation, checkpoint_lvl)
-        ops.heuristic_code(heuristic)
-        _check_overlap_chunks(overlap_chunks)
-        _require_group(process_group, type(self).__name__)
+        _init_parallel_mlp(self, "plain", activation, process_group, sequence_parallel, checkpoint_lvl, heuristic,
+                           overlap_chunks)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features
         hidden_features = hidden_features if hidden_features is not None else in_features * 4
-        self.activation = activation
-        self.process_group = process_group
-        self.sequence_parallel = sequence_parallel
-        self.checkpoint_lvl = checkpoint_lvl
-        self.heuristic = heuristic
-        self.overlap_chunks = overlap_chunks
         self.fc1 = ColumnParallelLinear(in_features, hidden_features, process_group, bias=bias1,
                                         sequence_parallel=sequence_parallel, **factory_kwargs)
         self.fc2 = RowParallelLinear(hidden_features, out_features, process_group, bias=bias2,
@@ -189,3 +201,68 @@ class ParallelFusedMLP(nn.Module):
         return (f"activation={self.activation!r}, sequence_parallel={self.sequence_parallel}, "
                 f"checkpoint_lvl={self.checkpoint_lvl}, heuristic={self.heuristic!r}, "
                 f"overlap_chunks={self.overlap_chunks}")
+
+
+class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
+    """Tensor-parallel ``FusedGatedMLP``: down(act(gate(x)) * up(x)) with gate and up
+    column-parallel and down row-parallel over ``process_group``.
+
+    Rank r holds the hidden units ``self.shard = shard_range(hidden_features, world, r)``: the gate
+    and the up rows of those same units, packed (``gate_up_proj.weight``, ``[2 * local_hidden,
+    in_features]``), and down's columns of them (``down_proj``, a ``RowParallelLinear``). Input and
+    output follow ``sequence_parallel`` as in ``ParallelFusedMLP``; ``activation``,
+    ``checkpoint_lvl``, ``heuristic`` and ``overlap_chunks`` mean what they mean there and in
+    ``FusedGatedMLP``. ``bias`` must be False.
+
+    state_dict / load_state_dict use LlamaMLP's names for this rank's shards (``gate_proj.weight``
+    and ``up_proj.weight`` ``[local_hidden, in_features]``, ``down_proj.weight`` ``[out,
+    local_hidden]``). ``load_full_state_dict`` loads a whole, unsharded FusedGatedMLP or LlamaMLP
+    state_dict, cutting this rank's shard out of it.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
+                 activation: str = "swiglu", process_group: Optional[ProcessGroup] = None, bias: bool = False,
+                 sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto", device=None,
+                 dtype=None, overlap_chunks: int = 1) -> None:
+        super().__init__()
+        _check_gated_bias(bias)
+        _init_parallel_mlp(self, "gated", activation, process_group, sequence_parallel, checkpoint_lvl, heuristic,
+                           overlap_chunks)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        out_features = out_features if out_features is not None else in_features
+        world_size, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.hidden_features = hidden_features
+        self.shard = shard_range(hidden_features, world_size, rank)
+        local_hidden = self.shard.stop - self.shard.start
+        self.gate_up_proj = nn.Linear(in_features, 2 * local_hidden, bias=False, **factory_kwargs)
+        self.down_proj = RowParallelLinear(hidden_features, out_features, process_group, bias=False,
+                                           sequence_parallel=sequence_parallel, **factory_kwargs)
+        assert self.down_proj.shard == self.shard  # the same units on both sides
+        self._register_gated_state_dict_names()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return pipelined_parallel_mlp(
+            x, self.gate_up_proj.weight, self.down_proj.weight, None, None, activation=self.activation,
+            save_pre_act=self.training, checkpoint_lvl=self.checkpoint_lvl, heuristic=self.heuristic,
+            process_group=self.process_group, sequence_parallel=self.sequence_parallel,
+            chunks=self.overlap_chunks,
+        )
+
+    def load_full_state_dict(self, state_dict, strict: bool = True):
+        """Loads this rank's shard of a whole (unsharded) gated MLP state_dict: LlamaMLP's or
+        FusedGatedMLP's names (``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``;
+        or the packed ``gate_up_proj.weight``)."""
+        sd = dict(state_dict)
+        if "gate_up_proj.weight" in sd:
+            sd["gate_proj.weight"], sd["up_proj.weight"] = ops.unpack_gate_up(sd.pop("gate_up_proj.weight"))
+        for name in ("gate_proj.weight", "up_proj.weight"):
+            if name in sd:
+                sd[name] = sd[name][self.shard]
+        if "down_proj.weight" in sd:
+            sd["down_proj.weight"] = sd["down_proj.weight"][:, self.shard]
+        return self.load_state_dict(sd, strict=strict)
+
+    def extra_repr(self) -> str:
+        return (f"activation={self.activation!r}, shard=[{self.shard.start}:{self.shard.stop}], "
+                f"sequence_parallel={self.sequence_parallel}, checkpoint_lvl={self.checkpoint_lvl}, "
+                f"heuristic={self.heuristic!r}, overlap_chunks={self.overlap_chunks}")

@@ -15,6 +15,8 @@ Helpers (import with `from conftest import rel_err, TOL, ...`):
     poison(t)              fill a tensor with NaN (floats) or 0xFF bytes (integers)
     poison_cuda_cache(...) fill the CUDA caching allocator's free blocks with 0xFF bytes so
                            outputs an op allocates start as NaN (float) / all-ones (uint8)
+    saved_bytes(fn)        (fn(), bytes of the tensors autograd keeps for the graph fn builds)
+    capture_training_step(...) a module's forward + backward captured into a CUDA graph
 Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration).
 The raw ops' float64 references and checkers are in tests/op_checks.py.
 """
@@ -112,6 +114,37 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
     for size in (1_000_000, 65_536, 4_096, 512):  # small pool: requests <= 1 MiB
         blocks += [torch.full((size,), 0xFF, dtype=torch.uint8, device=device) for _ in range(small_blocks)]
     del blocks
+
+
+def saved_bytes(fn):
+    """(fn(), bytes of the tensors autograd keeps for the graph fn builds, distinct storages)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def capture_training_step(module, static_x, static_g, warmup=3):
+    """(graph, static_out, static_grads): module(static_x).backward(static_g) captured into a CUDA
+    graph after `warmup` eager steps on a side stream (plans and 'auto' tuning happen there, not in
+    the capture). Every replay rewrites static_out and the parameters' gradients static_grads."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            module(static_x).backward(static_g)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in [static_x, *module.parameters()]:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = module(static_x)
+        static_out.backward(static_g)
+    return graph, static_out, [p.grad for p in module.parameters()]
 
 
 @pytest.fixture

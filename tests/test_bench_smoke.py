@@ -115,6 +115,39 @@ def test_bench_recovers_from_a_crash_in_a_variant(tmp_path):
         assert v["status"] == "skipped" and "'FusedMLP heuristic=auto' crashed" in v["error"], (key, v)
 
 
+def test_bench_gated_section_cpu(tmp_path):
+    """--sections gated: the gated MLP's variants and the Llama-style stack, in a run of record of
+    its own (gated-<date>.*) that leaves the MLP one beside it alone; Liger recorded unavailable with
+    its reason where liger_kernel does not import."""
+    (tmp_path / "mlp-2000-01-01.json").write_text("{}")
+    res = _run([sys.executable, *CPU_QUICK, "--sections", "gated", "--no-compile", "--rounds", "2",
+                "--out", str(tmp_path)], timeout=900)
+    data = json.loads(open(_only(str(tmp_path / "gated-*.json"))).read())
+    assert (tmp_path / "mlp-2000-01-01.json").exists()
+    assert data["complete"] and not data.get("errors"), data.get("errors")
+    assert data["plan"] == ["gated:bf16:swiglu:64x32x40", "gated_stack:bf16:swiglu"]
+    assert "[1/2] gated:bf16:swiglu:64x32x40" in res.stdout  # progress
+    (rec,) = data["gated"]
+    vs = rec["variants"]
+    assert sorted(vs) == sorted(["floor", "eager", "compile", "liger", "fused_l0", "fused_l1", "fused_l2"])
+    assert vs["compile"]["status"] == "skipped"
+    if importlib.util.find_spec("liger_kernel") is None:
+        assert vs["liger"]["status"] == "unavailable" and "liger_kernel" in vs["liger"]["error"]
+    for key in ("floor", "eager", "fused_l0", "fused_l1", "fused_l2"):
+        assert vs[key]["status"] == "ok" and vs[key]["ms"] > 0 and len(vs[key]["round_ms"]) == 2, (key, vs[key])
+    assert sorted(vs["floor"]["parts_ms"]) == ["dgrad1", "dgrad2", "fwd1", "fwd2", "wgrad1", "wgrad2"]
+    saved = {k: vs[k]["memory"]["saved_bytes"] for k in ("fused_l0", "fused_l1", "fused_l2")}
+    assert saved["fused_l2"] == 64 * 32 * 2 < saved["fused_l1"] < saved["fused_l0"], saved  # level 2 keeps x only
+    for key in ("eager", "fused_l0"):
+        assert vs[key]["rel_err"]["out"] <= 2e-2 and vs[key]["rel_err"]["dx"] <= 2e-2, vs[key]["rel_err"]
+    (stack,) = data["gated_stack"]
+    assert {k: v["status"] for k, v in stack["variants"].items()} == {
+        "eager": "ok", "compile": "skipped", "fused_eager": "ok", "fused_compile": "skipped"}
+    md = open(_only(str(tmp_path / "gated-*.md"))).read()
+    assert "## Gated MLP forward + backward" in md and "## Llama-style stack" in md
+    assert "ckpt 2 ≤ 1.30× ckpt 0, keeps at most x" in md
+
+
 def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
     (tmp_path / "parallel-mlp-2000-01-01.json").write_text("{}")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

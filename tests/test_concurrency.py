@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fp64_reference_on_cpu
-from conftest import TOL, needs_caching_allocator, rel_err
+from conftest import TOL, capture_training_step, needs_caching_allocator, rel_err
 from fused_dense import FusedMLP
 
 pytestmark = pytest.mark.cuda
@@ -31,19 +31,7 @@ def test_fused_mlp_cuda_graph_replay():
     m = FusedMLP(512, 2048, device="cuda", dtype=torch.bfloat16)
     static_x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_g = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: plans and 'auto' tuning happen here, not in capture
-        for _ in range(3):
-            m(static_x).backward(static_g)
-    torch.cuda.current_stream().wait_stream(side)
-    for p in [static_x, *m.parameters()]:
-        p.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = m(static_x)
-        static_out.backward(static_g)
-    static_grads = [p.grad for p in m.parameters()]  # written by every replay
+    graph, static_out, static_grads = capture_training_step(m, static_x, static_g)
     for _ in range(3):  # replay on fresh data, compare with eager
         x = torch.randn_like(static_x)
         g = torch.randn_like(static_g)

@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+from conftest import saved_bytes
 from fused_dense import FusedDense, FusedMLP, ops
 from fused_dense.functional import FusedMLPFunc, fused_mlp_func
 
@@ -39,7 +40,8 @@ def test_plan_follows_the_checkpoint_rules(activation, lvl):
 
 
 def test_plan_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"activation must be 1 \(gelu_approx\), 2 \(relu\) or 3 \(sqrelu\), got 0"):
+    with pytest.raises(ValueError, match=r"activation must be 1 \(gelu_approx\), 2 \(relu\), 3 \(sqrelu\), 4 "
+                                         r"\(swiglu\) or 5 \(geglu\), got 0"):
         ops.mlp_plan(0, 0, [True] * 5)
     with pytest.raises(ValueError, match="checkpoint_lvl must be 0, 1 or 2, got 3"):
         ops.mlp_plan(1, 3, [True] * 5)
@@ -58,25 +60,13 @@ def _inputs(device, dtype, grads, bias1=True, bias2=True, batch=37, d_in=24, hid
     return ts
 
 
-def _saved_bytes(fn):
-    """Bytes of the tensors autograd keeps for the graph fn builds (distinct storages)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(storages.values())
-
-
 def _compare(device, dtype, activation, lvl, grads, bias1=True, bias2=True, heuristic="auto"):
     """The C++ Function and FusedMLPFunc run the same C++ halves: bit-identical outputs and
     gradients, and the same saved bytes."""
     ts = _inputs(device, dtype, grads, bias1, bias2)
     code = ops.heuristic_code(heuristic)
-    out, native_bytes = _saved_bytes(lambda: NATIVE(*ts[:5], ACT[activation], lvl, code))
-    ref, function_bytes = _saved_bytes(
+    out, native_bytes = saved_bytes(lambda: NATIVE(*ts[:5], ACT[activation], lvl, code))
+    ref, function_bytes = saved_bytes(
         lambda: FusedMLPFunc.apply(*ts, activation, True, False, lvl, heuristic, None, True))
     assert torch.equal(out, ref)
     wants = [x for x in ts if x is not None and x.requires_grad]
@@ -193,7 +183,7 @@ def test_eval_and_no_grad_save_nothing():
     x = torch.randn(3, 8, requires_grad=True)
     with torch.no_grad():
         assert m(x).grad_fn is None
-    out, saved = _saved_bytes(lambda: m(x))  # eval: save_pre_act=False behaves as level 2
+    out, saved = saved_bytes(lambda: m(x))  # eval: save_pre_act=False behaves as level 2
     assert saved == x.numel() * x.element_size() + sum(p.numel() * p.element_size() for p in
                                                        (m.fc1.weight, m.fc1.bias, m.fc2.weight))
     out.sum().backward()

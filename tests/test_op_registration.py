@@ -30,6 +30,12 @@ def test_meta_shapes():
     d_w, = WG(tensor(4, 5, device="meta"), tensor(4, 6, device="meta"), False)
     assert d_w.shape == (6, 5)
     assert AF(tensor(2, 3, 4, device="meta"), 1).shape == (2, 3, 4)
+    out, gu = OPS.gated_linear(tensor(6, 5, device="meta"), tensor(18, 5, device="meta"), 4, True, -2)
+    assert out.shape == (6, 9) and gu.shape == (6, 18)
+    d_pre, h = OPS.gated_linear_dgrad(tensor(7, 9, device="meta"), tensor(6, 7, device="meta"),
+                                      tensor(6, 18, device="meta"), 5, -1, True)
+    assert d_pre.shape == (6, 18) and h.shape == (6, 9)
+    assert OPS.gated_act_forward(tensor(4, 18, device="meta"), 4).shape == (4, 9)
 
 
 def opcheck_cases(device="cpu"):
@@ -74,6 +80,18 @@ def opcheck_cases(device="cpu"):
         ("fused_mlp-sqrelu-lvl2-bf16", OPS.fused_mlp.default,
          (r(4, 16, dtype=bf16), g(r(8, 16, dtype=bf16)), g(r(8, dtype=bf16)), r(5, 8, dtype=bf16), None, 3, 2, 0)),
         ("fused_mlp-nograd", OPS.fused_mlp.default, (r(3, 5), r(8, 5), r(8), r(4, 8), r(4), 1, 0, -2)),
+        ("fused_mlp-swiglu-lvl0", OPS.fused_mlp.default, (g(r(3, 5)), g(r(18, 5)), None, g(r(4, 9)), g(r(4)), 4, 0, -2)),
+        ("fused_mlp-geglu-lvl1-bf16", OPS.fused_mlp.default,
+         (g(r(4, 16, dtype=bf16)), g(r(32, 16, dtype=bf16)), None, g(r(5, 16, dtype=bf16)), None, 5, 1, -1)),
+        ("fused_mlp-swiglu-lvl2", OPS.fused_mlp.default, (g(r(6, 5)), r(10, 5), None, g(r(3, 5)), None, 4, 2, 0)),
+        ("gated_linear-swiglu-save", OPS.gated_linear.default, (r(3, 5), r(18, 5), 4, True, -2)),
+        ("gated_linear-geglu-bf16", OPS.gated_linear.default, (r(4, 16, dtype=bf16), r(32, 16, dtype=bf16), 5, False, -1)),
+        ("gated_linear-empty-batch", OPS.gated_linear.default, (r(0, 6), r(10, 6), 4, True, 0)),
+        ("gated_linear_dgrad-swiglu", OPS.gated_linear_dgrad.default, (r(7, 9), r(3, 7), r(3, 18), 4, -2)),
+        ("gated_linear_dgrad-geglu-act-out-bf16", OPS.gated_linear_dgrad.default,
+         (r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), r(2, 32, dtype=bf16), 5, -1, True)),
+        ("gated_act_forward-swiglu", OPS.gated_act_forward.default, (r(3, 26), 4)),
+        ("gated_act_forward-geglu-fp16", OPS.gated_act_forward.default, (r(5, 16, dtype=torch.float16), 5)),
     ]
 
 
@@ -96,11 +114,12 @@ def test_cuda_opcheck(index):
 def test_every_op_has_opcheck_and_kernels():
     names = {c[1]._schema.name.split("::")[1] for c in opcheck_cases("meta")}
     expected = {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "linear_act_forward",
-                "bias_act_linear_dgrad_bgrad", "fused_mlp"}
+                "bias_act_linear_dgrad_bgrad", "fused_mlp", "gated_linear", "gated_linear_dgrad", "gated_act_forward"}
     assert names == expected
     for key in ["CompositeExplicitAutograd", "Autograd"]:
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_dense::fused_mlp", key), key
-    for name in ["linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward"]:
+    for name in ["linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "gated_linear",
+                 "gated_linear_dgrad", "gated_act_forward"]:
         for key in ["CPU", "Meta"]:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_dense::{name}", key), (name, key)
 

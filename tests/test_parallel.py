@@ -675,6 +675,70 @@ def test_parallel_mlp_eval(backend, world_size, activation):
                         dtype=dtype, train=False)
 
 
+def _w_gated_mlp(in_f, hidden, out_f, activation, sequence_parallel, checkpoint_lvl, dtype, train=True,
+                 overlap_chunks=1, rows=8):
+    """ParallelFusedGatedMLP against the single-process FusedGatedMLP (float64, same weights), its
+    shards loaded from the whole module's state_dict (LlamaMLP's names)."""
+    from fused_dense import FusedGatedMLP, ops
+    from fused_dense.parallel import ParallelFusedGatedMLP
+
+    torch.manual_seed(5)
+    single = FusedGatedMLP(in_f, hidden, out_f, activation=activation, dtype=torch.float64)
+    with torch.no_grad():
+        for p in single.parameters():
+            p.copy_(p.to(dtype).to(torch.float64))
+    x_full, x = _inputs(rows, in_f, sequence_parallel, dtype)
+    y_ref = single(x_full)
+    g_full = torch.randn(y_ref.shape, dtype=torch.float64).to(dtype).to(torch.float64)
+    y_ref.backward(g_full)
+
+    mlp = ParallelFusedGatedMLP(in_f, hidden, out_f, activation=activation, process_group=dist.group.WORLD,
+                                sequence_parallel=sequence_parallel, checkpoint_lvl=checkpoint_lvl, device=_DEVICE,
+                                dtype=dtype, overlap_chunks=overlap_chunks)
+    mlp.train(train)
+    full = single.state_dict()
+    mlp.load_full_state_dict(full)
+    sl = mlp.shard
+    local = mlp.state_dict()  # this rank's shards, in LlamaMLP's names
+    for name, part in (("gate_proj.weight", full["gate_proj.weight"][sl]), ("up_proj.weight", full["up_proj.weight"][sl]),
+                       ("down_proj.weight", full["down_proj.weight"][:, sl])):
+        assert torch.equal(local[name].cpu().double(), part.to(dtype).double()), name
+    y = mlp(x)
+    rows_sl = _rows(rows) if sequence_parallel else slice(None)
+    _check(y, y_ref[rows_sl], dtype, "gated mlp output")
+    if not train:
+        return
+    y.backward(g_full[rows_sl].to(device=_DEVICE, dtype=dtype))
+    _check(x.grad, x_full.grad[rows_sl], dtype, "gated mlp grad_input")
+    gate_g, up_g = ops.unpack_gate_up(mlp.gate_up_proj.weight.grad)
+    ref_gate_g, ref_up_g = ops.unpack_gate_up(single.gate_up_proj.weight.grad)
+    _check(gate_g, ref_gate_g[sl], dtype, "gated mlp gate grad_weight")
+    _check(up_g, ref_up_g[sl], dtype, "gated mlp up grad_weight")
+    _check(mlp.down_proj.weight.grad, single.down_proj.weight.grad[:, sl], dtype, "gated mlp down grad_weight")
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("checkpoint_lvl", [0, 1, 2])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_gated_mlp(backend, world_size, sequence_parallel, checkpoint_lvl, activation):
+    # hidden 38 splits unevenly (19 + 19, 10 + 10 + 9 + 9): shards with short interleave blocks
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_gated_mlp", in_f=16, hidden=38, out_f=12, activation=activation,
+                        sequence_parallel=sequence_parallel, checkpoint_lvl=checkpoint_lvl, dtype=dtype)
+
+
+@pytest.mark.parametrize("overlap_chunks,train", [(1, False), (3, True)])
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_gated_mlp_eval_and_overlap_chunks(backend, world_size, overlap_chunks, train):
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_gated_mlp", in_f=16, hidden=40, out_f=16, activation="swiglu",
+                        sequence_parallel=True, checkpoint_lvl=0, dtype=dtype, train=train,
+                        overlap_chunks=overlap_chunks)
+
+
 def _w_modules_process_group(dtype):
     """FusedDense / FusedMLP.forward(x, process_group) as in flash-attn: the caller holds the
     shards; x is this rank's rows; FusedDense returns its output-feature shard for all rows,
@@ -732,7 +796,13 @@ def test_modules_with_process_group(backend, world_size):
 
 
 def test_constructor_errors():
-    from fused_dense import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear  # top-level, as flash-attn
+    from fused_dense import ColumnParallelLinear, ParallelFusedGatedMLP, ParallelFusedMLP, RowParallelLinear
+    with pytest.raises(ValueError, match="ParallelFusedGatedMLP needs a process_group"):
+        ParallelFusedGatedMLP(8, 16)
+    with pytest.raises(ValueError, match="bias must be False"):
+        ParallelFusedGatedMLP(8, 16, bias=True)
+    with pytest.raises(ValueError, match=r"activation must be one of \['swiglu', 'geglu'\], got 'gelu_approx'"):
+        ParallelFusedGatedMLP(8, 16, activation="gelu_approx")
 
     with pytest.raises(ValueError, match="process_group"):
         ParallelFusedMLP(8, 16)

@@ -101,68 +101,40 @@ __device__ __forceinline__ float act_derivative(float p, float* value = nullptr)
   }
 }
 
-
-// SiLU(p) = p * sigmoid(p), the gate activation of SwiGLU. The fast form (16-bit outputs) takes
-// sigmoid(p) = 1 / (1 + exp(-p)) from the hardware ex2 / rcp approximations, as the GELU does.
-// Returns s = sigmoid(p) and sets *e = exp(-p), so that 1 - s == e * s.
-__device__ __forceinline__ float silu_sigmoid_fast(float p, float* e) {
-  float s;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(*e) : "f"(p * -1.4426950408889634f));
-  // e == inf (very negative p) gives rcp(inf) == 0, the correct limit.
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + *e));
-  return s;
-}
-
+// sigmoid(x) = 1 / (1 + exp(-x)); the fast form (16-bit outputs) on the hardware ex2 / rcp
+// approximations, as gelu_sigmoid_fast.
 template <bool kFast>
-__device__ __forceinline__ float silu_forward(float p) {
+__device__ __forceinline__ float sigmoid_f(float x) {
   if constexpr (kFast) {
-    float e;
-    return p * silu_sigmoid_fast(p, &e);
+    float e, s;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));  // e == inf gives 0, the limit
+    return s;
   } else {
-    return p / (1.f + expf(-p));
+    return 1.f / (1.f + expf(-x));
   }
 }
 
-// SiLU'(p) = s + p s (1 - s), s = sigmoid(p); with `value` non-null also SiLU(p) = p s from the
-// same s.
-template <bool kFast>
-__device__ __forceinline__ float silu_derivative(float p, float* value = nullptr) {
-  if constexpr (kFast) {
-    float e;
-    const float s = silu_sigmoid_fast(p, &e);
-    if (value != nullptr) *value = p * s;
-    const float st = (p * s) * e;  // p (1 - s)
-    // NaN only where a factor saturates and the exact tail is 0 (e = inf and p s = -0 for very
-    // negative p, p = inf and e = 0): the derivative is s (0 or 1) there. A NaN p makes s NaN.
-    return isnan(st) ? s : fmaf(st, s, s);
-  } else {
-    const float s = 1.f / (1.f + expf(-p));
-    if (value != nullptr) *value = p * s;
-    const float s1s = s * (1.f - s);
-    return s1s == 0.f ? s : fmaf(p, s1s, s);
-  }
-}
-
-// The gated activations A = kSwiGLU (gate activation SiLU) and kGeGLU (GELU tanh approximation):
-// out = gate_act(g) * u, d_g = d_out * u * gate_act'(g), d_u = d_out * gate_act(g).
+// The gate's activation of a gated unit (kSwiGLU: SiLU, g sigmoid(g); kGeGLU: tanh GELU), and with
+// `deriv` non-null its derivative, from the same sigmoid: the value is bit-identical either way,
+// so a backward pass that rebuilds act(g) * u gives the forward's bits.
 template <Activation A, bool kFast>
-__device__ __forceinline__ float gate_act(float g) {
-  static_assert(A == Activation::kSwiGLU || A == Activation::kGeGLU, "a gated activation");
-  if constexpr (A == Activation::kSwiGLU) {
-    return silu_forward<kFast>(g);
+__device__ __forceinline__ float gate_act(float g, float* deriv = nullptr) {
+  static_assert(A == Activation::kSwiGLU || A == Activation::kGeGLU, "gate_act takes a gated activation");
+  if constexpr (A == Activation::kGeGLU) {
+    if (deriv == nullptr) return act_forward<Activation::kGeluTanh, kFast>(g);
+    float value;
+    *deriv = act_derivative<Activation::kGeluTanh, kFast>(g, &value);
+    return value;
   } else {
-    return act_forward<Activation::kGeluTanh, kFast>(g);
-  }
-}
-
-// gate_act'(g), and gate_act(g) into *value, from one sigmoid.
-template <Activation A, bool kFast>
-__device__ __forceinline__ float gate_act_derivative(float g, float* value) {
-  static_assert(A == Activation::kSwiGLU || A == Activation::kGeGLU, "a gated activation");
-  if constexpr (A == Activation::kSwiGLU) {
-    return silu_derivative<kFast>(g, value);
-  } else {
-    return act_derivative<Activation::kGeluTanh, kFast>(g, value);
+    const float s = sigmoid_f<kFast>(g);
+    if (deriv != nullptr) {
+      // d/dg [g s(g)] = s + g s (1 - s). NaN only where g is infinite (inf * 0): the limits 0 / 1
+      // are s there; a NaN g keeps its NaN.
+      const float d = s * fmaf(g, 1.f - s, 1.f);
+      *deriv = (d != d && g == g) ? s : d;
+    }
+    return s == 0.f ? 0.f : g * s;  // g -> -inf: 0, not -inf * 0
   }
 }
 

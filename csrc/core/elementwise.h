@@ -10,6 +10,7 @@
 //   act_backward.cu         act_backward_bias_grad (checks; the pass without bias gradient)
 //   bias_grad_reduction.cu  the pass with bias gradient, reduction_workspace_bytes
 //   sum_partials.cu         sum_partials
+//   gated_act.cu            gated_act_forward, gated_act_backward
 // and, shared by those files only: vector_pack.cuh (element conversions, 16-byte vectors),
 // flat_grid.cuh (launch shape, grid-stride iteration), type_dispatch.cuh (codes to template
 // arguments), act_backward_step.cuh (one vector of the activation backward, the ReLU mask
@@ -56,5 +57,18 @@ void act_backward_bias_grad(DType dtype, Activation act, const void* grad, const
 // to dtype. stride >= cols.
 void sum_partials(DType dtype, const float* partial, int64_t stride, int64_t nparts, int64_t cols, void* out,
                   cudaStream_t stream);
+
+// The gating of a gated MLP (act = SiLU for kSwiGLU, tanh GELU for kGeGLU) over a packed
+// pre-activation gu [rows, 2 hidden] (the layout of types.h, kGatedInterleave):
+//   gated_act_forward:  out[i, j] = act(g[i, j]) * u[i, j], out [rows, hidden];
+//   gated_act_backward: d_gu = (d_g, d_u) in gu's layout, d_g = d_out * u * act'(g),
+//                       d_u = d_out * act(g), from d_out [rows, hidden]; when out is non-null it
+//                       also receives act(g) * u, bit-identical to gated_act_forward's (checkpoint
+//                       level 1 rebuilds it in this pass). d_gu may be gu itself.
+// fp32 math, one rounding per result.
+void gated_act_forward(DType dtype, Activation act, const void* gu, void* out, int64_t rows, int64_t hidden,
+                       int device, cudaStream_t stream);
+void gated_act_backward(DType dtype, Activation act, const void* d_out, const void* gu, void* d_gu, void* out,
+                        int64_t rows, int64_t hidden, int device, cudaStream_t stream);
 
 }  // namespace fused_dense::core

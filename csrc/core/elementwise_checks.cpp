@@ -47,6 +47,12 @@ void check_codes(const char* fn, DType dtype, Activation act) {
   if (!valid_act(act)) fail(fn, "unsupported activation code " + std::to_string(static_cast<int>(act)));
 }
 
+void check_gated_codes(const char* fn, DType dtype, Activation act) {
+  if (!valid_dtype(dtype)) fail(fn, "unsupported dtype code " + std::to_string(static_cast<int>(dtype)));
+  if (!is_gated(act))
+    fail(fn, "activation must be gated (swiglu or geglu), got code " + std::to_string(static_cast<int>(act)));
+}
+
 void require_same_or_disjoint(const char* fn, const char* an, const void* a, std::size_t abytes, const char* bn,
                               const void* b, std::size_t bbytes) {
   if (overlaps(a, abytes, b, bbytes) && !(a == b && abytes == bbytes)) {

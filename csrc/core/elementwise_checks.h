@@ -14,8 +14,11 @@ namespace fused_dense::core::elementwise_detail {
 
 // rows, cols >= 0, and the byte offsets of a [rows, cols] fp32 matrix fit in int64.
 void check_shape(const char* fn, int64_t rows, int64_t cols);
-// dtype and act are values of their enums (the codes may come from a cast integer).
+// dtype and act are values of their enums (the codes may come from a cast integer); act is
+// not gated.
 void check_codes(const char* fn, DType dtype, Activation act);
+// As check_codes, for the gating kernels: act is kSwiGLU or kGeGLU.
+void check_gated_codes(const char* fn, DType dtype, Activation act);
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 

@@ -10,6 +10,8 @@
 #include "elementwise.h"
 #include "cutlass_sm90_dgrad.h"
 #include "cutlass_sm90_forward.h"
+#include "cutlass_sm90_gated.h"
+#include "gated.h"
 #include "tuner.h"
 #include "tuning_arena.h"
 
@@ -41,7 +43,7 @@ void zero(void* ptr, int64_t elements, DType dtype, cudaStream_t stream) {
     FD_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<std::size_t>(elements) * dtype_size(dtype), stream));
 }
 
-enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2 };
+enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2, kGatedForward = 3, kGatedDgrad = 4 };
 
 TuningKey tuning_key(OpKind op, const LinearContext& ctx, const MBucket& bucket, int64_t K, int64_t N,
                      Activation act, bool flag_a, bool flag_b) {
@@ -179,6 +181,10 @@ OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
     case Activation::kGeluTanh: s.fused.epilogue = a.pre_act ? Epilogue::kGeluAux : Epilogue::kGelu; break;
     case Activation::kRelu: s.fused.epilogue = a.pre_act ? Epilogue::kReluAux : Epilogue::kRelu; break;
     case Activation::kSquaredRelu: break;
+    case Activation::kSwiGLU:
+    case Activation::kGeGLU:
+      throw Error(std::string("fused_dense: linear_act: ") + activation_name(a.activation) +
+                  " is gated; gated_linear (gated.h) takes it");
   }
   s.fused_possible = a.activation != Activation::kSquaredRelu &&
                      (a.pre_act == nullptr || aux_ld_accepted(a.activation, N));
@@ -446,6 +452,179 @@ void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
              return dgrad_synthetic(args, M, ctx.dtype, arena);
            },
            act_linear_dgrad_workspace_bytes);
+}
+
+// ---- gated layers (gated.h) ----
+
+namespace {
+
+CutlassSm90GatedForwardArgs cutlass_gated_forward_args(const LinearContext& ctx, const GatedLinearArgs& a) {
+  CutlassSm90GatedForwardArgs c;
+  c.device = ctx.device;
+  c.batch = a.batch, c.in_features = a.in_features, c.hidden = a.hidden;
+  c.dtype = ctx.dtype;
+  c.activation = a.activation;
+  c.input = a.input, c.weight = a.weight, c.out = a.out, c.gu = a.pre_act;
+  return c;
+}
+
+CutlassSm90GatedDgradArgs cutlass_gated_dgrad_args(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+  CutlassSm90GatedDgradArgs c;
+  c.device = ctx.device;
+  c.batch = a.batch, c.hidden = a.hidden, c.out_features = a.out_features;
+  c.dtype = ctx.dtype;
+  c.activation = a.activation;
+  c.d_output = a.d_output, c.weight = a.weight, c.gu = a.pre_act, c.d_gu = a.d_pre, c.act_out = a.act_out;
+  return c;
+}
+
+// The unfused path's intermediate lies after the GEMM's workspace, at a 256-byte boundary.
+std::size_t gated_scratch_offset(int device) { return (gemm_workspace_bytes(device) + 255) / 256 * 256; }
+
+void* gated_scratch(const LinearContext& ctx, std::size_t bytes) {
+  const std::size_t offset = gated_scratch_offset(ctx.device);
+  if (ctx.workspace.ptr == nullptr || ctx.workspace.bytes < offset + bytes)
+    throw Error("fused_dense: the gated layer's workspace holds " + std::to_string(ctx.workspace.bytes) +
+                " bytes, needs " + std::to_string(offset + bytes));
+  return static_cast<char*>(ctx.workspace.ptr) + offset;
+}
+
+void check_gated(const char* op, Activation act) {
+  if (!is_gated(act))
+    throw Error(std::string("fused_dense: ") + op + ": activation must be gated (swiglu or geglu), got " +
+                activation_name(act));
+}
+
+std::size_t elements_bytes(int64_t rows, int64_t cols, DType dtype) {
+  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols) * dtype_size(dtype);
+}
+
+// No cuBLASLt epilogue pairs two accumulators: the unfused path (plain GEMM of width 2h, then the
+// gating kernel) is the rule and every explicit heuristic's path; 'auto' also measures the
+// cutlass_sm90 gated variants. The intermediate (gu when the forward does not keep it) is taken
+// from the workspace on each run, so a setup at another M needs no workspace of its own.
+OpSetup gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) {
+  const int64_t B = a.batch, K = a.in_features, H = a.hidden;
+  OpSetup s;
+  s.plain = base_problem(ctx);
+  s.plain.trans_a = true;
+  s.plain.m = 2 * H, s.plain.n = B, s.plain.k = K;
+  s.plain.lda = K, s.plain.ldb = K, s.plain.ldd = 2 * H;
+  s.fused = s.plain;
+  s.aligned = aligned256(a.weight) && aligned256(a.input) &&
+              aligned256(a.pre_act != nullptr ? a.pre_act : ctx.workspace.ptr);
+  const CutlassSm90GatedForwardArgs cutlass = cutlass_gated_forward_args(ctx, a);
+  s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_forward_variants(cutlass); };
+  const Workspace ws = gemm_part(ctx);
+  const GemmProblem plain = s.plain;
+  s.run = [=](const Choice& c) -> bool {
+    if (c.cutlass >= 0) return cutlass_sm90_gated_forward(c.cutlass, cutlass, ws, ctx.stream);
+    void* gu = a.pre_act != nullptr ? a.pre_act : gated_scratch(ctx, elements_bytes(B, 2 * H, ctx.dtype));
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.input;
+    ptrs.d = gu;
+    if (!run_gemm(plain, ptrs, c, ws, ctx.stream)) return false;
+    gated_act_forward(ctx.dtype, a.activation, gu, a.out, B, H, ctx.device, ctx.stream);
+    return true;
+  };
+  return s;
+}
+
+GatedLinearArgs gated_forward_synthetic(const GatedLinearArgs& a, int64_t M, DType dtype, TuningArena& arena) {
+  GatedLinearArgs t = a;  // the weight is the call's own
+  t.batch = M;
+  t.input = arena.values(M * a.in_features, dtype);
+  t.out = arena.scratch(elements_bytes(M, a.hidden, dtype));
+  if (a.pre_act != nullptr) t.pre_act = arena.scratch(elements_bytes(M, 2 * a.hidden, dtype));
+  return t;
+}
+
+OpSetup gated_dgrad_setup(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+  const int64_t B = a.batch, H = a.hidden, N = a.out_features;
+  OpSetup s;
+  s.plain = base_problem(ctx);
+  s.plain.m = H, s.plain.n = B, s.plain.k = N;
+  s.plain.lda = H, s.plain.ldb = N, s.plain.ldd = H;
+  s.fused = s.plain;
+  s.aligned = aligned256(a.weight) && aligned256(a.d_output) && aligned256(ctx.workspace.ptr);
+  const CutlassSm90GatedDgradArgs cutlass = cutlass_gated_dgrad_args(ctx, a);
+  s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_dgrad_variants(cutlass); };
+  const Workspace ws = gemm_part(ctx);
+  const GemmProblem plain = s.plain;
+  s.run = [=](const Choice& c) -> bool {
+    // the cutlass_sm90 kernel writes act_out itself when asked
+    if (c.cutlass >= 0) return cutlass_sm90_gated_dgrad(c.cutlass, cutlass, ws, ctx.stream);
+    void* d_h = gated_scratch(ctx, elements_bytes(B, H, ctx.dtype));
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.d_output;
+    ptrs.d = d_h;
+    if (!run_gemm(plain, ptrs, c, ws, ctx.stream)) return false;
+    gated_act_backward(ctx.dtype, a.activation, d_h, a.pre_act, a.d_pre, a.act_out, B, H, ctx.device, ctx.stream);
+    return true;
+  };
+  return s;
+}
+
+GatedLinearDgradArgs gated_dgrad_synthetic(const GatedLinearDgradArgs& a, int64_t M, DType dtype, TuningArena& arena) {
+  GatedLinearDgradArgs t = a;  // the weight is the call's own
+  t.batch = M;
+  t.d_output = arena.values(M * a.out_features, dtype);
+  t.pre_act = arena.values(M * 2 * a.hidden, dtype);
+  t.d_pre = arena.scratch(elements_bytes(M, 2 * a.hidden, dtype));
+  if (a.act_out != nullptr) t.act_out = arena.scratch(elements_bytes(M, a.hidden, dtype));
+  return t;
+}
+
+}  // namespace
+
+std::size_t gated_linear_workspace_bytes(int device, DType dtype, const GatedLinearArgs& a) {
+  if (a.pre_act != nullptr) return gemm_workspace_bytes(device);
+  return gated_scratch_offset(device) + elements_bytes(a.batch, 2 * a.hidden, dtype);
+}
+
+std::size_t gated_linear_dgrad_workspace_bytes(int device, DType dtype, const GatedLinearDgradArgs& a) {
+  return gated_scratch_offset(device) + elements_bytes(a.batch, a.hidden, dtype);
+}
+
+void gated_linear(const LinearContext& ctx, const GatedLinearArgs& a) {
+  check_gated("gated_linear", a.activation);
+  const int64_t B = a.batch, K = a.in_features, H = a.hidden;
+  if (B == 0 || H == 0) return;
+  if (K == 0) {
+    void* gu = a.pre_act != nullptr ? a.pre_act : gated_scratch(ctx, elements_bytes(B, 2 * H, ctx.dtype));
+    zero(gu, B * 2 * H, ctx.dtype, ctx.stream);
+    gated_act_forward(ctx.dtype, a.activation, gu, a.out, B, H, ctx.device, ctx.stream);
+    return;
+  }
+  dispatch(a.heuristic, Choice{false, 0}, ctx, a, OpKind::kGatedForward, K, H, a.activation, false,
+           a.pre_act != nullptr, "gated forward", gated_forward_setup,
+           [&](const GatedLinearArgs& args, int64_t M, TuningArena& arena) {
+             return gated_forward_synthetic(args, M, ctx.dtype, arena);
+           },
+           [&](int device, const GatedLinearArgs& args) { return gated_linear_workspace_bytes(device, ctx.dtype, args); });
+}
+
+void gated_linear_dgrad(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+  check_gated("gated_linear_dgrad", a.activation);
+  const int64_t B = a.batch, H = a.hidden, N = a.out_features;
+  if (B == 0 || H == 0) return;
+  if (N == 0) {
+    void* d_h = gated_scratch(ctx, elements_bytes(B, H, ctx.dtype));
+    zero(d_h, B * H, ctx.dtype, ctx.stream);
+    gated_act_backward(ctx.dtype, a.activation, d_h, a.pre_act, a.d_pre, a.act_out, B, H, ctx.device, ctx.stream);
+    return;
+  }
+  // act_out is not part of the key, as in act_linear_dgrad: level 1 takes level 0's choice.
+  dispatch(a.heuristic, Choice{false, 0}, ctx, a, OpKind::kGatedDgrad, H, N, a.activation, false, false,
+           "gated dgrad", gated_dgrad_setup,
+           [&](const GatedLinearDgradArgs& args, int64_t M, TuningArena& arena) {
+             return gated_dgrad_synthetic(args, M, ctx.dtype, arena);
+           },
+           [&](int device, const GatedLinearDgradArgs& args) {
+             return gated_linear_dgrad_workspace_bytes(device, ctx.dtype, args);
+           });
 }
 
 }  // namespace fused_dense::core

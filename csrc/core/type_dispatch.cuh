@@ -51,8 +51,26 @@ void dispatch_act(Activation act, F&& f) {
     case Activation::kSquaredRelu:
       f(ActTag<Activation::kSquaredRelu>{});
       return;
+    case Activation::kSwiGLU:
+    case Activation::kGeGLU:
+      break;  // the gating kernels' own dispatch: dispatch_gated_act
   }
   throw Error("fused_dense: unsupported activation code " + std::to_string(static_cast<int>(act)));
+}
+
+template <typename F>
+void dispatch_gated_act(Activation act, F&& f) {
+  switch (act) {
+    case Activation::kSwiGLU:
+      f(ActTag<Activation::kSwiGLU>{});
+      return;
+    case Activation::kGeGLU:
+      f(ActTag<Activation::kGeGLU>{});
+      return;
+    default:
+      break;
+  }
+  throw Error("fused_dense: not a gated activation code " + std::to_string(static_cast<int>(act)));
 }
 
 }  // namespace fused_dense::core::elementwise_detail

@@ -6,23 +6,43 @@
 #include <stdexcept>
 #include <string>
 
+// The few helpers below that device code calls too (the gated layout).
+#if defined(__CUDACC__)
+#define FD_HOST_DEVICE __host__ __device__
+#else
+#define FD_HOST_DEVICE
+#endif
+
 namespace fused_dense::core {
 
 enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 
 // Integer codes are part of the op schema (the `activation` argument), keep them stable.
-// kSwiGLU / kGeGLU are the gated activations act(g) * u of a gated MLP (act = SiLU / GELU tanh
-// approximation), g and u packed as kGatedInterleave says.
-// TODO(gated): the gated-MLP ops branch defines these codes and kGatedInterleave too; keep one
-// definition when the branches meet (the cutlass_sm90_gated kernels need only the names).
+// kSwiGLU and kGeGLU are the gated activations act(g) * u of a gated MLP (SiLU, and GELU with the
+// tanh approximation); they take a packed pre-activation of twice the output's width (below).
 enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3, kSwiGLU = 4, kGeGLU = 5 };
 
-// The packed fc1 weight of a gated MLP, W[2h, d], holds the gate and up rows interleaved in
-// blocks of kGatedInterleave hidden units: block b is the gate rows of units [b G, b G + G), then
-// the up rows of the same units. The pre-activation gu[B, 2h] and its gradient use the same
-// column order. 8 = the column distance between the values a thread holds at the same row of a
-// wgmma accumulator (cutlass_sm90_gated.h), so a thread holds the gate and up of its units.
+FD_HOST_DEVICE inline bool is_gated(Activation act) { return act == Activation::kSwiGLU || act == Activation::kGeGLU; }
+
+// The packed layout of a gated MLP's fc1, one definition: the weight [2h, d] holds the gate and
+// up rows of the h hidden units interleaved in blocks of kGatedInterleave units. Block b holds the
+// gate rows of units [b G, min(b G + G, h)), then the up rows of the same units; only the last
+// block may be short. The pre-activation gu [rows, 2h] and its gradient have the same column
+// layout, so the GEMMs over the packed weight are plain GEMMs. 8 = the column distance between
+// the two values a thread holds in each 8-column group of a row of a wgmma accumulator, so in the
+// cutlass_sm90 gated kernels (batch along CUTLASS's M, features along N) a thread holds the gate
+// and the up value of its units (cutlass_sm90_gated.h).
 inline constexpr int64_t kGatedInterleave = 8;
+
+// Columns of hidden unit j's gate and up values in a packed row of a gated layer of h units.
+FD_HOST_DEVICE inline int64_t gated_gate_column(int64_t unit) {
+  return (unit / kGatedInterleave) * 2 * kGatedInterleave + unit % kGatedInterleave;
+}
+FD_HOST_DEVICE inline int64_t gated_up_column(int64_t unit, int64_t hidden) {
+  const int64_t start = (unit / kGatedInterleave) * kGatedInterleave;
+  const int64_t width = hidden - start < kGatedInterleave ? hidden - start : kGatedInterleave;
+  return gated_gate_column(unit) + width;
+}
 
 // The heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
 constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel

@@ -33,10 +33,40 @@ void check_same(const char* op, const char* name, const at::Tensor& t, const cha
               " (", ref.device(), "), got ", t.device());
 }
 
+// The activations of the non-gated ops; a gated code is refused with the ops that take it.
 ActivationCode check_activation(const char* op, int64_t activation) {
+  TORCH_CHECK_VALUE(!is_gated_activation(activation), op, ": activation ", activation, " (", activation_name(activation),
+                    ") is gated; it is taken by the gated ops (gated_linear, gated_linear_dgrad, "
+                    "gated_act_forward) and fused_mlp");
   TORCH_CHECK_VALUE(activation >= 0 && activation <= 3, op,
                     ": activation must be 0 (none), 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ",
                     activation);
+  return static_cast<ActivationCode>(activation);
+}
+
+// input [B, K] and weight [N, K] of a forward GEMM.
+void check_forward_operands(const char* op, const at::Tensor& input, const at::Tensor& weight) {
+  check_matrix(op, "input", input);
+  check_float(op, "input", input);
+  check_matrix(op, "weight", weight);
+  check_same(op, "weight", weight, "input", input);
+  TORCH_CHECK(input.size(1) == weight.size(1), op, ": input.size(1) (in_features) must equal weight.size(1) = ",
+              weight.size(1), ", got input shape ", input.sizes(), " and weight shape ", weight.sizes());
+}
+
+// weight [N, K] and d_output [B, N] of a data-gradient GEMM.
+void check_dgrad_operands(const char* op, const at::Tensor& weight, const at::Tensor& d_output) {
+  check_matrix(op, "weight", weight);
+  check_float(op, "weight", weight);
+  check_matrix(op, "d_output", d_output);
+  check_same(op, "d_output", d_output, "weight", weight);
+  TORCH_CHECK(d_output.size(1) == weight.size(0), op, ": d_output.size(1) must equal weight.size(0) = ",
+              weight.size(0), " (out_features), got d_output shape ", d_output.sizes());
+}
+
+ActivationCode check_gated_activation(const char* op, int64_t activation) {
+  TORCH_CHECK_VALUE(is_gated_activation(activation), op, ": activation must be 4 (swiglu) or 5 (geglu), got ", activation,
+                    " (", activation_name(activation), ")");
   return static_cast<ActivationCode>(activation);
 }
 
@@ -51,25 +81,20 @@ void check_heuristic(const char* op, int64_t heuristic) {
 }  // namespace
 
 const char* activation_name(int64_t activation) {
-  switch (activation) {
-    case 0: return "none";
-    case 1: return "gelu_approx";
-    case 2: return "relu";
-    case 3: return "sqrelu";
-    default: return "unknown";
-  }
+  if (activation < 0 || activation > std::numeric_limits<int>::max()) return "unknown";
+  return core::activation_name(static_cast<core::Activation>(activation));
+}
+
+bool is_gated_activation(int64_t activation) {
+  return activation >= 0 && activation <= std::numeric_limits<int>::max() &&
+         core::is_gated(static_cast<core::Activation>(activation));
 }
 
 ActivationCode check_linear_act(const at::Tensor& input, const at::Tensor& weight,
                                 const std::optional<at::Tensor>& bias, int64_t activation,
                                 bool save_pre_act, int64_t heuristic) {
   constexpr const char* op = "fused_dense::linear_act";
-  check_matrix(op, "input", input);
-  check_float(op, "input", input);
-  check_matrix(op, "weight", weight);
-  check_same(op, "weight", weight, "input", input);
-  TORCH_CHECK(input.size(1) == weight.size(1), op, ": input.size(1) (in_features) must equal weight.size(1) = ",
-              weight.size(1), ", got input shape ", input.sizes(), " and weight shape ", weight.sizes());
+  check_forward_operands(op, input, weight);
   if (bias.has_value() && bias->defined()) {
     check_same(op, "bias", *bias, "input", input);
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must have shape [",
@@ -98,12 +123,7 @@ ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor
                                       const std::optional<at::Tensor>& pre_act, int64_t activation,
                                       int64_t heuristic, bool return_act_out) {
   constexpr const char* op = "fused_dense::act_linear_dgrad";
-  check_matrix(op, "weight", weight);
-  check_float(op, "weight", weight);
-  check_matrix(op, "d_output", d_output);
-  check_same(op, "d_output", d_output, "weight", weight);
-  TORCH_CHECK(d_output.size(1) == weight.size(0), op, ": d_output.size(1) must equal weight.size(0) = ",
-              weight.size(0), " (out_features), got d_output shape ", d_output.sizes());
+  check_dgrad_operands(op, weight, d_output);
   const ActivationCode act = check_activation(op, activation);
   check_heuristic(op, heuristic);
   TORCH_CHECK_VALUE(!return_act_out || act == ActivationCode::kGeluTanh || act == ActivationCode::kSquaredRelu, op,
@@ -142,6 +162,40 @@ ActivationCode check_act_forward(const at::Tensor& pre_act, int64_t activation) 
   check_float(op, "pre_act", pre_act);
   TORCH_CHECK(pre_act.is_contiguous(), op, ": pre_act must be contiguous, got strides ", pre_act.strides());
   return check_activation(op, activation);
+}
+
+ActivationCode check_gated_linear(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
+                                  int64_t heuristic) {
+  constexpr const char* op = "fused_dense::gated_linear";
+  check_forward_operands(op, input, weight);
+  TORCH_CHECK(weight.size(0) % 2 == 0, op, ": weight must be the packed gate and up rows [2 * hidden, in_features], "
+              "so weight.size(0) must be even, got weight shape ", weight.sizes());
+  const ActivationCode act = check_gated_activation(op, activation);
+  check_heuristic(op, heuristic);
+  return act;
+}
+
+ActivationCode check_gated_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
+                                        const at::Tensor& pre_act, int64_t activation, int64_t heuristic) {
+  constexpr const char* op = "fused_dense::gated_linear_dgrad";
+  check_dgrad_operands(op, weight, d_output);
+  const ActivationCode act = check_gated_activation(op, activation);
+  check_heuristic(op, heuristic);
+  check_matrix(op, "pre_act", pre_act);
+  check_same(op, "pre_act", pre_act, "weight", weight);
+  const int64_t B = d_output.size(0), H = weight.size(1);
+  TORCH_CHECK(pre_act.size(0) == B && pre_act.size(1) == 2 * H, op, ": pre_act must have shape [", B, ", ", 2 * H,
+              "] = [batch, 2 * hidden] (the packed gate and up pre-activations), got ", pre_act.sizes());
+  return act;
+}
+
+ActivationCode check_gated_act_forward(const at::Tensor& pre_act, int64_t activation) {
+  constexpr const char* op = "fused_dense::gated_act_forward";
+  check_matrix(op, "pre_act", pre_act);
+  check_float(op, "pre_act", pre_act);
+  TORCH_CHECK(pre_act.size(1) % 2 == 0, op, ": pre_act must be the packed [rows, 2 * hidden], so its width must "
+              "be even, got shape ", pre_act.sizes());
+  return check_gated_activation(op, activation);
 }
 
 at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act) {

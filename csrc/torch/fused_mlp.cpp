@@ -12,6 +12,9 @@
 //                                its input must be gathered.
 // Everything is composed of the general ops through the dispatcher, so it serves CPU, CUDA and
 // Meta alike. The rules are stated in docs/contract.md ("Checkpoint levels").
+// The gated activations (swiglu, geglu) run on the same plan and bodies: fc1 is then the gated
+// op over the packed weight1 [2h, K] (gated_linear), its pre-activation the packed gu [B, 2h], the
+// activation output act(g) * u [B, h], and the activation backward gated_linear_dgrad.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
@@ -44,9 +47,9 @@ MlpNeeds needs_from_list(const c10::List<bool>& needs, const char* op) {
 }
 
 void check_mlp_codes(int64_t activation, int64_t checkpoint_lvl, const char* op) {
-  TORCH_CHECK_VALUE(activation == 1 || activation == 2 || activation == 3, op,
-                    ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
-                    activation_name(activation), ")");
+  TORCH_CHECK_VALUE(activation >= 1 && activation <= 5, op,
+                    ": activation must be 1 (gelu_approx), 2 (relu), 3 (sqrelu), 4 (swiglu) or 5 (geglu), got ",
+                    activation, " (", activation_name(activation), ")");
   TORCH_CHECK_VALUE(checkpoint_lvl >= 0 && checkpoint_lvl <= 2, op, ": checkpoint_lvl must be 0, 1 or 2, got ",
                     checkpoint_lvl);
 }
@@ -92,14 +95,48 @@ MlpPlan make_plan(int64_t activation, int64_t checkpoint_lvl, MlpNeeds need, con
 
 // The op's own argument names in its errors; the general ops check the rest (dtypes, devices,
 // contiguity, bias shapes) as they are called.
-void check_shapes(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& weight2, const char* op) {
+// A gated MLP's weight1 is the packed [2 * hidden, in_features] and it has no fc1 bias.
+void check_shapes(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1, const at::Tensor& weight2,
+                  int64_t activation, const char* op) {
   TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
   TORCH_CHECK(weight1.dim() == 2 && weight2.dim() == 2, op, ": weight1 and weight2 must be 2-D, got shapes ",
               weight1.sizes(), " and ", weight2.sizes());
   TORCH_CHECK(weight1.size(1) == x.size(1), op, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
               " (in_features), got weight1 shape ", weight1.sizes());
-  TORCH_CHECK(weight2.size(1) == weight1.size(0), op, ": weight2.size(1) must equal weight1.size(0) = ",
-              weight1.size(0), " (hidden_features), got weight2 shape ", weight2.sizes());
+  if (!is_gated_activation(activation)) {
+    TORCH_CHECK(weight2.size(1) == weight1.size(0), op, ": weight2.size(1) must equal weight1.size(0) = ",
+                weight1.size(0), " (hidden_features), got weight2 shape ", weight2.sizes());
+    return;
+  }
+  TORCH_CHECK(weight1.size(0) % 2 == 0, op, ": for ", activation_name(activation),
+              ", weight1 is the packed gate and up rows [2 * hidden, in_features], so weight1.size(0) must be even, "
+              "got weight1 shape ", weight1.sizes());
+  TORCH_CHECK(weight2.size(1) * 2 == weight1.size(0), op, ": for ", activation_name(activation),
+              ", weight2.size(1) must equal weight1.size(0) / 2 = ", weight1.size(0) / 2,
+              " (hidden_features), got weight2 shape ", weight2.sizes());
+  TORCH_CHECK_VALUE(!(bias1.has_value() && bias1->defined()), op, ": ", activation_name(activation),
+                    " takes no bias1 (the gated layers have no fc1 bias), got a tensor of shape ", bias1->sizes());
+}
+
+// fc1 and its activation: [act_out] (+ [pre_act] when save_pre_act).
+std::vector<at::Tensor> fc1_forward(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& bias1,
+                                    int64_t activation, bool save_pre_act, int64_t heuristic) {
+  if (is_gated_activation(activation)) return op_calls::gated_linear(x, weight1, activation, save_pre_act, heuristic);
+  return op_calls::linear_act(x, weight1, opt(bias1), activation, save_pre_act, heuristic);
+}
+
+// The gradient at fc1's pre-activation from fc2's output gradient: [d_pre] (+ [d_bias1] when
+// has_d_bias) (+ [act_out] when return_act_out).
+std::vector<at::Tensor> act_backward(const at::Tensor& weight2, const at::Tensor& g, const at::Tensor& pre_act,
+                                     int64_t activation, bool has_d_bias, int64_t heuristic, bool return_act_out) {
+  if (is_gated_activation(activation))
+    return op_calls::gated_linear_dgrad(weight2, g, pre_act, activation, heuristic, return_act_out);
+  return op_calls::act_linear_dgrad(weight2, g, opt(pre_act), activation, has_d_bias, heuristic, return_act_out);
+}
+
+at::Tensor act_rebuild(const at::Tensor& pre_act, int64_t activation) {
+  if (is_gated_activation(activation)) return op_calls::gated_act_forward(pre_act, activation);
+  return op_calls::act_forward(pre_act, activation);
 }
 
 // d_output.sum(0) alone (fc2's weight needs no gradient), accumulated in fp32 for 16-bit types.
@@ -117,7 +154,7 @@ struct MlpSaved {
 at::Tensor mlp_forward(const MlpPlan& p, const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& bias1,
                        const at::Tensor& weight2, const at::Tensor& bias2, int64_t activation, int64_t heuristic,
                        MlpSaved* saved) {
-  auto fc1 = op_calls::linear_act(x, weight1, opt(bias1), activation, p.keep_pre, heuristic);
+  auto fc1 = fc1_forward(x, weight1, bias1, activation, p.keep_pre, heuristic);
   auto out = op_calls::linear_act(fc1[0], weight2, opt(bias2), kNone, false, kHeuristicAuto)[0];
   if (saved != nullptr) {
     saved->pre_act = p.keep_pre ? fc1[1] : at::Tensor();
@@ -138,7 +175,7 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
                       int64_t heuristic) {
   MlpGrads r;
   if (p.recompute_fc1) {
-    auto fc1 = op_calls::linear_act(x, weight1, opt(bias1), activation, p.need_d_pre, heuristic);
+    auto fc1 = fc1_forward(x, weight1, bias1, activation, p.need_d_pre, heuristic);
     s.act_out = fc1[0];
     if (p.need_d_pre) s.pre_act = fc1[1];
   }
@@ -146,13 +183,12 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
   // activation, in the activation-backward pass, which reads pre_act anyway.
   const bool rebuild_act_out = !s.act_out.defined() && p.need_act_out;
   if (p.need_d_pre) {
-    auto d = op_calls::act_linear_dgrad(weight2, g, opt(s.pre_act), activation, p.need.b1, heuristic,
-                                        rebuild_act_out);
+    auto d = act_backward(weight2, g, s.pre_act, activation, p.need.b1, heuristic, rebuild_act_out);
     r.d_pre = d[0];
     if (p.need.b1) r.b1 = d[1];
     if (rebuild_act_out) s.act_out = d.back();
   } else if (rebuild_act_out) {
-    s.act_out = op_calls::act_forward(s.pre_act, activation);
+    s.act_out = act_rebuild(s.pre_act, activation);
   }
   if (p.need.w2) {
     auto w = op_calls::linear_bias_wgrad(s.act_out, g, p.need.b2);
@@ -223,7 +259,7 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
 at::Tensor fused_mlp_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                              const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
                              int64_t heuristic) {
-  check_shapes(x, weight1, weight2, kOp);
+  check_shapes(x, weight1, bias1, weight2, activation, kOp);
   const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kOp);
   return mlp_forward(p, x, weight1, bias1.value_or(at::Tensor()), weight2, bias2.value_or(at::Tensor()),
                      activation, heuristic, nullptr);
@@ -232,7 +268,7 @@ at::Tensor fused_mlp_forward(const at::Tensor& x, const at::Tensor& weight1, con
 at::Tensor fused_mlp_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                               const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
                               int64_t heuristic) {
-  check_shapes(x, weight1, weight2, kOp);
+  check_shapes(x, weight1, bias1, weight2, activation, kOp);
   check_mlp_codes(activation, checkpoint_lvl, kOp);
   const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
   if (!at::GradMode::is_enabled() ||
@@ -262,7 +298,7 @@ std::vector<at::Tensor> fused_mlp_train_forward(const at::Tensor& x, const at::T
                                                 const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                                 int64_t checkpoint_lvl, int64_t heuristic,
                                                 const c10::List<bool>& needs) {
-  check_shapes(x, weight1, weight2, kTrainForwardOp);
+  check_shapes(x, weight1, bias1, weight2, activation, kTrainForwardOp);
   const MlpPlan p =
       make_plan(activation, checkpoint_lvl, needs_from_list(needs, kTrainForwardOp), kTrainForwardOp);
   MlpSaved s;
@@ -310,7 +346,8 @@ std::vector<at::Tensor> fused_mlp_backward(const at::Tensor& grad_out, const Opt
 }  // namespace fused_dense
 
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  // fc2(act(fc1(x))) for 2-D x with a C++ derivative; activation 1, 2 or 3; checkpoint_lvl 0 / 1 / 2;
+  // fc2(act(fc1(x))) for 2-D x with a C++ derivative; activation 1, 2, 3, or gated 4 (swiglu) / 5 (geglu)
+  // with the packed weight1 [2h, K] and no bias1; checkpoint_lvl 0 / 1 / 2;
   // heuristic applies to fc1's forward and the activation's backward.
   m.def("fused_mlp(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
         "int checkpoint_lvl, int heuristic) -> Tensor");

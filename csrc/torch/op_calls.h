@@ -42,4 +42,26 @@ inline at::Tensor act_forward(const at::Tensor& pre_act, int64_t activation) {
   return op.call(pre_act, activation);
 }
 
+inline std::vector<at::Tensor> gated_linear(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
+                                            bool save_pre_act, int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::gated_linear", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t)>();
+  return op.call(input, weight, activation, save_pre_act, heuristic);
+}
+
+inline std::vector<at::Tensor> gated_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
+                                                  const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
+                                                  bool return_act_out) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::gated_linear_dgrad", "")
+                       .typed<std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                      int64_t, bool)>();
+  return op.call(weight, d_output, pre_act, activation, heuristic, return_act_out);
+}
+
+inline at::Tensor gated_act_forward(const at::Tensor& pre_act, int64_t activation) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::gated_act_forward", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t)>();
+  return op.call(pre_act, activation);
+}
+
 }  // namespace fused_dense::op_calls

@@ -27,4 +27,12 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
                                                    bool return_act_out);
 at::Tensor act_forward_reference(const at::Tensor& pre_act, int64_t activation);
 
+// The gated ops: gu = input @ weight.T (rounded), out = act(g) * u over the packed layout.
+std::vector<at::Tensor> gated_linear_reference(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
+                                               bool save_pre_act, int64_t heuristic);
+std::vector<at::Tensor> gated_linear_dgrad_reference(const at::Tensor& weight, const at::Tensor& d_output,
+                                                     const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
+                                                     bool return_act_out);
+at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activation);
+
 }  // namespace fused_dense

@@ -6,7 +6,7 @@
 #include "op_calls.h"
 
 TORCH_LIBRARY(fused_dense, m) {
-  // General forms. activation: 0 none, 1 gelu_approx (tanh), 2 relu, 3 sqrelu.
+  // General forms. activation: 0 none, 1 gelu_approx (tanh), 2 relu, 3 sqrelu (4, 5: gated, below).
   // heuristic: -2 auto, -1 unfused, >= 0 index into cuBLASLt's algorithm list.
   m.def("linear_act(Tensor input, Tensor weight, Tensor? bias, int activation, bool save_pre_act, "
         "int heuristic) -> Tensor[]");
@@ -16,6 +16,15 @@ TORCH_LIBRARY(fused_dense, m) {
         "bool has_d_bias, int heuristic, bool return_act_out=False) -> Tensor[]");
   m.def("linear_bias_wgrad(Tensor input, Tensor d_output, bool has_d_bias) -> Tensor[]");
   m.def("act_forward(Tensor pre_act, int activation) -> Tensor");
+  // Gated forms, activation 4 swiglu or 5 geglu, over the packed layout (core/types.h,
+  // kGatedInterleave): weight [2h, K] packed gate and up rows; pre_act gu [B, 2h] packed.
+  // gated_linear: [act(g) * u [B, h]] (+ [gu] when save_pre_act).
+  m.def("gated_linear(Tensor input, Tensor weight, int activation, bool save_pre_act, int heuristic) -> Tensor[]");
+  // gated_linear_dgrad: weight [N, h] (the next layer's), d_output [B, N]: [d_pre [B, 2h] packed]
+  // (+ [act(g) * u [B, h]] when return_act_out, checkpoint level 1's rebuild).
+  m.def("gated_linear_dgrad(Tensor weight, Tensor d_output, Tensor pre_act, int activation, int heuristic, "
+        "bool return_act_out=False) -> Tensor[]");
+  m.def("gated_act_forward(Tensor pre_act, int activation) -> Tensor");
   // fused_mlp and its halves: fused_mlp.cpp.
   // flash-attn's fused_dense_lib contract: is_gelu picks GELU, else ReLU.
   m.def("linear_act_forward(Tensor input, Tensor weight, Tensor? bias, bool is_gelu, "

@@ -10,6 +10,6 @@ core=csrc/core
 mkdir -p "$(dirname "$out")"
 nvcc -std=c++17 -O2 -I"$core" "${arch[@]}" "$@" tests/native/test_elementwise.cu \
   "$core"/bias_act_forward.cu "$core"/relu_mask_forward.cu "$core"/act_backward.cu \
-  "$core"/bias_grad_reduction.cu "$core"/sum_partials.cu \
+  "$core"/bias_grad_reduction.cu "$core"/sum_partials.cu "$core"/gated_act.cu \
   "$core"/elementwise_checks.cpp "$core"/device_info.cpp "$core"/cuda_check.cpp "$core"/types.cpp \
   -lcublasLt -o "$out"

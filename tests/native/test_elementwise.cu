@@ -516,6 +516,85 @@ void test_backward_act_out(DType d, Activation a, int64_t rows, int64_t cols, bo
 }
 
 // ----------------------------------------------------------------------------------------------
+// The gating kernels (gated_act_forward / gated_act_backward) over the packed layout, whose columns
+// are written out here from the documented rule (blocks of kGatedInterleave units: the block's gate
+// columns, then its up columns; the last block may be short), not taken from types.h's helpers.
+
+void gated_columns_ref(int64_t hidden, std::vector<int64_t>& gate, std::vector<int64_t>& up) {
+  gate.clear();
+  up.clear();
+  for (int64_t start = 0; start < hidden; start += kGatedInterleave) {
+    const int64_t width = std::min<int64_t>(kGatedInterleave, hidden - start);
+    for (int64_t o = 0; o < width; ++o) gate.push_back(2 * start + o);
+    for (int64_t o = 0; o < width; ++o) up.push_back(2 * start + width + o);
+  }
+}
+
+double ref_gate(Activation a, double g, double* deriv) {
+  if (a == Activation::kGeGLU) {
+    *deriv = ref_dact(Activation::kGeluTanh, g);
+    return ref_act(Activation::kGeluTanh, g);
+  }
+  const double s = 1.0 / (1.0 + std::exp(-g));
+  *deriv = s * (1.0 + g * (1.0 - s));
+  return g * s;
+}
+
+// out = act(g) * u; (d_g, d_u) from d_out, in place over gu when `inplace`; the backward's rebuilt
+// out must be the forward's bits.
+void test_gated(DType d, Activation a, int64_t rows, int64_t hidden, bool misalign, bool inplace, uint64_t seed) {
+  const std::string name = case_name("gated", d, a, rows, hidden,
+                                     std::string(misalign ? ",misaligned" : "") + (inplace ? ",inplace" : ""));
+  g_current = name;
+  const size_t es = esize(d);
+  const size_t n = static_cast<size_t>(rows) * hidden;
+  Rng rng(seed);
+  std::vector<uint8_t> hgu(2 * n * es), hd(n * es);
+  for (size_t i = 0; i < 2 * n; ++i) put(d, hgu, i, rng.uniform(-4.f, 4.f));
+  for (size_t i = 0; i < n; ++i) put(d, hd, i, rng.uniform(-2.f, 2.f));
+  const size_t off = misalign ? es : 0;
+  DevBuf gu(2 * n * es, off), dout(n * es, off), out(n * es, off), out2(n * es, off), dgu(2 * n * es, off);
+  gu.upload(hgu);
+  dout.upload(hd);
+  for (DevBuf* b : {&out, &out2, &dgu}) b->poison();
+  try {
+    gated_act_forward(d, a, gu.ptr, out.ptr, rows, hidden, g_device, nullptr);
+    CK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> fwd = out.download();
+    gated_act_backward(d, a, dout.ptr, gu.ptr, inplace ? gu.ptr : dgu.ptr, out2.ptr, rows, hidden, g_device,
+                       nullptr);
+    CK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> rebuilt = out2.download(), grads = (inplace ? gu : dgu).download();
+    std::vector<int64_t> gc, uc;
+    gated_columns_ref(hidden, gc, uc);
+    std::string detail;
+    if (rebuilt != fwd) detail = "the backward's act(g) * u differs from the forward's";
+    const double rtol = 2 * rtol_of(d), atol = 4 * atol_of(d);
+    for (int64_t r = 0; r < rows && detail.empty(); ++r)
+      for (int64_t j = 0; j < hidden && detail.empty(); ++j) {
+        const size_t row = static_cast<size_t>(r) * 2 * hidden;
+        const double g = get(d, hgu, row + gc[j]), u = get(d, hgu, row + uc[j]);
+        const double dd = get(d, hd, static_cast<size_t>(r) * hidden + j);
+        double slope;
+        const double act = ref_gate(a, g, &slope);
+        const double h = get(d, fwd, static_cast<size_t>(r) * hidden + j);
+        const double dg = get(d, grads, row + gc[j]), du = get(d, grads, row + uc[j]);
+        char buf[200];
+        if (!close(h, act * u, rtol, atol) || !close(dg, dd * u * slope, rtol, atol) ||
+            !close(du, dd * act, rtol, atol)) {
+          std::snprintf(buf, sizeof(buf), "row %lld unit %lld: h %g (ref %g), d_g %g (ref %g), d_u %g (ref %g)",
+                        static_cast<long long>(r), static_cast<long long>(j), h, act * u, dg, dd * u * slope, du,
+                        dd * act);
+          detail = buf;
+        }
+      }
+    record(detail.empty(), name, detail);
+  } catch (const std::exception& e) {
+    record(false, name, std::string("threw: ") + e.what());
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
 // sum_partials: out[j] = sum over p of partial[p * stride + j] (the cutlass_sm90 data gradient's
 // bias gradient).
 // The padding columns [cols, stride) hold 1e30 so that reading them shows; out has one poisoned
@@ -579,6 +658,16 @@ void expect_throw(const std::string& name, const std::function<void()>& f) {
 
 void test_errors() {
   DevBuf a(4096, 0), b(4096, 0), c(4096, 0);
+  expect_throw("error/gated code to the non-gated forward", [&] {
+    bias_act_forward(DType::kFloat16, Activation::kSwiGLU, a.ptr, nullptr, b.ptr, nullptr, 4, 8, g_device, nullptr);
+  });
+  expect_throw("error/non-gated code to the gating forward", [&] {
+    gated_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, b.ptr, 4, 8, g_device, nullptr);
+  });
+  expect_throw("error/gating backward: d_out overlapping gu", [&] {
+    gated_act_backward(DType::kFloat16, Activation::kGeGLU, a.ptr + 16, a.ptr, c.ptr, nullptr, 4, 8, g_device,
+                       nullptr);
+  });
   expect_throw("error/negative rows fwd", [&] {
     bias_act_forward(DType::kFloat16, Activation::kGeluTanh, a.ptr, nullptr, b.ptr, nullptr, -1, 8, g_device, nullptr);
   });
@@ -748,6 +837,14 @@ void run_sanitize_cases(uint64_t& seed) {
       test_backward_act_out(d, a, 300, 600, true, false, ++seed);
       test_backward_act_out(d, a, 300, 600, false, false, ++seed);
     }
+  // gating: vector path (hidden % 8 == 0, aligned), scalar path (short last block, misaligned), in place
+  for (DType d : dtypes)
+    for (Activation a : {Activation::kSwiGLU, Activation::kGeGLU}) {
+      test_gated(d, a, 7, 13, false, false, ++seed);
+      test_gated(d, a, 33, 64, false, true, ++seed);
+      test_gated(d, a, 33, 64, true, false, ++seed);
+      test_gated(d, a, 300, 600, false, false, ++seed);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -885,6 +982,12 @@ int main(int argc, char** argv) {
               for (int bg = 0; bg < 2; ++bg)
                 for (int mis = 0; mis < 2; ++mis) test_backward_act_out(d, a, rows, cols, bg, mis, ++seed);
           }
+    for (DType d : dtypes)
+      for (Activation a : {Activation::kSwiGLU, Activation::kGeGLU})
+        for (int64_t rows : rows_list)
+          for (int64_t hidden : cols_list)
+            for (int mis = 0; mis < 2; ++mis)
+              for (int inplace = 0; inplace < 2; ++inplace) test_gated(d, a, rows, hidden, mis, inplace, ++seed);
 
     if (!quick) {
       // Large enough that every thread of the capped grids loops several times, so the
