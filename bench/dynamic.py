@@ -263,9 +263,9 @@ def part_training(args):
 def markdown(res):
     env = res["environment"]
     lines = [f"# Dynamic token counts: heuristic='auto' without stalls ({env.get('date_utc', '')[:10]})", "",
-             f"{env.get('gpu', env.get('device'))}, driver {env.get('driver_version', '–')}, torch {env.get('torch')}, "
+             f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
              f"CUDA {env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str') or env.get('cublasLt_version')}, "
-             f"commit {str(env.get('git_commit'))[:12]}. bf16, gelu_approx, hidden 4d, forward + backward. "
+             f"source tree {str(env.get('git_tree'))[:12]}. bf16, gelu_approx, hidden 4d, forward + backward. "
              "Produced by `python -m bench.dynamic` (bench/dynamic.py says what each part measures).", ""]
     if "passes" in res:
         first = next(iter(res["passes"].values()))
@@ -343,6 +343,7 @@ def make_png(res, path):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="output directory (docs/results for the run of record)")
+    p.add_argument("--report", metavar="FILE.json", help="rewrite the markdown and chart of a result")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--parts", default="passes,buckets,training", help="comma list of passes, buckets, training")
     p.add_argument("--rounds", type=int, default=2, help="processes per MLP and protocol (passes)")
@@ -357,7 +358,7 @@ def parse_args(argv):
     p.add_argument("--protocol", choices=["warm", "cold"], default="cold", help=argparse.SUPPRESS)
     p.add_argument("--counts-json", dest="counts_json", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
+    if args.worker or args.report:
         return args
     if not args.out:
         p.error("--out is required")
@@ -381,6 +382,14 @@ def main(argv=None):
         return worker_passes(args)
     if args.worker == "buckets":
         return worker_buckets(args)
+    if args.report:
+        with open(args.report) as f:
+            res = json.load(f)
+        base = args.report[:-len(".json")]
+        with open(base + ".md", "w") as f:
+            f.write(markdown(res))
+        make_png(res, base + ".png")
+        return None
     from bench import environment
     device = torch.device(args.device)
     res = {"environment": environment.environment(device, sys.argv if argv is None else argv), "targets": TARGETS}
