@@ -259,8 +259,10 @@ class GatedEpilogue {
         const float2 gf = Pair<Element>::unpack(g[c]), uf = Pair<Element>::unpack(u[c]);
         const float d0 = acc(make_coord(0, v1, c0 + c), mm, nn), d1 = acc(make_coord(1, v1, c0 + c), mm, nn);
         float a0, a1;
-        const float da0 = gate_act_derivative<A, true>(gf.x, &a0);
-        const float da1 = gate_act_derivative<A, true>(gf.y, &a1);
+        float da0;
+        a0 = gate_act<A, true>(gf.x, &da0);
+        float da1;
+        a1 = gate_act<A, true>(gf.y, &da1);
         d_gu_row[pos >> 1] = Pair<Element>::pack(d0 * uf.x * da0, d1 * uf.y * da1);
         d_gu_row[(pos + kG) >> 1] = Pair<Element>::pack(d0 * a0, d1 * a1);
         if (act_row != nullptr) act_row[unit >> 1] = Pair<Element>::pack(a0 * uf.x, a1 * uf.y);
