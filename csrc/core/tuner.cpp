@@ -183,12 +183,13 @@ class ChoiceCache {
     return it->second.provisional ? CachedKind::kProvisional : CachedKind::kFinal;
   }
 
-  // provisional: the rule's choice taken because nothing could be measured; kept for this
-  // process only, and replaced once measuring is allowed.
-  void insert(int device, const TuningKey& key, const Choice& choice, bool provisional) {
+  // provisional: the rule's choice taken because measuring was not allowed; replaced once it is.
+  // persist = false: kept for this process only (the rule's choice where no candidate applied or
+  // ran says nothing another process, with other settings, should reuse).
+  void insert(int device, const TuningKey& key, const Choice& choice, bool provisional, bool persist = true) {
     std::lock_guard<std::mutex> lock(mutex_);
     table_for(device)[key] = Entry{choice, provisional};
-    if (provisional) return;
+    if (provisional || !persist) return;
     const std::string path = current_settings().cache_path;
     if (path.empty()) return;
     std::ofstream file(path, std::ios::app);
@@ -464,10 +465,10 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
       ++st.stats.rule_choices;
     }
   };
-  // When nothing can be measured, the rule's choice is kept (provisionally: a later call may
-  // allow other candidates), so later calls skip the warm-up below.
+  // When no candidate applies or runs, the rule's choice is kept for the process (not persisted,
+  // and not measured again: another call would find the same), so later calls skip all of this.
   auto give_rule_choice = [&] {
-    choice_cache().insert(device, key, rule, /*provisional=*/true);
+    choice_cache().insert(device, key, rule, /*provisional=*/false, /*persist=*/false);
     charge(false);
     return rule;
   };
