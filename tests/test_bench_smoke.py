@@ -192,6 +192,13 @@ def test_runs_of_record_are_what_the_report_writes():
     par = _only(os.path.join(ROOT, "docs", "results", "parallel-mlp-*.json"))
     data = json.loads(open(par).read())
     assert pm.markdown(data["env"], data["results"]) == open(par[:-5] + ".md").read()
+    gated = _only(os.path.join(ROOT, "docs", "results", "gated-*.json"))
+    assert report.markdown(json.loads(open(gated).read())) == open(gated[:-5] + ".md").read()
+    assert os.path.exists(gated[:-5] + ".png")
+    from bench import dynamic
+    dyn = _only(os.path.join(ROOT, "docs", "results", "dynamic-*.json"))
+    assert dynamic.markdown(json.loads(open(dyn).read())) == open(dyn[:-5] + ".md").read()
+    assert os.path.exists(dyn[:-5] + ".png")
 
 
 def test_bench_remeasures_a_disturbed_median(monkeypatch):
