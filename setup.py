@@ -68,7 +68,7 @@ def _cutlass_includes():
 
 
 # Every csrc/torch/*.cpp is part of the build; the CUDA kernels' registration only with CUDA.
-CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp", "csrc/torch/tuning.cpp"}
+CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp", "csrc/torch/fp8_cuda.cpp", "csrc/torch/tuning.cpp"}
 torch_sources = [s for s in _sources("csrc/torch/*.cpp") if s not in CUDA_ONLY_TORCH_SOURCES]
 # The core's plain C++ vocabulary (names of the codes), which the CPU kernels' messages use too.
 CORE_HOST_SOURCES = ["csrc/core/types.cpp"]

@@ -9,6 +9,7 @@ from ._loader import has_cuda_kernels, has_cutlass_gemms, has_own_gemm, load_lib
 load_library()
 
 from . import ops, tuning  # noqa: E402
+from .fp8 import Float8Recipe, convert_to_fp8, fp8_autocast  # noqa: E402
 
 tuning._install_shipped_table()
 from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_gated_mlp_func,  # noqa: E402
@@ -35,6 +36,9 @@ __all__ = [
     "FusedMLP",
     "FusedGatedMLP",
     "replace_llama_mlps",
+    "Float8Recipe",
+    "fp8_autocast",
+    "convert_to_fp8",
 ]
 if _dist.is_available():
     __all__ += ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "ParallelFusedGatedMLP"]

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fp8 as _fp8
 from . import ops
 
 __all__ = ["FusedDenseFunc", "FusedMLPFunc", "fused_dense_func", "fused_mlp_func", "fused_gated_mlp_func"]
@@ -513,3 +514,53 @@ def fused_gated_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, activation
     act = ops.check_mlp_arguments(activation, checkpoint_lvl, "gated")
     return _one_process_mlp(x, weight1, weight2, None, bias2, activation, act, save_pre_act, return_residual,
                             checkpoint_lvl, heuristic)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (fused_dense/fp8.py): the layers' calls of the FP8 ops, whose derivatives are C++ autograd
+# Functions (csrc/torch/fused_mlp_fp8.cpp).
+
+_FP8_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fp8_inputs(x: Tensor, params):
+    """x as a 2-D row-major tensor in the layer's compute dtype (autocast resolved as for the other
+    ops), and the biases in that dtype; the weights stay as they are (quantized from any dtype)."""
+    dtype, autocast = _compute_dtype(x)
+    if dtype not in _FP8_DTYPES:
+        raise TypeError(f"FP8 layers take float16, bfloat16 or float32 inputs, got {dtype}")
+    xc = _cast_for_op(x, dtype, True)
+    biases = [None if b is None else _cast_for_op(b, dtype, True) for b in params]
+    x2 = xc if xc.dim() == 2 else xc.reshape(-1, xc.shape[-1])
+    return xc, x2, biases
+
+
+def _fp8_scaling(module, recipe, slots, device):
+    if recipe.scaling != "delayed":
+        return None, None
+    _fp8.ensure_delayed_buffers(module, recipe, slots, device)
+    return _fp8.delayed_scales(module, recipe, slots), module.fp8_amax
+
+
+def fp8_mlp_call(module, recipe, x: Tensor, activation: str, checkpoint_lvl: int,
+                 is_first_microbatch: Optional[bool]) -> Tensor:
+    """FusedMLP's FP8 step: the op fused_mlp_fp8 with the layer's weight copies and scaling state."""
+    act = _fp8.activation_code(activation)
+    fc1, fc2 = module.fc1, module.fc2
+    xc, x2, (b1, b2) = _fp8_inputs(x, (fc1.bias, fc2.bias))
+    weights = module._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
+    scales, amax_out = _fp8_scaling(module, recipe, _fp8.MLP_SLOTS, x.device)
+    with _autocast_off(x.device.type):
+        out = torch.ops.fused_dense.fused_mlp_fp8(x2, fc1.weight, b1, fc2.weight, b2, act, checkpoint_lvl, weights,
+                                                  recipe.grad_format_code, scales, amax_out)
+    return out if xc.dim() == 2 else out.reshape(*xc.shape[:-1], out.shape[-1])
+
+
+def fp8_dense_call(module, recipe, x: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
+    """FusedDense's FP8 step: the op fp8_dense with the layer's weight copy and scaling state."""
+    xc, x2, (b,) = _fp8_inputs(x, (module.bias,))
+    weights = module._fp8_state.weight_copies((module.weight,), is_first_microbatch)
+    scales, amax_out = _fp8_scaling(module, recipe, _fp8.DENSE_SLOTS, x.device)
+    with _autocast_off(x.device.type):
+        out = torch.ops.fused_dense.fp8_dense(x2, module.weight, b, weights, recipe.grad_format_code, scales, amax_out)
+    return out if xc.dim() == 2 else out.reshape(*xc.shape[:-1], out.shape[-1])

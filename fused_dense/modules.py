@@ -26,14 +26,16 @@ whose width cuBLASLt's aux rules refuse) the unfused path runs, whatever the heu
 forces the unfused path, ``n >= 0`` entry n of cuBLASLt's list (an index past the list is a
 ValueError). The CPU kernels ignore the heuristic.
 """
+import functools
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import fp8 as _fp8
 from . import ops
-from .functional import fused_dense_func, fused_gated_mlp_func, fused_mlp_func
+from .functional import fp8_dense_call, fp8_mlp_call, fused_dense_func, fused_gated_mlp_func, fused_mlp_func
 
 __all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "replace_llama_mlps"]
 
@@ -44,14 +46,29 @@ class FusedDense(nn.Linear):
     ``return_residual=True`` makes ``forward`` return ``(out, x)``. With a ``process_group``
     (tensor parallelism), ``x`` is this rank's sequence shard and is all-gathered before the GEMM
     (see :func:`fused_dense.functional.fused_dense_func`).
+
+    ``fp8``: a :class:`fused_dense.Float8Recipe` (or ``True`` for the default one) runs the layer's
+    three GEMMs in FP8 (fused_dense/fp8.py); ``None`` follows :func:`fused_dense.fp8_autocast`.
+    ``forward``'s ``is_first_microbatch`` keeps (True) or reuses (False) the weight's FP8 copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, return_residual: bool = False,
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.return_residual = return_residual
+        _fp8.check_fp8_argument(fp8)
+        self.fp8 = fp8
+        self._fp8_state = _fp8.Fp8State(_fp8.DENSE_SLOTS)
+        _init_fp8_buffers(self, _fp8.DENSE_SLOTS)
 
-    def forward(self, x: Tensor, process_group=None):
+    def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
+        recipe = _fp8.resolve_recipe(self.fp8)
+        if recipe is not None and recipe.applies((self.in_features, self.out_features)):
+            if process_group is not None:
+                raise NotImplementedError("FusedDense: FP8 with a process_group (tensor parallelism) is not "
+                                          "supported; run the layer without fp8 or without the process group")
+            out = fp8_dense_call(self, recipe, x, is_first_microbatch)
+            return (out, x) if self.return_residual else out
         return fused_dense_func(x, self.weight, self.bias, return_residual=self.return_residual,
                                 process_group=process_group)
 
@@ -71,6 +88,13 @@ class FusedMLP(nn.Module):
             recomputes the activation output (ReLU keeps both, as at 0), 2 recomputes fc1.
         heuristic: ``'auto'`` (the rule in this module's docstring), ``-1`` (unfused) or a
             cuBLASLt algorithm index ``>= 0``.
+        fp8: a :class:`fused_dense.Float8Recipe` (or ``True`` for the default one) runs the six
+            GEMMs in FP8 (fused_dense/fp8.py; the checkpoint levels mean the same); ``None``
+            follows :func:`fused_dense.fp8_autocast`. ``forward``'s ``is_first_microbatch`` keeps
+            (True) or reuses (False) the weights' FP8 copies.
+
+    If torchao's ``convert_to_float8_training`` replaces fc1 and fc2, the MLP runs them in this
+    library's FP8 with current scaling (and warns once), never silently in the model's dtype.
 
     In eval mode nothing beyond the input itself is kept for backward (fc1 is recomputed if a
     backward does happen), and under ``torch.no_grad()`` nothing at all.
@@ -79,9 +103,10 @@ class FusedMLP(nn.Module):
     def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
                  bias1: bool = True, bias2: bool = True, activation: str = "gelu_approx",
                  return_residual: bool = False, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto",
-                 device=None, dtype=None) -> None:
+                 device=None, dtype=None, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__()
         ops.check_mlp_arguments(activation, checkpoint_lvl)
+        _fp8.check_fp8_argument(fp8)
         ops.heuristic_code(heuristic)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features
@@ -92,8 +117,28 @@ class FusedMLP(nn.Module):
         self.heuristic = heuristic
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
+        self.fp8 = fp8
+        self._fp8_state = _fp8.Fp8State(_fp8.MLP_SLOTS)
+        _init_fp8_buffers(self, _fp8.MLP_SLOTS)
 
-    def forward(self, x: Tensor, process_group=None):
+    def _fp8_recipe(self):
+        recipe = _fp8.resolve_recipe(self.fp8)
+        if recipe is None and (_fp8.torchao_converted(self.fc1) or _fp8.torchao_converted(self.fc2)):
+            _fp8.warn_torchao_once()
+            recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
+        if recipe is None or not recipe.applies((self.fc1.in_features, self.fc1.out_features, self.fc2.out_features)):
+            return None
+        return recipe
+
+    def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
+        recipe = self._fp8_recipe()
+        if recipe is not None:
+            if process_group is not None:
+                raise NotImplementedError("FusedMLP: FP8 with a process_group (tensor parallelism) is not supported; "
+                                          "run the MLP without fp8 or without the process group")
+            out = fp8_mlp_call(self, recipe, x, self.activation, self.checkpoint_lvl if self.training else 2,
+                               is_first_microbatch)
+            return (out, x) if self.return_residual else out
         out = fused_mlp_func(
             x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
             activation=self.activation,
@@ -114,7 +159,28 @@ class FusedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, checkpoint_lvl={self.checkpoint_lvl}, "
-                f"heuristic={self.heuristic!r}, return_residual={self.return_residual}")
+                f"heuristic={self.heuristic!r}, return_residual={self.return_residual}, fp8={self.fp8!r}")
+
+
+def _init_fp8_buffers(module: nn.Module, slots) -> None:
+    """Delayed scaling's buffers, made now when the layer is built with a delayed recipe (else on its
+    first FP8 step), and made on load when a state_dict carries them."""
+    recipe = module.fp8 if isinstance(module.fp8, _fp8.Float8Recipe) else None
+    if recipe is not None and recipe.scaling == "delayed":
+        _fp8.ensure_delayed_buffers(module, recipe, slots, next(module.parameters()).device)
+
+    module.register_load_state_dict_pre_hook(functools.partial(_load_scaling_state, slots=tuple(slots)))
+
+
+def _load_scaling_state(module, state_dict, prefix, *args, slots):
+    """A state_dict with delayed-scaling buffers loads into a layer that has none yet."""
+    hist = state_dict.get(prefix + "fp8_amax_history")
+    if hist is not None and getattr(module, "fp8_amax_history", None) is None:
+        n = len(slots)
+        f32 = {"dtype": torch.float32, "device": next(module.parameters()).device}
+        module.register_buffer("fp8_amax_history", torch.zeros(hist.shape[0], n, **f32))
+        module.register_buffer("fp8_scales", torch.ones(n, **f32))
+        module.register_buffer("fp8_amax", torch.zeros(n, **f32))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ cudaDataType_t cuda_type(DType dtype) {
   throw Error("fused_dense: unsupported dtype for cuBLASLt");
 }
 
+cudaDataType_t cuda_fp8_type(Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+}
+
 cublasLtEpilogue_t lt_epilogue(const GemmProblem& p) {
   switch (p.epilogue) {
     case Epilogue::kNone: return p.with_bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
@@ -82,7 +86,7 @@ void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, co
 // The problem fields that decide the plan, flattened to integers so hashing and equality
 // cannot see padding bytes.
 struct CacheKey {
-  static constexpr int kFields = 20;
+  static constexpr int kFields = 24;
   std::array<int64_t, kFields> v{};
   std::size_t workspace_bytes() const { return static_cast<std::size_t>(v[kFields - 1]); }
   uint32_t alignment(int i) const { return static_cast<uint32_t>(v[16 + i]); }
@@ -133,21 +137,23 @@ MatmulDesc make_matmul_desc(const GemmProblem& p) {
   set_attr(raw, CUBLASLT_MATMUL_DESC_TRANSB, tb);
   set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(p));
   if (uses_aux(p.epilogue)) set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, p.ld_aux);
+  if (p.fp8) set_attr(raw, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(p.fast_accum ? 1 : 0));
   return desc;
 }
 
-Layout make_layout(DType dtype, int64_t rows, int64_t cols, int64_t ld) {
+Layout make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
   cublasLtMatrixLayout_t raw = nullptr;
-  FD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, cuda_type(dtype), static_cast<uint64_t>(rows),
-                                             static_cast<uint64_t>(cols), ld));
+  FD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, type, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld));
   return Layout(raw);
 }
 
 std::unique_ptr<PlannedGemm> plan(const GemmProblem& p) {
   auto planned = std::make_unique<PlannedGemm>();
-  planned->a = p.trans_a ? make_layout(p.dtype, p.k, p.m, p.lda) : make_layout(p.dtype, p.m, p.k, p.lda);
-  planned->b = p.trans_b ? make_layout(p.dtype, p.n, p.k, p.ldb) : make_layout(p.dtype, p.k, p.n, p.ldb);
-  planned->d = make_layout(p.dtype, p.m, p.n, p.ldd);
+  const cudaDataType_t ta = p.fp8 ? cuda_fp8_type(p.a_format) : cuda_type(p.dtype);
+  const cudaDataType_t tb = p.fp8 ? cuda_fp8_type(p.b_format) : cuda_type(p.dtype);
+  planned->a = p.trans_a ? make_layout(ta, p.k, p.m, p.lda) : make_layout(ta, p.m, p.k, p.lda);
+  planned->b = p.trans_b ? make_layout(tb, p.n, p.k, p.ldb) : make_layout(tb, p.k, p.n, p.ldb);
+  planned->d = make_layout(cuda_type(p.dtype), p.m, p.n, p.ldd);
   return planned;
 }
 
@@ -225,7 +231,9 @@ CacheKey make_key(const GemmProblem& p, const GemmPointers* ptrs, std::size_t wo
            p.ldd, static_cast<int64_t>(p.epilogue), p.with_bias, p.with_bias_grad,
            uses_aux(p.epilogue) ? p.ld_aux : 0, p.accumulate, tf32,
            ptrs ? alignment_of(ptrs->a) : 256, ptrs ? alignment_of(ptrs->b) : 256,
-           ptrs ? alignment_of(ptrs->d) : 256, static_cast<int64_t>(workspace_bytes)};
+           ptrs ? alignment_of(ptrs->d) : 256, p.fp8, p.fp8 ? static_cast<int64_t>(p.a_format) : 0,
+           p.fp8 ? static_cast<int64_t>(p.b_format) : 0, p.fp8 && p.fast_accum,
+           static_cast<int64_t>(workspace_bytes)};
   return key;
 }
 
@@ -234,6 +242,7 @@ std::string describe(const GemmProblem& p) {
   s << "m=" << p.m << " n=" << p.n << " k=" << p.k << " dtype=" << dtype_name(p.dtype)
     << " epilogue=" << static_cast<int>(p.epilogue) << (p.with_bias ? " +bias" : "")
     << (p.with_bias_grad ? " +bias_grad" : "");
+  if (p.fp8) s << " fp8 a=" << fp8_format_name(p.a_format) << " b=" << fp8_format_name(p.b_format);
   return s.str();
 }
 
@@ -257,6 +266,10 @@ cublasLtMatmulDesc_t bound_desc(PlannedGemm& planned, const GemmProblem& p, cons
     set_attr(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias);
   }
   if (uses_aux(p.epilogue)) set_attr(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, ptrs.aux);
+  if (p.fp8) {
+    set_attr(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, ptrs.a_scale);
+    set_attr(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, ptrs.b_scale);
+  }
   return desc;
 }
 

@@ -39,6 +39,13 @@ struct GemmProblem {
   int64_t ld_aux = 0;        // in elements (bits for the ReLU mask)
   bool accumulate = false;   // beta = 1
   bool allow_tf32 = false;   // fp32 only
+  // FP8 operands (fp8.h): A and B hold elements of a_format / b_format (trans_a and !trans_b:
+  // both K-major, the one layout Hopper's FP8 GEMMs take), dequantized by the device scalars
+  // GemmPointers::a_scale / b_scale; D and bias stay `dtype`. fast_accum: Hopper's fast FP8
+  // accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM).
+  bool fp8 = false;
+  Fp8Format a_format = Fp8Format::kE4M3, b_format = Fp8Format::kE4M3;
+  bool fast_accum = false;
 };
 
 struct GemmPointers {
@@ -48,6 +55,8 @@ struct GemmPointers {
   const void* bias = nullptr;  // forward bias, length m
   void* bias_grad = nullptr;   // BGRAD output: length m (DGELU/DRELU) or n (BGRADB)
   void* aux = nullptr;
+  const float* a_scale = nullptr;  // FP8 only: A's dequantization factor (its scale_inv)
+  const float* b_scale = nullptr;
 };
 
 struct Workspace {

@@ -35,6 +35,16 @@ const char* activation_name(Activation act) {
   return "unknown";
 }
 
+const char* fp8_format_name(Fp8Format f) {
+  switch (f) {
+    case Fp8Format::kE4M3:
+      return "e4m3";
+    case Fp8Format::kE5M2:
+      return "e5m2";
+  }
+  return "unknown";
+}
+
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:

@@ -44,12 +44,39 @@ FD_HOST_DEVICE inline int64_t gated_up_column(int64_t unit, int64_t hidden) {
   return gated_gate_column(unit) + width;
 }
 
+// FP8 element formats (fp8.h). Integer codes are part of the op schemas (the `fp8_format`
+// arguments): keep them stable.
+enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+
+// The largest finite value of each format (e4m3fn: 448, e5m2: 57344): saturation clamps to it.
+FD_HOST_DEVICE inline float fp8_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.f : 57344.f; }
+
+// The smallest amax a scale is computed from: an all-zero tensor (amax 0) gets the scale of
+// 1e-12 instead of an infinite one, so its zeros stay zeros (0 * inf would be NaN).
+inline constexpr float kFp8MinAmax = 1e-12f;
+
+// The current-scaling rule, one definition (the CPU reference computes the same fp32 expression):
+// scale = fp8_max / max(amax, kFp8MinAmax); a NaN amax gives a NaN scale (a NaN in the tensor
+// makes the whole quantized tensor NaN, so a diverged step is not hidden). An infinite amax gives
+// scale 0.
+FD_HOST_DEVICE inline float fp8_scale_from_amax(float amax, Fp8Format f) {
+  if (amax != amax) return amax;
+  return fp8_max(f) / (amax > kFp8MinAmax ? amax : kFp8MinAmax);
+}
+
+// Rows of the transposed copy are padded to a multiple of this (with zeros), so that it can be
+// the K-major operand of an FP8 GEMM over the rows (cuBLASLt needs K and the leading dimension of
+// FP8 operands to be multiples of 16).
+inline constexpr int64_t kFp8RowPad = 16;
+inline int64_t fp8_padded_rows(int64_t rows) { return (rows + kFp8RowPad - 1) / kFp8RowPad * kFp8RowPad; }
+
 // The heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
 constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel
 constexpr int kHeuristicAuto = -2;     // measured choice (tuner.h), or the fixed rule
 
 const char* dtype_name(DType dtype);
 const char* activation_name(Activation act);
+const char* fp8_format_name(Fp8Format f);
 std::size_t dtype_size(DType dtype);
 
 // Bytes per row of the ReLU bit-mask: bit (j % 8) of byte (j / 8) of row i is set

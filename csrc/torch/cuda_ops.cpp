@@ -11,6 +11,7 @@
 #include "../core/gated.h"
 #include "../core/linear.h"
 #include "checks.h"
+#include "core_call.h"
 #include "reference.h"
 
 namespace fused_dense {
@@ -25,27 +26,6 @@ void check_cuda_dims(const char* op, std::initializer_list<std::pair<const char*
   for (const auto& [name, value] : dims) {
     TORCH_CHECK(value <= kMaxDim, op, ": ", name, " = ", value,
                 " exceeds the largest dimension fused_dense supports on CUDA (", kMaxDim, ")");
-  }
-}
-
-core::DType core_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: return core::DType::kFloat16;
-    case at::kBFloat16: return core::DType::kBFloat16;
-    case at::kFloat: return core::DType::kFloat32;
-    default: TORCH_CHECK(false, "fused_dense: no CUDA kernel for dtype ", t);
-  }
-}
-
-// Runs a core call, turning its errors into the matching PyTorch error classes.
-template <typename Fn>
-void run_core(Fn&& fn) {
-  try {
-    fn();
-  } catch (const core::HeuristicOutOfRange& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  } catch (const core::Error& e) {
-    TORCH_CHECK(false, e.what());
   }
 }
 

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace fused_dense::op_calls {
@@ -62,6 +63,26 @@ inline at::Tensor gated_act_forward(const at::Tensor& pre_act, int64_t activatio
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::gated_act_forward", "")
                        .typed<at::Tensor(const at::Tensor&, int64_t)>();
   return op.call(pre_act, activation);
+}
+
+using Fp8Quantized = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+inline Fp8Quantized fp8_quantize(const at::Tensor& input, const OptTensor& pre_act, int64_t activation, bool backward,
+                                 int64_t fp8_format, const OptTensor& scale, bool rowwise, bool columnwise,
+                                 bool column_sums) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_quantize", "")
+                       .typed<Fp8Quantized(const at::Tensor&, const OptTensor&, int64_t, bool, int64_t, const OptTensor&,
+                                           bool, bool, bool)>();
+  return op.call(input, pre_act, activation, backward, fp8_format, scale, rowwise, columnwise, column_sums);
+}
+
+inline at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                             const at::Tensor& weight_scale_inv, const OptTensor& bias, at::ScalarType out_dtype,
+                             bool fast_accum, int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const OptTensor&, at::ScalarType, bool, int64_t)>();
+  return op.call(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, fast_accum, heuristic);
 }
 
 }  // namespace fused_dense::op_calls

@@ -1,0 +1,73 @@
+// FP8 (compute capability 8.9 and up) building blocks: the two formats, the per-tensor scaling
+// rule, the quantize pass and the FP8 GEMM of a linear layer.
+//
+// Per-tensor scaling: a tensor v is stored as q = saturate(v * scale) in an FP8 format, and a GEMM
+// of two such tensors multiplies its fp32 accumulator by scale_inv_a * scale_inv_b. With current
+// scaling the scale comes from the tensor's own amax (fp8_scale_from_amax), with delayed scaling
+// the caller passes it (from an amax history) and the pass records the amax for the next scale.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "linear.h"
+#include "types.h"
+
+namespace fused_dense::core {
+
+// The quantize pass over input [rows, cols] (dtype, row-major, contiguous; cols a multiple of 8,
+// every pointer 16-byte aligned). The value quantized is
+//   v = input                          activation kNone, pre_act null
+//   v = act(input)                     backward false: input is a pre-activation
+//   v = input * act'(pre_act)          backward true: input is the gradient at act's output
+// with fp32 math (the activation math of activation_math.cuh). Outputs, each where non-null:
+//   data [rows, cols] and data_t [cols, ld_t] (ld_t = fp8_padded_rows(rows); the padding
+//   columns are zeros): q = saturate(v * scale) in `format`, round to nearest even; NaN stays NaN;
+//   scale_out, scale_inv_out, amax_out: one float each (amax = max |v|, NaN if any v is NaN);
+//   column_sums [cols] in dtype: sum over rows of v (fp32 accumulation, in a fixed order).
+// scale null: current scaling (a first pass computes the amax, the scale follows from it); else
+// delayed scaling with *scale, the amax recorded in the same single pass.
+struct Fp8QuantizeArgs {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0, cols = 0;
+  const void* input = nullptr;
+  const void* pre_act = nullptr;
+  Activation activation = Activation::kNone;
+  bool backward = false;
+  Fp8Format format = Fp8Format::kE4M3;
+  const float* scale = nullptr;
+  uint8_t* data = nullptr;
+  uint8_t* data_t = nullptr;
+  float* scale_out = nullptr;
+  float* scale_inv_out = nullptr;
+  float* amax_out = nullptr;
+  void* column_sums = nullptr;
+};
+
+std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args);
+void fp8_quantize(const Fp8QuantizeArgs& args, void* workspace, std::size_t workspace_bytes, int device,
+                  cudaStream_t stream);
+
+// out[B, N] = (input[B, K] . weight[N, K]^T) * input_scale_inv * weight_scale_inv (+ bias[N]),
+// input and weight FP8 (not both e5m2), K-major, out and bias ctx.dtype. K and N multiples of 16,
+// pointers 16-byte aligned. heuristic >= 0 picks that entry of cuBLASLt's list, otherwise its first.
+// fast_accum: Hopper's fast FP8 accumulation (fewer promotions to full fp32), the forward's choice.
+struct Fp8LinearArgs {
+  int64_t batch = 0, in_features = 0, out_features = 0;
+  const void* input = nullptr;
+  Fp8Format input_format = Fp8Format::kE4M3;
+  const void* weight = nullptr;
+  Fp8Format weight_format = Fp8Format::kE4M3;
+  const float* input_scale_inv = nullptr;
+  const float* weight_scale_inv = nullptr;
+  const void* bias = nullptr;
+  void* out = nullptr;
+  bool fast_accum = false;
+  int heuristic = kHeuristicAuto;
+};
+
+void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& args);
+
+}  // namespace fused_dense::core

@@ -1,0 +1,288 @@
+// The FP8 quantize pass (fp8.h): an amax pass (current scaling only), then one pass that writes
+// the row-major and the transposed FP8 copies, the column sums and (delayed scaling) the amax.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "activation_math.cuh"
+#include "cuda_check.h"
+#include "device_info.h"
+#include "elementwise.h"
+#include "fp8.h"
+#include "type_dispatch.cuh"
+#include "vector_pack.cuh"
+
+namespace fused_dense::core {
+
+using namespace elementwise_detail;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTile = 64;             // a block's tile: 64 rows x 64 columns
+constexpr int kVec = 8;               // elements per thread and load (16 bytes of a 16-bit type)
+constexpr int kColGroups = kTile / kVec;       // 8 threads span a tile row
+constexpr int kRowsPerPass = kThreads / kColGroups;  // 32 rows per pass, 2 passes per tile
+
+// |v| as the bits of a non-negative float: their unsigned order is the float order, and every NaN
+// sorts above +inf, so an unsigned max over them is an amax that propagates NaN.
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&out)[kVec]) {
+  if constexpr (sizeof(T) == 2) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) out[i] = Cvt<T>::to_float(e[i]);
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+  }
+}
+
+// The value quantized (fp8.h, Fp8QuantizeArgs): kMode 0 v = x, 1 v = act(x), 2 v = x * act'(pre).
+template <typename T, Activation A, int kMode>
+__device__ __forceinline__ void values8(const T* x, const T* pre, int64_t offset, float (&v)[kVec]) {
+  constexpr bool kFast = sizeof(T) == 2;
+  load8(x + offset, v);
+  if constexpr (kMode == 1) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
+  } else if constexpr (kMode == 2) {
+    float p[kVec];
+    load8(pre + offset, p);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(p[i]);
+  }
+}
+
+__device__ __forceinline__ unsigned block_max(unsigned m) {
+  __shared__ unsigned warp_max[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  }
+  return m;  // valid in thread 0
+}
+
+template <typename T, Activation A, int kMode>
+__global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, const T* pre, int64_t vectors, unsigned* amax) {
+  unsigned m = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < vectors;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float v[kVec];
+    values8<T, A, kMode>(x, pre, i * kVec, v);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) m = max(m, abs_bits(v[k]));
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0 && m != 0u) atomicMax(amax, m);
+}
+
+__device__ __forceinline__ uint8_t to_fp8(float v, Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)
+                               : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+}
+
+struct CastParams {
+  int64_t rows, cols, ld_t, rows_per_block;
+  Fp8Format format;
+  const float* scale;         // delayed scaling, else null
+  const unsigned* amax_bits;  // current scaling: the amax pass's result
+  uint8_t* data;
+  uint8_t* data_t;
+  float* scale_out;
+  float* scale_inv_out;
+  unsigned* amax_record;      // delayed scaling: the amax, accumulated here
+  float* col_partials;        // [gridDim.y, cols] or null
+};
+
+// Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 64-row
+// tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t.
+template <typename T, Activation A, int kMode>
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, const T* pre, CastParams p) {
+  __shared__ uint8_t tile[kTile][kTile + 8];
+  __shared__ float sums[kRowsPerPass][kTile];
+  const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t col = c0 + cg * kVec;
+  const bool col_in = col < p.cols;  // cols % 8 == 0: a group is wholly in or out
+  const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    if (p.scale_out != nullptr) *p.scale_out = scale;
+    if (p.scale_inv_out != nullptr) *p.scale_inv_out = 1.f / scale;
+  }
+  const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
+  const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
+  float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  unsigned m = 0;
+  for (int64_t t0 = r_begin; t0 < r_end; t0 += kTile) {
+#pragma unroll
+    for (int pass = 0; pass < kTile / kRowsPerPass; ++pass) {
+      const int lr = pass * kRowsPerPass + rl;
+      const int64_t row = t0 + lr;
+      float v[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (col_in && row < p.rows) values8<T, A, kMode>(x, pre, row * p.cols + col, v);
+      uint8_t q[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        acc[k] += v[k];
+        m = max(m, abs_bits(v[k]));
+        q[k] = to_fp8(v[k] * scale, p.format);
+      }
+      if (p.data != nullptr && col_in && row < p.rows)
+        *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = *reinterpret_cast<const uint2*>(q);
+      if (p.data_t != nullptr) *reinterpret_cast<uint2*>(&tile[lr][cg * kVec]) = *reinterpret_cast<const uint2*>(q);
+    }
+    if (p.data_t != nullptr) {
+      __syncthreads();
+      // 64 columns x 8 chunks of 8 rows: thread k writes rows [8 (k % 8), +8) of column k / 8.
+#pragma unroll
+      for (int i = 0; i < (kTile * kTile / kVec) / kThreads; ++i) {
+        const int k = i * kThreads + threadIdx.x;
+        const int c = k / kVec, rc = (k % kVec) * kVec;
+        const int64_t out_row = c0 + c, out_col = t0 + rc;
+        if (out_row < p.cols && out_col < p.ld_t) {
+          uint8_t b[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) b[j] = tile[rc + j][c];
+          *reinterpret_cast<uint2*>(p.data_t + out_row * p.ld_t + out_col) = *reinterpret_cast<const uint2*>(b);
+        }
+      }
+      __syncthreads();  // the tile is rewritten by the next 64 rows
+    }
+  }
+  if (p.amax_record != nullptr) {
+    m = block_max(m);
+    if (threadIdx.x == 0 && m != 0u) atomicMax(p.amax_record, m);
+  }
+  if (p.col_partials != nullptr) {
+    // Column sums of the block's rows: the 32 row lanes of each column group, added in lane order.
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sums[rl][cg * kVec + k] = acc[k];
+    __syncthreads();
+    if (threadIdx.x < kTile && c0 + threadIdx.x < p.cols) {
+      float s = 0.f;
+      for (int l = 0; l < kRowsPerPass; ++l) s += sums[l][threadIdx.x];
+      p.col_partials[static_cast<int64_t>(blockIdx.y) * p.cols + c0 + threadIdx.x] = s;
+    }
+  }
+}
+
+int mode_of(const Fp8QuantizeArgs& a) {
+  if (a.backward) return 2;
+  return a.activation == Activation::kNone ? 0 : 1;
+}
+
+template <typename F>
+void dispatch_mode(int mode, F&& f) {
+  switch (mode) {
+    case 0: f(std::integral_constant<int, 0>{}); return;
+    case 1: f(std::integral_constant<int, 1>{}); return;
+    default: f(std::integral_constant<int, 2>{}); return;
+  }
+}
+
+// Row groups per column tile: enough blocks for about 4 per SM, at least one 64-row tile each.
+int64_t row_groups(int device, const Fp8QuantizeArgs& a) {
+  const int64_t rows = a.data_t != nullptr ? fp8_padded_rows(a.rows) : a.rows;
+  const int64_t tiles = std::max<int64_t>(1, (rows + kTile - 1) / kTile);
+  const int64_t col_tiles = (a.cols + kTile - 1) / kTile;
+  const int64_t want = std::max<int64_t>(1, 4 * device_info(device).sm_count() / std::max<int64_t>(1, col_tiles));
+  const int64_t groups = std::min<int64_t>(tiles, want);
+  const int64_t tiles_per_group = (tiles + groups - 1) / groups;
+  return (tiles + tiles_per_group - 1) / tiles_per_group;
+}
+
+void check_args(const Fp8QuantizeArgs& a) {
+  std::ostringstream msg;
+  if (a.cols % kVec != 0) msg << "cols must be a multiple of " << kVec << ", got " << a.cols;
+  const auto misaligned = [](const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (misaligned(a.input) || misaligned(a.pre_act) || misaligned(a.data) || misaligned(a.data_t))
+    msg << "every matrix pointer must be 16-byte aligned";
+  if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
+    msg << "backward needs pre_act and an activation";
+  if (a.activation == Activation::kSwiGLU || a.activation == Activation::kGeGLU)
+    msg << "gated activations are not quantized by this pass";
+  if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
+}
+
+}  // namespace
+
+std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args) {
+  std::size_t bytes = 256;  // the amax of current scaling
+  if (args.column_sums != nullptr && args.rows > 0)
+    bytes += static_cast<std::size_t>(row_groups(device, args)) * static_cast<std::size_t>(args.cols) * sizeof(float);
+  return bytes;
+}
+
+void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspace_bytes, int device,
+                  cudaStream_t stream) {
+  check_args(a);
+  if (workspace_bytes < fp8_quantize_workspace_bytes(device, a))
+    throw Error("fused_dense: fp8_quantize: workspace too small");
+  auto* amax_bits = static_cast<unsigned*>(workspace);
+  auto* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + 256);
+  const bool current = a.scale == nullptr;
+  // The amax starts at 0 (all-zero or empty tensors keep it), accumulated by atomicMax.
+  if (current) FD_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned), stream));
+  if (a.amax_out != nullptr && !current) FD_CUDA_CHECK(cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream));
+  const int64_t elements = a.rows * a.cols;
+  dispatch_dtype(a.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    dispatch_act(a.activation, [&](auto act_tag) {
+      constexpr Activation A = decltype(act_tag)::value;
+      if constexpr (A == Activation::kSwiGLU || A == Activation::kGeGLU) {
+        throw Error("fused_dense: fp8_quantize: gated activations are not quantized by this pass");
+      } else {
+        dispatch_mode(mode_of(a), [&](auto mode_tag) {
+          constexpr int M = decltype(mode_tag)::value;
+          const T* x = static_cast<const T*>(a.input);
+          const T* pre = static_cast<const T*>(a.pre_act);
+          if (current && elements > 0) {
+            const int64_t vectors = elements / kVec;
+            const int64_t blocks =
+                std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
+            amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, pre, vectors, amax_bits);
+            FD_CHECK_LAUNCH();
+          }
+          CastParams p{};
+          p.rows = a.rows, p.cols = a.cols, p.ld_t = fp8_padded_rows(a.rows);
+          p.format = a.format;
+          p.scale = a.scale;
+          p.amax_bits = amax_bits;
+          p.data = a.data, p.data_t = a.data_t;
+          p.scale_out = a.scale_out, p.scale_inv_out = a.scale_inv_out;
+          p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);
+          const int64_t groups = row_groups(device, a);
+          const int64_t rows_cov = a.data_t != nullptr ? p.ld_t : a.rows;
+          const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTile - 1) / kTile);
+          p.rows_per_block = ((tiles + groups - 1) / groups) * kTile;
+          p.col_partials = (a.column_sums != nullptr && a.rows > 0) ? partials : nullptr;
+          const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTile - 1) / kTile);
+          dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
+          cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
+          FD_CHECK_LAUNCH();
+          if (current && a.amax_out != nullptr)
+            FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+          if (a.column_sums != nullptr) {
+            if (a.rows > 0) {
+              sum_partials(a.dtype, partials, a.cols, groups, a.cols, a.column_sums, stream);
+            } else if (a.cols > 0) {
+              FD_CUDA_CHECK(cudaMemsetAsync(a.column_sums, 0, a.cols * dtype_size(a.dtype), stream));
+            }
+          }
+        });
+      }
+    });
+  });
+}
+
+}  // namespace fused_dense::core

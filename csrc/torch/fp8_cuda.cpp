@@ -1,0 +1,110 @@
+// CUDA kernels of the FP8 ops (fp8_ops.cpp has their contract): validate, allocate from PyTorch's
+// caching allocator, hand raw pointers to the core (core/fp8.h) on the tensors' device and stream.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../core/device_info.h"
+#include "../core/fp8.h"
+#include "checks.h"
+#include "core_call.h"
+#include "fp8_ops.h"
+
+namespace fused_dense {
+namespace {
+
+namespace core = ::fused_dense::core;
+
+void check_fp8_device(const at::Tensor& t, const char* op) {
+  const auto& info = core::device_info(t.get_device());
+  const int cc = info.cc_major() * 10 + info.cc_minor();
+  TORCH_CHECK(cc >= 89, op, ": FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper), but ",
+              t.device(), " has ", info.cc_major(), ".", info.cc_minor());
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
+                                    int64_t activation, bool backward, int64_t fp8_format,
+                                    const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
+                                    bool column_sums) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+  c10::cuda::CUDAGuard guard(input.device());
+  // The kernels load 16 bytes at a time: a view at an odd offset is copied first.
+  const at::Tensor x = aligned16(input) ? input : input.clone();
+  std::optional<at::Tensor> pre = pre_act;
+  if (pre.has_value() && pre->defined() && !aligned16(*pre)) pre = pre->clone();
+  auto res = empty_fp8_quantize(x, fp8_format, rowwise, columnwise, column_sums);
+  auto& [data, data_t, s, s_inv, amax, sums] = res;
+  core::Fp8QuantizeArgs a;
+  a.dtype = core_dtype(x.scalar_type());
+  a.rows = x.size(0), a.cols = x.size(1);
+  a.input = x.data_ptr();
+  a.pre_act = (pre.has_value() && pre->defined()) ? pre->data_ptr() : nullptr;
+  a.activation = static_cast<core::Activation>(activation);
+  a.backward = backward;
+  a.format = static_cast<core::Fp8Format>(fp8_format);
+  a.scale = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
+  a.data = rowwise ? static_cast<uint8_t*>(data.data_ptr()) : nullptr;
+  a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+  a.scale_out = s.data_ptr<float>();
+  a.scale_inv_out = s_inv.data_ptr<float>();
+  a.amax_out = amax.data_ptr<float>();
+  a.column_sums = column_sums ? sums.data_ptr() : nullptr;
+  const int device = x.get_device();
+  run_core([&] {
+    const std::size_t bytes = core::fp8_quantize_workspace_bytes(device, a);
+    auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+    core::fp8_quantize(a, ws.data_ptr(), bytes, device, at::cuda::getCurrentCUDAStream(device).stream());
+  });
+  return res;
+}
+
+at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
+  constexpr const char* op = "fused_dense::fp8_linear";
+  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
+  c10::cuda::CUDAGuard guard(input.device());
+  check_fp8_device(input, op);
+  TORCH_CHECK_VALUE(heuristic >= -2, op, ": heuristic must be -2 (auto), -1 or an index >= 0, got ", heuristic);
+  // cuBLASLt's FP8 kernels need 16-byte aligned operands.
+  const at::Tensor x = aligned16(input) ? input : input.clone();
+  const at::Tensor w = aligned16(weight) ? weight : weight.clone();
+  std::optional<at::Tensor> b = bias;
+  if (b.has_value() && b->defined() && !aligned16(*b)) b = b->clone();
+  auto out = at::empty({x.size(0), w.size(0)}, x.options().dtype(out_dtype));
+  core::Fp8LinearArgs a;
+  a.batch = x.size(0), a.in_features = x.size(1), a.out_features = w.size(0);
+  a.input = x.data_ptr();
+  a.input_format = fp8_format_of_dtype(x.scalar_type());
+  a.weight = w.data_ptr();
+  a.weight_format = fp8_format_of_dtype(w.scalar_type());
+  a.input_scale_inv = input_scale_inv.data_ptr<float>();
+  a.weight_scale_inv = weight_scale_inv.data_ptr<float>();
+  a.bias = (b.has_value() && b->defined()) ? b->data_ptr() : nullptr;
+  a.out = out.data_ptr();
+  a.fast_accum = fast_accum;
+  // -1 (unfused) has no meaning for a plain GEMM: like 'auto', cuBLASLt's first algorithm.
+  a.heuristic = static_cast<int>(heuristic);
+  const int device = x.get_device();
+  run_core([&] {
+    core::LinearContext ctx;
+    ctx.device = device;
+    ctx.dtype = core_dtype(out_dtype);
+    const std::size_t bytes = core::gemm_workspace_bytes(device);
+    auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+    ctx.workspace = core::Workspace{ws.data_ptr(), bytes};
+    ctx.stream = at::cuda::getCurrentCUDAStream(device).stream();
+    core::fp8_linear(ctx, a);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
+  m.impl("fp8_quantize", &fused_dense::fp8_quantize_cuda);
+  m.impl("fp8_linear", &fused_dense::fp8_linear_cuda);
+}

@@ -1,0 +1,231 @@
+// The FP8 ops: their schemas, argument checks, CPU reference kernels and Meta kernels (the CUDA
+// kernels: fp8_cuda.cpp). Per-tensor scaling, the rule of core/types.h (fp8_scale_from_amax).
+//
+//   fp8_quantize(input [R, C], pre_act?, activation, backward, fp8_format, scale?, rowwise,
+//                columnwise, column_sums)
+//       -> (data [R, C] or [0], data_t [C, pad16(R)] or [0], scale [], scale_inv [], amax [],
+//           column_sums [C] or [0])
+//     v = input, act(input) (backward false, activation > 0) or input * act'(pre_act) (backward);
+//     q = saturate(v * scale) in e4m3 (fp8_format 0) or e5m2 (1); scale None: current scaling from
+//     amax = max |v|, else delayed scaling with the given scale and amax recorded.
+//   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
+//              out_dtype, fast_accum, heuristic) -> out [B, N]
+//     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
+//     e5m2), K and N multiples of 16.
+#include <torch/library.h>
+
+#include "checks.h"
+#include "fp8_ops.h"
+
+namespace fused_dense {
+
+namespace {
+
+bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+void check_scalar_float(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must hold one element, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.device() == like.device(), op, ": ", name, " must be on ", like.device(), " (the input's device), got ",
+                    t.device());
+}
+
+}  // namespace
+
+core::Fp8Format fp8_format_of(int64_t code, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(code == 0 || code == 1, op, ": ", name, " must be 0 (e4m3) or 1 (e5m2), got ", code);
+  return static_cast<core::Fp8Format>(code);
+}
+
+at::ScalarType fp8_scalar_type(core::Fp8Format f) {
+  return f == core::Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+core::Fp8Format fp8_format_of_dtype(at::ScalarType t) {
+  return t == at::kFloat8_e4m3fn ? core::Fp8Format::kE4M3 : core::Fp8Format::kE5M2;
+}
+
+void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
+                        bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale) {
+  constexpr const char* op = "fused_dense::fp8_quantize";
+  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [rows, cols], got shape ", input.sizes());
+  const auto t = input.scalar_type();
+  TORCH_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, op,
+                    ": input must be float16, bfloat16 or float32, got ", t);
+  TORCH_CHECK_VALUE(input.is_contiguous(), op, ": input must be contiguous, got strides ", input.strides());
+  TORCH_CHECK_VALUE(input.size(1) % 8 == 0, op, ": input.size(1) (cols) must be a multiple of 8, got ", input.size(1));
+  TORCH_CHECK_VALUE(activation >= 0 && activation <= 3, op,
+                    ": activation must be 0 (none), 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
+                    activation_name(activation), ")");
+  fp8_format_of(fp8_format, op, "fp8_format");
+  const bool has_pre = pre_act.has_value() && pre_act->defined();
+  if (backward) {
+    TORCH_CHECK_VALUE(activation != 0, op, ": backward=True needs an activation (1, 2 or 3), got 0 (none)");
+    TORCH_CHECK_VALUE(has_pre, op, ": backward=True needs pre_act (the activation's input), got None");
+    TORCH_CHECK_VALUE(pre_act->sizes() == input.sizes(), op, ": pre_act must have input's shape ", input.sizes(),
+                      ", got ", pre_act->sizes());
+    TORCH_CHECK_VALUE(pre_act->scalar_type() == t, op, ": pre_act must have input's dtype ", t, ", got ",
+                      pre_act->scalar_type());
+    TORCH_CHECK_VALUE(pre_act->device() == input.device(), op, ": pre_act must be on ", input.device(), ", got ",
+                      pre_act->device());
+    TORCH_CHECK_VALUE(pre_act->is_contiguous(), op, ": pre_act must be contiguous, got strides ", pre_act->strides());
+  } else {
+    TORCH_CHECK_VALUE(!has_pre, op, ": pre_act is read only with backward=True; for the forward, input is the "
+                      "pre-activation");
+  }
+  if (scale.has_value() && scale->defined()) check_scalar_float(*scale, input, op, "scale");
+}
+
+void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                      const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                      at::ScalarType out_dtype) {
+  constexpr const char* op = "fused_dense::fp8_linear";
+  TORCH_CHECK_VALUE(input.dim() == 2 && weight.dim() == 2, op,
+                    ": input and weight must be 2-D ([batch, in_features], [out_features, in_features]), got shapes ",
+                    input.sizes(), " and ", weight.sizes());
+  TORCH_CHECK_VALUE(is_fp8(input.scalar_type()), op, ": input must be float8_e4m3fn or float8_e5m2, got ",
+                    input.scalar_type());
+  TORCH_CHECK_VALUE(is_fp8(weight.scalar_type()), op, ": weight must be float8_e4m3fn or float8_e5m2, got ",
+                    weight.scalar_type());
+  TORCH_CHECK_VALUE(!(input.scalar_type() == at::kFloat8_e5m2 && weight.scalar_type() == at::kFloat8_e5m2), op,
+                    ": input and weight cannot both be float8_e5m2 (no FP8 GEMM takes two e5m2 operands)");
+  TORCH_CHECK_VALUE(weight.size(1) == input.size(1), op, ": weight.size(1) must equal input.size(1) = ", input.size(1),
+                    " (in_features), got weight shape ", weight.sizes());
+  TORCH_CHECK_VALUE(input.size(1) % 16 == 0 && input.size(1) > 0, op,
+                    ": in_features must be a positive multiple of 16, got ", input.size(1));
+  TORCH_CHECK_VALUE(weight.size(0) % 16 == 0, op, ": out_features (weight.size(0)) must be a multiple of 16, got ",
+                    weight.size(0));
+  TORCH_CHECK_VALUE(input.is_contiguous() && weight.is_contiguous(), op,
+                    ": input and weight must be contiguous (K-major), got strides ", input.strides(), " and ",
+                    weight.strides());
+  TORCH_CHECK_VALUE(weight.device() == input.device(), op, ": weight must be on ", input.device(), ", got ",
+                    weight.device());
+  TORCH_CHECK_VALUE(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat, op,
+                    ": out_dtype must be float16, bfloat16 or float32, got ", out_dtype);
+  check_scalar_float(input_scale_inv, input, op, "input_scale_inv");
+  check_scalar_float(weight_scale_inv, input, op, "weight_scale_inv");
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must be 1-D of length ",
+                      weight.size(0), " (out_features), got shape ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->scalar_type() == out_dtype, op, ": bias must have out_dtype ", out_dtype, ", got ",
+                      bias->scalar_type());
+    TORCH_CHECK_VALUE(bias->device() == input.device() && bias->is_contiguous(), op, ": bias must be contiguous on ",
+                      input.device());
+  }
+}
+
+Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t fp8_format, bool rowwise, bool columnwise,
+                                     bool column_sums) {
+  const int64_t R = input.size(0), C = input.size(1);
+  const auto fp8 = fp8_scalar_type(static_cast<core::Fp8Format>(fp8_format));
+  const auto f8 = input.options().dtype(fp8);
+  const auto f32 = input.options().dtype(at::kFloat);
+  return {rowwise ? at::empty({R, C}, f8) : at::empty({0}, f8),
+          columnwise ? at::empty({C, core::fp8_padded_rows(R)}, f8) : at::empty({0}, f8),
+          at::empty({}, f32),
+          at::empty({}, f32),
+          at::empty({}, f32),
+          column_sums ? at::empty({C}, input.options()) : at::empty({0}, input.options())};
+}
+
+namespace {
+
+// v of the quantize pass, in fp32.
+at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
+                           bool backward) {
+  const at::Tensor x = input.to(at::kFloat);
+  const auto act = static_cast<ActivationCode>(activation);
+  if (backward) {
+    const at::Tensor p = pre_act->to(at::kFloat);
+    switch (act) {
+      case ActivationCode::kGeluTanh: return at::gelu_backward(x, p, "tanh");
+      case ActivationCode::kRelu: return x * (p > 0).to(at::kFloat);
+      default: return x * (2 * at::relu(p));
+    }
+  }
+  switch (act) {
+    case ActivationCode::kGeluTanh: return at::gelu(x, "tanh");
+    case ActivationCode::kRelu: return at::relu(x);
+    case ActivationCode::kSquaredRelu: return at::relu(x).square();
+    default: return x;
+  }
+}
+
+Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
+                                         int64_t activation, bool backward, int64_t fp8_format,
+                                         const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
+                                         bool column_sums) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+  const auto format = static_cast<core::Fp8Format>(fp8_format);
+  const float fmax = core::fp8_max(format);
+  const at::Tensor v = quantized_value(input, pre_act, activation, backward);
+  const auto f32 = input.options().dtype(at::kFloat);
+  const at::Tensor amax = v.numel() == 0 ? at::zeros({}, f32) : v.abs().max();
+  at::Tensor s;
+  if (scale.has_value() && scale->defined()) {
+    s = scale->reshape({}).clone();
+  } else {
+    // fp8_scale_from_amax: fp8_max / max(amax, kFp8MinAmax), NaN kept (clamp propagates it).
+    s = fmax / at::clamp(amax, core::kFp8MinAmax);
+  }
+  const at::Tensor q = at::clamp(v * s, -fmax, fmax).to(fp8_scalar_type(format));
+  const int64_t R = input.size(0), C = input.size(1);
+  at::Tensor data = rowwise ? q : at::empty({0}, input.options().dtype(fp8_scalar_type(format)));
+  at::Tensor data_t = at::empty({0}, data.options());
+  if (columnwise) {
+    at::Tensor t = at::zeros({C, core::fp8_padded_rows(R)}, f32);
+    t.narrow(1, 0, R).copy_(q.to(at::kFloat).t());
+    data_t = t.to(fp8_scalar_type(format));
+  }
+  at::Tensor sums = column_sums ? v.sum(0).to(input.scalar_type()) : at::empty({0}, input.options());
+  return {data, data_t, s, at::reciprocal(s), amax.reshape({}), sums};
+}
+
+at::Tensor fp8_linear_reference(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                                const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                                at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
+  (void)fast_accum;
+  (void)heuristic;
+  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
+  at::Tensor out = at::matmul(input.to(at::kFloat), weight.to(at::kFloat).t()) *
+                   (input_scale_inv.reshape({}) * weight_scale_inv.reshape({}));
+  if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);
+  return out.to(out_dtype);
+}
+
+Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
+                                    int64_t activation, bool backward, int64_t fp8_format,
+                                    const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
+                                    bool column_sums) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+  return empty_fp8_quantize(input, fp8_format, rowwise, columnwise, column_sums);
+}
+
+at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
+  (void)fast_accum;
+  (void)heuristic;
+  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
+  return at::empty({input.size(0), weight.size(0)}, input.options().dtype(out_dtype));
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
+  m.def("fp8_quantize(Tensor input, Tensor? pre_act, int activation, bool backward, int fp8_format, Tensor? scale, "
+        "bool rowwise, bool columnwise, bool column_sums) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
+        "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
+  m.impl("fp8_quantize", &fused_dense::fp8_quantize_reference);
+  m.impl("fp8_linear", &fused_dense::fp8_linear_reference);
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
+  m.impl("fp8_quantize", &fused_dense::fp8_quantize_meta);
+  m.impl("fp8_linear", &fused_dense::fp8_linear_meta);
+}

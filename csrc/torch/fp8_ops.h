@@ -1,0 +1,31 @@
+// The FP8 ops' shared pieces (fp8_ops.cpp: schemas, checks, CPU and Meta kernels; fp8_cuda.cpp:
+// CUDA kernels; fused_mlp.cpp and fp8_dense.cpp: the FP8 autograd of the MLP and of one linear).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "../core/types.h"
+
+namespace fused_dense {
+
+// (data, data_t, scale, scale_inv, amax, column_sums): fp8_ops.cpp's header comment.
+using Fp8QuantizeResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+core::Fp8Format fp8_format_of(int64_t code, const char* op, const char* name);
+at::ScalarType fp8_scalar_type(core::Fp8Format f);
+core::Fp8Format fp8_format_of_dtype(at::ScalarType t);  // float8_e4m3fn or float8_e5m2
+
+void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
+                        bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale);
+void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                      const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                      at::ScalarType out_dtype);
+
+// The outputs of fp8_quantize, allocated (Meta and CUDA share it).
+Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t fp8_format, bool rowwise, bool columnwise,
+                                     bool column_sums);
+
+}  // namespace fused_dense

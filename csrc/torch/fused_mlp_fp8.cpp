@@ -1,0 +1,387 @@
+// The FP8 autograd of the MLP (fused_mlp_fp8) and of one linear layer (fp8_dense), composed of the
+// FP8 ops (fp8_ops.cpp) through the dispatcher, so it serves CPU, CUDA and Meta alike. The MLP
+// follows the checkpoint rules of mlp_plan.h, the same plan as the bf16 MLP.
+//
+// Per step, with per-tensor scales (current: from each tensor's amax; delayed: `scales`):
+//   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient)
+//             pre = fp8_linear(xq, W1q) + b1                       (model dtype)
+//             aq = Q(act(pre)) (e4m3; + its transpose for fc2's weight gradient)
+//             out = fp8_linear(aq, W2q) + b2
+//   backward  gq = Q(grad_out) (grad_format; rowwise, transposed, column sums = grad of b2)
+//             d_act = fp8_linear(gq, W2q^T)                         (model dtype)
+//             dq = Q(d_act * act'(pre)) (grad_format; + transposed, column sums = grad of b1)
+//             grad_W2 = fp8_linear(gq^T, aq^T), grad_x = fp8_linear(dq, W1q^T),
+//             grad_W1 = fp8_linear(dq^T, xq^T)
+// The transposed copies are padded along the tokens to a multiple of 16 with zeros (the K of the
+// weight-gradient GEMMs). The weights' FP8 copies (data, data^T, scale_inv) come in as arguments:
+// the caller makes them once per optimizer step and may reuse them across micro-batches.
+// The forward GEMMs use Hopper's fast FP8 accumulation, the gradient GEMMs the precise one.
+// Level 1 rebuilds aq^T from pre, level 2 re-runs fc1 from xq: both with the forward's scales,
+// so the rebuilt tensors are the forward's bits and no amax is recorded again.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "fp8_ops.h"
+#include "mlp_plan.h"
+#include "op_calls.h"
+
+namespace fused_dense {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using Opt = std::optional<at::Tensor>;
+
+constexpr int64_t kE4M3 = static_cast<int64_t>(core::Fp8Format::kE4M3);
+
+Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
+
+// One quantized tensor: what the GEMMs and the rebuilds read.
+struct Q {
+  at::Tensor data, data_t, scale, scale_inv, amax, sums;
+};
+
+Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool backward, int64_t format,
+           const Opt& scale, bool rowwise, bool columnwise, bool column_sums) {
+  auto [d, t, s, si, a, c] = op_calls::fp8_quantize(input, pre_act, activation, backward, format, scale, rowwise,
+                                                     columnwise, column_sums);
+  return Q{d, t, s, si, a, c};
+}
+
+// The slot of a delayed-scaling scale, or none (current scaling).
+Opt slot(const Opt& scales, int64_t i) {
+  if (!scales.has_value() || !scales->defined()) return std::nullopt;
+  return scales->select(0, i);
+}
+
+void record_amax(const Opt& amax_out, int64_t i, const at::Tensor& amax) {
+  if (amax_out.has_value() && amax_out->defined()) amax_out->select(0, i).copy_(amax);
+}
+
+void check_vector(const Opt& t, int64_t n, const at::Tensor& x, const char* op, const char* name) {
+  if (!t.has_value() || !t->defined()) return;
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kFloat, op, ": ", name,
+                    " must be a float32 vector of ", n, " elements, got ", t->scalar_type(), " of shape ", t->sizes());
+  TORCH_CHECK_VALUE(t->device() == x.device(), op, ": ", name, " must be on ", x.device(), ", got ", t->device());
+}
+
+// The scaling state an FP8 Function keeps for backward (not differentiable inputs: kept as values).
+void save_scaling(AutogradContext* ctx, const Opt& scales, const Opt& amax_out) {
+  ctx->saved_data["scales"] = scales.has_value() ? c10::IValue(*scales) : c10::IValue();
+  ctx->saved_data["amax_out"] = amax_out.has_value() ? c10::IValue(*amax_out) : c10::IValue();
+}
+
+std::pair<Opt, Opt> saved_scaling(AutogradContext* ctx) {
+  const auto opt_of = [](const c10::IValue& i) { return i.isTensor() ? Opt(i.toTensor()) : std::nullopt; };
+  return {opt_of(ctx->saved_data["scales"]), opt_of(ctx->saved_data["amax_out"])};
+}
+
+// A weight's FP8 copies, made by fp8_quantize(weight, rowwise and columnwise).
+struct Fp8Weight {
+  at::Tensor data, data_t, scale_inv;
+};
+
+Fp8Weight weight_at(at::TensorList w, size_t i, const at::Tensor& weight, const char* op) {
+  const at::Tensor& d = w[3 * i];
+  const at::Tensor& t = w[3 * i + 1];
+  const at::Tensor& s = w[3 * i + 2];
+  TORCH_CHECK_VALUE(d.sizes() == weight.sizes(), op, ": weights_fp8[", 3 * i, "] must be weight", i + 1,
+                    "'s FP8 copy of shape ", weight.sizes(), ", got ", d.sizes());
+  TORCH_CHECK_VALUE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": weights_fp8[", 3 * i + 2,
+                    "] must be weight", i + 1, "'s float32 scale_inv, got ", s.scalar_type(), " of shape ", s.sizes());
+  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && t.scalar_type() == at::kFloat8_e4m3fn, op,
+                    ": weights_fp8 must hold float8_e4m3fn weights, got ", d.scalar_type(), " and ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == weight.size(1) && t.size(1) == weight.size(0), op,
+                    ": weights_fp8[", 3 * i + 1, "] must be weight", i + 1, "'s transposed FP8 copy [", weight.size(1),
+                    ", ", weight.size(0), "] (FP8 layers need widths that are multiples of 16), got ", t.sizes());
+  return Fp8Weight{d, t, s};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The MLP
+
+constexpr const char* kMlpOp = "fused_dense::fused_mlp_fp8";
+
+struct Fp8MlpConfig {
+  int64_t activation = 1, checkpoint_lvl = 0, grad_format = 1;
+};
+
+// What the forward keeps (beyond weights and biases).
+struct Fp8MlpSaved {
+  at::Tensor x_data, x_t, x_scale_inv;  // x_data: level 2 only
+  at::Tensor pre;                       // keep_pre
+  at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
+};
+
+void check_mlp(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& weight2, int64_t activation,
+               int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+  TORCH_CHECK_VALUE(x.dim() == 2, kMlpOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(weight1.dim() == 2 && weight2.dim() == 2, kMlpOp, ": weight1 and weight2 must be 2-D, got shapes ",
+                    weight1.sizes(), " and ", weight2.sizes());
+  TORCH_CHECK_VALUE(weight1.size(1) == x.size(1), kMlpOp, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
+                    ", got weight1 shape ", weight1.sizes());
+  TORCH_CHECK_VALUE(weight2.size(1) == weight1.size(0), kMlpOp, ": weight2.size(1) must equal weight1.size(0) = ",
+                    weight1.size(0), ", got weight2 shape ", weight2.sizes());
+  TORCH_CHECK_VALUE(activation >= 1 && activation <= 3, kMlpOp,
+                    ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu) in FP8, got ", activation, " (",
+                    activation_name(activation), ")");
+  fp8_format_of(grad_format, kMlpOp, "grad_format");
+  check_vector(scales, 4, x, kMlpOp, "scales");
+  check_vector(amax_out, 4, x, kMlpOp, "amax_out");
+}
+
+at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor& x, const Fp8Weight& w1,
+                       const Opt& b1, const Fp8Weight& w2, const Opt& b2, const Opt& scales, const Opt& amax_out,
+                       Fp8MlpSaved* s) {
+  const auto dtype = x.scalar_type();
+  const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, p.need.w1, false);
+  record_amax(amax_out, 0, xq.amax);
+  const at::Tensor pre = op_calls::fp8_linear(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype, true, -2);
+  const Q aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, p.keep_act_out, false);
+  record_amax(amax_out, 1, aq.amax);
+  at::Tensor out = op_calls::fp8_linear(aq.data, w2.data, aq.scale_inv, w2.scale_inv, b2, dtype, true, -2);
+  if (s != nullptr) {
+    s->x_data = p.recompute_fc1 ? xq.data : at::Tensor();
+    s->x_t = p.need.w1 ? xq.data_t : at::Tensor();
+    s->x_scale_inv = xq.scale_inv;
+    s->pre = p.keep_pre ? pre : at::Tensor();
+    s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
+    s->a_scale = aq.scale;
+    s->a_scale_inv = aq.scale_inv;
+  }
+  return out;
+}
+
+struct Fp8MlpGrads {
+  at::Tensor x, w1, b1, w2, b2;
+};
+
+Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor& g, const Fp8Weight& w1,
+                         const Opt& b1, const Fp8Weight& w2, const at::ScalarType weight_dtype, Fp8MlpSaved s,
+                         const Opt& scales, const Opt& amax_out) {
+  Fp8MlpGrads r;
+  const auto dtype = g.scalar_type();
+  if (p.recompute_fc1) {
+    s.pre = op_calls::fp8_linear(s.x_data, w1.data, s.x_scale_inv, w1.scale_inv, b1, dtype, true, -2);
+  }
+  if (p.need_act_out && !s.a_t.defined()) {
+    // Levels 1 and 2: the forward's transposed activation, rebuilt with the forward's scale.
+    s.a_t = quantize(s.pre, std::nullopt, c.activation, false, kE4M3, s.a_scale, false, true, false).data_t;
+  }
+  const Q gq = quantize(g, std::nullopt, 0, false, c.grad_format, slot(scales, 2), p.need_d_pre, p.need.w2, p.need.b2);
+  record_amax(amax_out, 2, gq.amax);
+  if (p.need.b2) r.b2 = gq.sums;
+  if (p.need.w2) r.w2 = op_calls::fp8_linear(gq.data_t, s.a_t, gq.scale_inv, s.a_scale_inv, std::nullopt,
+                                             weight_dtype, false, -2);
+  if (p.need_d_pre) {
+    const at::Tensor d_act =
+        op_calls::fp8_linear(gq.data, w2.data_t, gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
+    const Q dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), p.need.x, p.need.w1,
+                          p.need.b1);
+    record_amax(amax_out, 3, dq.amax);
+    if (p.need.b1) r.b1 = dq.sums;
+    if (p.need.x)
+      r.x = op_calls::fp8_linear(dq.data, w1.data_t, dq.scale_inv, w1.scale_inv, std::nullopt, dtype, false, -2);
+    if (p.need.w1)
+      r.w1 = op_calls::fp8_linear(dq.data_t, s.x_t, dq.scale_inv, s.x_scale_inv, std::nullopt, weight_dtype, false,
+                                  -2);
+  }
+  return r;
+}
+
+struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Function> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
+                            const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
+                            at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const bool has_b1 = bias1.has_value() && bias1->defined(), has_b2 = bias2.has_value() && bias2->defined();
+    size_t edge = 0;
+    MlpNeeds need;
+    need.x = ctx->needs_input_grad(edge++);
+    need.w1 = ctx->needs_input_grad(edge++);
+    need.b1 = has_b1 && ctx->needs_input_grad(edge++);
+    need.w2 = ctx->needs_input_grad(edge++);
+    need.b2 = has_b2 && ctx->needs_input_grad(edge++);
+    const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
+    const MlpPlan p = make_plan(activation, checkpoint_lvl, need, kMlpOp);
+    const Fp8Weight w1 = weight_at(weights_fp8, 0, weight1, kMlpOp), w2 = weight_at(weights_fp8, 1, weight2, kMlpOp);
+    Fp8MlpSaved s;
+    at::Tensor out = mlp_forward(p, c, x, w1, bias1, w2, bias2, scales, amax_out, &s);
+    ctx->saved_data["needs"] = c10::List<bool>({need.x, need.w1, need.b1, need.w2, need.b2});
+    ctx->saved_data["config"] = c10::List<int64_t>({activation, checkpoint_lvl, grad_format});
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight1.scalar_type());
+    // The FP8 weight copies and the scaling state are not differentiable inputs: kept as values.
+    ctx->saved_data["w1"] = c10::List<at::Tensor>({w1.data, w1.data_t, w1.scale_inv});
+    ctx->saved_data["w2"] = c10::List<at::Tensor>({w2.data, w2.data_t, w2.scale_inv});
+    save_scaling(ctx, scales, amax_out);
+    ctx->save_for_backward({p.save_b1 && has_b1 ? *bias1 : at::Tensor(), s.x_data, s.x_t, s.x_scale_inv, s.pre, s.a_t,
+                            s.a_scale, s.a_scale_inv});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kMlpOp, ": double backward (create_graph=True) is not supported");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto v = ctx->get_saved_variables();
+    const auto flags = ctx->saved_data["needs"].toBoolList();
+    const MlpNeeds need{flags.get(0), flags.get(1), flags.get(2), flags.get(3), flags.get(4)};
+    const auto cfg = ctx->saved_data["config"].toIntList();
+    const Fp8MlpConfig c{cfg.get(0), cfg.get(1), cfg.get(2)};
+    const MlpPlan p = make_plan(c.activation, c.checkpoint_lvl, need, kMlpOp);
+    const auto l1 = ctx->saved_data["w1"].toTensorList(), l2 = ctx->saved_data["w2"].toTensorList();
+    const Fp8Weight w1{l1.get(0), l1.get(1), l1.get(2)}, w2{l2.get(0), l2.get(1), l2.get(2)};
+    const auto [scales, amax_out] = saved_scaling(ctx);
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
+    const at::Tensor g = grad_outputs[0].contiguous();
+    Fp8MlpGrads r = mlp_backward(p, c, g, w1, opt(v[0]), w2, weight_dtype, s, scales, amax_out);
+    // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
+    // weight2, bias2, then activation, checkpoint_lvl, the 6 FP8 weight tensors, grad_format,
+    // scales and amax_out, none of which has a gradient.
+    variable_list grads{r.x, r.w1, r.b1, r.w2, r.b2};
+    grads.resize(5 + 2 + 6 + 3);
+    return grads;
+  }
+};
+
+at::Tensor fused_mlp_fp8_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
+                                 const at::Tensor& weight2, const Opt& bias2, int64_t activation,
+                                 int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
+                                 const Opt& scales, const Opt& amax_out) {
+  check_mlp(x, weight1, weight2, activation, grad_format, scales, amax_out);
+  TORCH_CHECK_VALUE(weights_fp8.size() == 6, kMlpOp, ": weights_fp8 must hold 6 tensors (data, data_t, scale_inv of "
+                    "weight1, then of weight2), got ", weights_fp8.size());
+  const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kMlpOp);
+  const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
+  return mlp_forward(p, c, x, weight_at(weights_fp8, 0, weight1, kMlpOp), bias1, weight_at(weights_fp8, 1, weight2, kMlpOp),
+                     bias2, scales, amax_out, nullptr);
+}
+
+at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
+                                  const at::Tensor& weight2, const Opt& bias2, int64_t activation,
+                                  int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
+                                  const Opt& scales, const Opt& amax_out) {
+  check_mlp(x, weight1, weight2, activation, grad_format, scales, amax_out);
+  check_mlp_codes(activation, checkpoint_lvl, kMlpOp);
+  TORCH_CHECK_VALUE(weights_fp8.size() == 6, kMlpOp, ": weights_fp8 must hold 6 tensors (data, data_t, scale_inv of "
+                    "weight1, then of weight2), got ", weights_fp8.size());
+  const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight1.requires_grad() || requires(bias1) ||
+                                       weight2.requires_grad() || requires(bias2))) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fused_mlp_fp8_forward(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, weights_fp8,
+                                 grad_format, scales, amax_out);
+  }
+  return FusedMLPFp8Function::apply(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, weights_fp8,
+                                    grad_format, scales, amax_out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One linear layer
+
+constexpr const char* kDenseOp = "fused_dense::fp8_dense";
+
+void check_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad_format, const Opt& scales,
+                 const Opt& amax_out, at::TensorList weights_fp8) {
+  TORCH_CHECK_VALUE(x.dim() == 2, kDenseOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), kDenseOp,
+                    ": weight must be [out_features, in_features = ", x.size(1), "], got shape ", weight.sizes());
+  fp8_format_of(grad_format, kDenseOp, "grad_format");
+  check_vector(scales, 2, x, kDenseOp, "scales");
+  check_vector(amax_out, 2, x, kDenseOp, "amax_out");
+  TORCH_CHECK_VALUE(weights_fp8.size() == 3, kDenseOp,
+                    ": weights_fp8 must hold 3 tensors (the weight's data, data_t, scale_inv), got ", weights_fp8.size());
+}
+
+struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Opt& bias,
+                            at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const bool has_b = bias.has_value() && bias->defined();
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = has_b && ctx->needs_input_grad(2);
+    const Fp8Weight w = weight_at(weights_fp8, 0, weight, kDenseOp);
+    const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, need_w, false);
+    record_amax(amax_out, 0, xq.amax);
+    at::Tensor out = op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
+    ctx->saved_data["needs"] = c10::List<bool>({need_x, need_w, need_b});
+    ctx->saved_data["grad_format"] = grad_format;
+    ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["w"] = c10::List<at::Tensor>({w.data, w.data_t, w.scale_inv});
+    save_scaling(ctx, scales, amax_out);
+    ctx->save_for_backward({need_w ? xq.data_t : at::Tensor(), xq.scale_inv});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kDenseOp, ": double backward (create_graph=True) is not supported");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto v = ctx->get_saved_variables();
+    const auto needs = ctx->saved_data["needs"].toBoolList();
+    const bool need_x = needs.get(0), need_w = needs.get(1), need_b = needs.get(2);
+    const int64_t grad_format = ctx->saved_data["grad_format"].toInt();
+    const auto wl = ctx->saved_data["w"].toTensorList();
+    const auto [scales, amax_out] = saved_scaling(ctx);
+    const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
+    const at::Tensor g = grad_outputs[0].contiguous();
+    const Q gq = quantize(g, std::nullopt, 0, false, grad_format, slot(scales, 1), need_x, need_w, need_b);
+    record_amax(amax_out, 1, gq.amax);
+    at::Tensor gx, gw, gb;
+    if (need_x)
+      gx = op_calls::fp8_linear(gq.data, wl.get(1), gq.scale_inv, wl.get(2), std::nullopt, g.scalar_type(), false, -2);
+    if (need_w) gw = op_calls::fp8_linear(gq.data_t, v[0], gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
+    if (need_b) gb = gq.sums;
+    // x, weight, bias, then the 3 FP8 weight tensors, grad_format, scales and amax_out (no gradients)
+    variable_list grads{gx, gw, gb};
+    grads.resize(3 + 3 + 3);
+    return grads;
+  }
+};
+
+at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
+                             int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+  check_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
+  const Fp8Weight w = weight_at(weights_fp8, 0, weight, kDenseOp);
+  const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, false, false);
+  record_amax(amax_out, 0, xq.amax);
+  return op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
+}
+
+at::Tensor fp8_dense_autograd(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
+                              int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+  check_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
+  const bool b_grad = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || b_grad)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fp8_dense_forward(x, weight, bias, weights_fp8, grad_format, scales, amax_out);
+  }
+  return Fp8DenseFunction::apply(x, weight, bias, weights_fp8, grad_format, scales, amax_out);
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
+  // FP8 fc2(act(fc1(x))) with a C++ derivative; activation 1, 2 or 3; checkpoint_lvl 0 / 1 / 2;
+  // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3);
+  // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
+  // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward).
+  m.def("fused_mlp_fp8(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
+        "int checkpoint_lvl, Tensor[] weights_fp8, int grad_format, Tensor? scales, Tensor(a!)? amax_out) -> Tensor");
+  // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv];
+  // scales / amax_out: [x, grad_out].
+  m.def("fp8_dense(Tensor x, Tensor weight, Tensor? bias, Tensor[] weights_fp8, int grad_format, Tensor? scales, "
+        "Tensor(a!)? amax_out) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, CompositeExplicitAutograd, m) {
+  m.impl("fused_mlp_fp8", &fused_dense::fused_mlp_fp8_forward);
+  m.impl("fp8_dense", &fused_dense::fp8_dense_forward);
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, Autograd, m) {
+  m.impl("fused_mlp_fp8", &fused_dense::fused_mlp_fp8_autograd);
+  m.impl("fp8_dense", &fused_dense::fp8_dense_autograd);
+}

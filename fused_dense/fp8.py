@@ -1,0 +1,252 @@
+"""FP8 training on Hopper (compute capability 8.9+): recipes, the scaling state a layer keeps, and
+the ways in.
+
+A layer in FP8 keeps its master weights (and so the optimizer state) in the model's dtype. Each
+step quantizes, per tensor, the input, the activation between the MLP's GEMMs, the output
+gradient and the gradient at the activation, and runs the six GEMMs in FP8 with outputs in the
+model's dtype (csrc/torch/fused_mlp_fp8.cpp has the dataflow). Weights are quantized from their
+own amax when their FP8 copy is made, under either recipe; activations and gradients follow the
+recipe:
+
+* ``Float8Recipe(scaling='current')``: each tensor's scale comes from its own amax in the same
+  step (one extra read of the tensor), as torchao's ``tensorwise`` float8. Stateless.
+* ``Float8Recipe(scaling='delayed')``: the scale comes from the amax history of earlier steps
+  (``amax_history_len`` steps, their max or the most recent), as TransformerEngine's delayed
+  scaling; the amax of this step is recorded while quantizing. The history, the scales and the
+  latest amaxes are buffers of the layer (``fp8_amax_history``, ``fp8_scales``, ``fp8_amax``),
+  so ``state_dict`` saves and restores them. Before any amax is recorded the scale is 1.
+
+Activations and weights are e4m3; gradients e5m2 (``grad_format='e5m2'``, the default) or e4m3.
+Values beyond the format's range saturate to its largest finite value; a NaN makes the
+quantized tensor NaN (current scaling: the whole tensor, through its scale).
+
+Ways in: the ``fp8=`` argument of :class:`FusedDense` and :class:`FusedMLP` (a recipe, or
+``True`` for the default recipe), :func:`fp8_autocast` around the forward, or
+:func:`convert_to_fp8` over a whole model. Whether a layer runs in FP8 never depends on the batch:
+it is the user's choice, narrowed by the recipe's size rule (``min_features``: a layer whose
+smallest width is below it stays in the model's dtype; 0 forces FP8 everywhere).
+
+The FP8 copy of the weights is made on every call by default. ``forward(x, is_first_microbatch=
+True)`` makes it and keeps it, ``is_first_microbatch=False`` reuses the kept copy (gradient
+accumulation: one cast per optimizer step). The argument is explicit, so CUDA graphs and
+torch.compile see no hidden host state.
+"""
+import dataclasses
+import threading
+import warnings
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = ["Float8Recipe", "fp8_autocast", "convert_to_fp8", "DEFAULT_MIN_FEATURES"]
+
+# The size rule's default: layers narrower than this stay in the model's dtype (bench/fp8.py's
+# run of record, docs/results/fp8-*.md, shows where FP8 wins on the H200).
+DEFAULT_MIN_FEATURES = 2048
+
+_FORMATS = {"e4m3": 0, "e5m2": 1}
+_FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Recipe:
+    """How a layer runs in FP8.
+
+    Args:
+        scaling: ``'current'`` (each tensor scaled from its own amax) or ``'delayed'`` (from the
+            amax history of earlier steps).
+        grad_format: FP8 format of the gradients, ``'e5m2'`` or ``'e4m3'``.
+        amax_history_len: steps of amax history (delayed scaling).
+        amax_compute: ``'max'`` (the history's max) or ``'most_recent'`` (delayed scaling).
+        min_features: the size rule: FP8 only where every width of the layer is at least this.
+    """
+
+    scaling: str = "current"
+    grad_format: str = "e5m2"
+    amax_history_len: int = 16
+    amax_compute: str = "max"
+    min_features: int = DEFAULT_MIN_FEATURES
+
+    def __post_init__(self):
+        if self.scaling not in ("current", "delayed"):
+            raise ValueError(f"Float8Recipe: scaling must be 'current' or 'delayed', got {self.scaling!r}")
+        if self.grad_format not in _FORMATS:
+            raise ValueError(f"Float8Recipe: grad_format must be 'e5m2' or 'e4m3', got {self.grad_format!r}")
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"Float8Recipe: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(f"Float8Recipe: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
+        if not isinstance(self.min_features, int) or self.min_features < 0:
+            raise ValueError(f"Float8Recipe: min_features must be an int >= 0, got {self.min_features!r}")
+
+    @property
+    def grad_format_code(self) -> int:
+        return _FORMATS[self.grad_format]
+
+    def applies(self, widths: Sequence[int]) -> bool:
+        """Whether a layer of these widths runs in FP8 under this recipe (the size rule)."""
+        return min(widths) >= self.min_features
+
+
+def resolve_recipe(fp8: Union[None, bool, Float8Recipe]) -> Optional[Float8Recipe]:
+    """A layer's ``fp8`` argument as a recipe: its own, else :func:`fp8_autocast`'s, else None."""
+    if fp8 is None or fp8 is False:
+        return _AUTOCAST[0]
+    if fp8 is True:
+        return Float8Recipe()
+    if isinstance(fp8, Float8Recipe):
+        return fp8
+    raise TypeError(f"fp8 must be None, a bool or a fused_dense.Float8Recipe, got {type(fp8).__name__}")
+
+
+def check_fp8_argument(fp8) -> None:
+    if not (fp8 is None or isinstance(fp8, (bool, Float8Recipe))):
+        raise TypeError(f"fp8 must be None, a bool or a fused_dense.Float8Recipe, got {type(fp8).__name__}")
+
+
+# The recipe of the innermost active fp8_autocast (process-wide, as torch's autocast state is
+# per thread: set and restored under the lock).
+_AUTOCAST: List[Optional[Float8Recipe]] = [None]
+_AUTOCAST_LOCK = threading.Lock()
+
+
+class fp8_autocast:
+    """Run every FusedDense / FusedMLP whose ``fp8`` argument is unset in FP8 inside the block
+    (``recipe`` or the default recipe), as TransformerEngine's ``fp8_autocast``. ``enabled=False``
+    turns an outer block off. The state is process-wide."""
+
+    def __init__(self, enabled: bool = True, recipe: Optional[Float8Recipe] = None):
+        if recipe is not None and not isinstance(recipe, Float8Recipe):
+            raise TypeError(f"fp8_autocast: recipe must be a fused_dense.Float8Recipe, got {type(recipe).__name__}")
+        self._recipe = (recipe or Float8Recipe()) if enabled else None
+        self._saved = None
+
+    def __enter__(self):
+        with _AUTOCAST_LOCK:
+            self._saved = _AUTOCAST[0]
+            _AUTOCAST[0] = self._recipe
+        return self
+
+    def __exit__(self, *exc):
+        with _AUTOCAST_LOCK:
+            _AUTOCAST[0] = self._saved
+        return False
+
+
+def convert_to_fp8(model: torch.nn.Module, recipe: Optional[Float8Recipe] = None) -> torch.nn.Module:
+    """Set ``recipe`` (default: ``Float8Recipe()``) on every FusedDense, FusedMLP and tensor-parallel
+    layer of ``model``, in place; returns the model. ``nn.Linear`` layers that are not fused_dense
+    layers are left alone."""
+    from .modules import FusedDense, FusedMLP
+
+    recipe = recipe or Float8Recipe()
+    kinds = [FusedDense, FusedMLP]
+    try:
+        from .parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear
+
+        kinds += [ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP]
+    except ImportError:  # torch.distributed unavailable
+        pass
+    for module in model.modules():
+        if isinstance(module, tuple(kinds)):
+            module.fp8 = recipe
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# The per-layer state and the calls of the ops
+
+
+def quantize_weight(weight: Tensor) -> List[Tensor]:
+    """The FP8 copies of a weight [N, K] (e4m3, scaled from its amax): [data, data_t, scale_inv]."""
+    data, data_t, _, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(
+        weight.detach().contiguous(), None, 0, False, 0, None, True, True, False)
+    return [data, data_t, scale_inv]
+
+
+class Fp8State:
+    """What a layer keeps for FP8: the kept weight copies (is_first_microbatch) and, for delayed
+    scaling, its scaling buffers (registered on the layer, so state_dict holds them). ``slots``
+    names the tensors the op scales, in the op's order."""
+
+    def __init__(self, slots: Sequence[str]):
+        self.slots = tuple(slots)
+        self.weights: Optional[List[Tensor]] = None
+
+    def weight_copies(self, weights: Sequence[Tensor], is_first_microbatch: Optional[bool]) -> List[Tensor]:
+        if is_first_microbatch is False:
+            if self.weights is None:
+                raise ValueError("is_first_microbatch=False reuses the FP8 weights kept by an earlier call with "
+                                 "is_first_microbatch=True, but none are kept")
+            return self.weights
+        copies = [t for w in weights for t in quantize_weight(w)]
+        self.weights = copies if is_first_microbatch else None
+        return copies
+
+
+def ensure_delayed_buffers(module: torch.nn.Module, recipe: Float8Recipe, slots: Sequence[str],
+                           device: torch.device) -> None:
+    """Register the delayed-scaling buffers where missing (or of another history length or
+    device): history zeros, scales 1, amaxes zeros. Buffers loaded from a state_dict are kept."""
+    n = len(slots)
+    device = torch.device(device)
+    key = (recipe.amax_history_len, recipe.grad_format, str(device))
+    if getattr(module, "_fp8_buffer_key", None) == key:
+        return
+    hist = getattr(module, "fp8_amax_history", None)
+    if hist is None or tuple(hist.shape) != (recipe.amax_history_len, n) or hist.device != device:
+        f32 = {"dtype": torch.float32, "device": device}
+        module.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, n, **f32))
+        module.register_buffer("fp8_scales", torch.ones(n, **f32))
+        module.register_buffer("fp8_amax", torch.zeros(n, **f32))
+    module.register_buffer("fp8_format_max", fp8_max_of_slots(recipe, slots, device), persistent=False)
+    module._fp8_buffer_key = key
+
+
+def fp8_max_of_slots(recipe: Float8Recipe, slots: Sequence[str], device) -> Tensor:
+    return torch.tensor([_FORMAT_MAX[recipe.grad_format if s.startswith("grad") else "e4m3"] for s in slots],
+                        dtype=torch.float32, device=device)
+
+
+def delayed_scales(module: torch.nn.Module, recipe: Float8Recipe, slots: Sequence[str]) -> Tensor:
+    """Push the latest amaxes into the history, derive this step's scales (kept where no amax has
+    been recorded, or the amax is not finite), and return a copy of them for the op."""
+    hist, amax, scales = module.fp8_amax_history, module.fp8_amax, module.fp8_scales
+    with torch.no_grad():
+        hist.copy_(torch.roll(hist, 1, 0))
+        hist[0].copy_(amax)
+        ref = hist.amax(0) if recipe.amax_compute == "max" else hist[0]
+        fmax = module.fp8_format_max
+        ok = torch.isfinite(ref) & (ref > 0)
+        scales.copy_(torch.where(ok, fmax / torch.where(ok, ref, torch.ones_like(ref)), scales))
+    return scales.clone()
+
+
+MLP_SLOTS = ("x", "act", "grad_out", "grad_pre")
+DENSE_SLOTS = ("x", "grad_out")
+
+
+def torchao_converted(linear: torch.nn.Module) -> bool:
+    """Whether torchao's float8 conversion replaced this nn.Linear (its Float8Linear)."""
+    return type(linear).__name__ == "Float8Linear" and type(linear).__module__.startswith("torchao")
+
+
+_TORCHAO_WARNED = [False]
+
+
+def warn_torchao_once() -> None:
+    if not _TORCHAO_WARNED[0]:
+        _TORCHAO_WARNED[0] = True
+        warnings.warn("fused_dense: torchao's convert_to_float8_training replaced fc1 / fc2 of a FusedMLP; the "
+                      "FusedMLP runs them in fused_dense's FP8 (current scaling, as torchao's tensorwise). Set "
+                      "FusedMLP(fp8=...) or fused_dense.convert_to_fp8 instead to choose the recipe.", stacklevel=3)
+
+
+def activation_code(activation: str) -> int:
+    code = ops.activation_code(activation)
+    if code not in (1, 2, 3):
+        raise ValueError(f"FP8 runs the activations 'gelu_approx', 'relu' and 'sqrelu', got {activation!r}")
+    return code
