@@ -1,7 +1,8 @@
-"""What ran: GPU, driver, torch, CUDA, cuBLASLt and triton versions, the source tree id."""
+"""What ran: GPU, driver, torch, CUDA, cuBLASLt, triton and torchao versions, the source tree id."""
 import ctypes
 import datetime
 import glob
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -67,12 +68,21 @@ def _version(module):
         return None
 
 
+def _dist_version(name):
+    """An installed distribution's version without importing it (None if not installed)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment(device, argv, commit=None, fused_dense_import_error=None):
     env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "argv": argv, "python": platform.python_version(), "platform": platform.platform(),
            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "device": str(device),
            "fused_dense_import_error": fused_dense_import_error, "triton": _version("triton"),
-           "flash_attn": _version("flash_attn"), "fused_dense": _version("fused_dense")}
+           "flash_attn": _version("flash_attn"), "fused_dense": _version("fused_dense"),
+           "torchao": _dist_version("torchao")}
     try:
         import fused_dense
         env["fused_dense_cuda_kernels"] = bool(fused_dense.has_cuda_kernels())

@@ -23,6 +23,23 @@ COLORS = {"floor": "#9e9e9e", "eager": "#ef6c00", "compile": "#c62828", "auto_l0
           "flash_attn": "#6a1b9a", "liger": "#6a1b9a", "fused_l0": "#1565c0", "fused_l1": "#42a5f5",
           "fused_l2": "#90caf9", "fused_eager": "#1565c0", "fused_compile": "#42a5f5"}
 ORDER = list(LABELS)
+# the fp8 section's variants, in its tables' and chart's order ("fused": FusedMLP, or FusedDense in the Linear block)
+FP8_LABELS = {"fp8_floor": "FP8 GEMMs (floor)", "bf16_floor": "bf16 GEMMs", "eager": "eager PyTorch",
+              "fused_bf16": "fused bf16", "fused_fp8_current": "fused FP8 current",
+              "fused_fp8_delayed": "fused FP8 delayed", "fused_fp8_current_cached": "fused FP8 current, cached",
+              "fused_fp8_delayed_cached": "fused FP8 delayed, cached", "torchao_tensorwise": "torchao tensorwise",
+              "torchao_rowwise": "torchao rowwise", "compile_bf16": "torch.compile bf16"}
+FP8_ORDER = list(FP8_LABELS)
+LABELS.update(FP8_LABELS)
+COLORS.update({"fp8_floor": "#616161", "bf16_floor": "#bdbdbd", "fused_bf16": "#1565c0",
+               "fused_fp8_current": "#2e7d32", "fused_fp8_delayed": "#00838f", "fused_fp8_current_cached": "#81c784",
+               "fused_fp8_delayed_cached": "#4dd0e1", "torchao_tensorwise": "#6a1b9a", "torchao_rowwise": "#ba68c8",
+               "compile_bf16": "#c62828"})
+# the fp8 targets: torchao tensorwise's time / the fused FP8 variant's at least this
+FP8_TARGETS = {(8192, 4096): {"fused_fp8_current": 1.15, "fused_fp8_delayed": 1.20},
+               (16384, 8192): {"fused_fp8_current": 1.10, "fused_fp8_delayed": 1.15}}
+FP8_DENSE_TARGETS = {(16384, 8192, 8192): 1.05}
+FLOOR_KEYS = ("fp8_floor", "bf16_floor")
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}  # relative error, docs/contract.md
 ACT = {"gelu_approx": "gelu", "relu": "relu", "sqrelu": "sqrelu", "swiglu": "swiglu", "geglu": "geglu"}
 # the gated MLP's targets: FusedGatedMLP's time / the floor's at most this, per (M, d, h)
@@ -51,9 +68,9 @@ def _cfg(r):
     return f"{r['dtype']} {ACT.get(r['activation'], r['activation'])}"
 
 
-def _keys(records):
+def _keys(records, order=ORDER):
     keys = list(dict.fromkeys(k for r in records for k in r["variants"]))
-    return sorted(keys, key=lambda k: ORDER.index(k) if k in ORDER else 99)
+    return sorted(keys, key=lambda k: order.index(k) if k in order else 99)
 
 
 def _same_shape(records, r):
@@ -192,6 +209,17 @@ def _sustained(res):
     return L
 
 
+def _detail_cells(v, ratios):
+    """'ms | p20–p80 | TF/s | <ratios> | saved MiB | peak Δ MiB | err out | err dx' of a measured variant."""
+    mem, re = v.get("memory", {}), v.get("rel_err", {})
+
+    def mib(key):
+        return _f(mem.get(key) and mem[key] / MIB, "{:.1f}")
+    return " | ".join([f"{v['ms']:.3f}", f"{_f(v.get('p20'))}–{_f(v.get('p80'))}", f"{v['tflops']:.0f}",
+                       *(_f(v.get(k)) for k in ratios), mib("saved_bytes"), mib("peak_delta_bytes"),
+                       _f(re.get("out"), "{:.1e}"), _f(re.get("dx"), "{:.1e}")])
+
+
 def gated_targets(res):
     """(target, figure, met) rows of the gated section: FusedGatedMLP ahead of torch.compile and
     Liger, within its floor target, and checkpoint level 2 at most 1.30x level 0, keeping only x."""
@@ -250,12 +278,7 @@ def _gated(res):
                     err = str(v.get("error", ""))[:160].replace("|", "/")
                     L.append(f"{head} {v.get('status')} |" + " |" * 7 + f" {err} |")
                     continue
-                mem, re = v.get("memory", {}), v.get("rel_err", {})
-                L.append(f"{head} {v['ms']:.3f} | {_f(v.get('p20'))}–{_f(v.get('p80'))} | {v['tflops']:.0f} | "
-                         f"{_f(v.get('speedup_vs_compile'))} | "
-                         f"{_f(mem.get('saved_bytes') and mem['saved_bytes'] / MIB, '{:.1f}')} | "
-                         f"{_f(mem.get('peak_delta_bytes') and mem['peak_delta_bytes'] / MIB, '{:.1f}')} | "
-                         f"{_f(re.get('out'), '{:.1e}')} | {_f(re.get('dx'), '{:.1e}')} | |")
+                L.append(f"{head} {_detail_cells(v, ['speedup_vs_compile'])} | |")
         L.append("")
     for r in stack:
         L += [f"## Llama-style stack forward + backward ({r['blocks']} blocks, B {r['batch']}, T {r['seq']}, d {r['d']}, "
@@ -272,6 +295,118 @@ def _gated(res):
     return L
 
 
+def _vs_torchao(title, vs, key, need):
+    """(target, figure, met): torchao tensorwise's time / key's at least need."""
+    f, t = vs.get(key), vs.get("torchao_tensorwise")
+    if not _ok(f):
+        return title, _cell(f), False
+    if not _ok(t):
+        return title, f"torchao tensorwise {_cell(t)}", None
+    q = t["ms"] / f["ms"]
+    return title, f"{q:.3f}{round_range(t, f)}: {t['ms']:.3f} vs {f['ms']:.3f} ms", q >= need
+
+
+def fp8_targets(res):
+    """(target, figure, met) rows of the fp8 section: FusedMLP FP8 (weights cast every step) and
+    FusedDense FP8 against torchao tensorwise at the target shapes."""
+    rows = []
+    for r in res.get("fp8", []):
+        for key, need in FP8_TARGETS.get((r["M"], r["d"]), {}).items():
+            rows.append(_vs_torchao(f"FP8 MLP {r['M']} × {r['d']}: FusedMLP {label(key)[6:]} ≥ {need:.2f}× torchao "
+                                    "tensorwise (torchao / fused)", r["variants"], key, need))
+    for r in res.get("fp8_dense", []):
+        need = FP8_DENSE_TARGETS.get((r["M"], r["K"], r["N"]))
+        if need:
+            rows.append(_vs_torchao(f"FP8 Linear {_fp8_shape(r)}: FusedDense FP8 current ≥ {need:.2f}× torchao "
+                                    "Float8Linear tensorwise (torchao / fused)", r["variants"], "fused_fp8_current",
+                                    need))
+    return rows
+
+
+def _fp8_shape(r):
+    return f"{r['M']} × {r['K']} → {r['N']}" if "K" in r else f"{r['M']} × {r['d']}"
+
+
+def _rounds(r):
+    return next((v["rounds"] for v in r["variants"].values() if _ok(v) and v.get("rounds")), None)
+
+
+def _error(v):
+    return str(v.get("error", ""))[:160].replace("|", "/")
+
+
+def _fp8_table(recs, head):
+    """ms (× FP8 floor) per shape, a column per variant, an unmeasured variant's status only."""
+    keys = _keys(recs, FP8_ORDER)
+    L = [f"| {head} | rounds | " + " | ".join(map(label, keys)) + " |", "|---" * (len(keys) + 2) + "|"]
+    for r in recs:
+        cells = [f"{v['ms']:.3f} ({_f(v.get('x_fp8_floor'))}×)" if _ok(v) else _cell(v)
+                 for v in map(r["variants"].get, keys)]
+        L.append(f"| {_fp8_shape(r)} | {_f(_rounds(r), '{}')} | " + " | ".join(cells) + " |")
+    return L + [""]
+
+
+def _fp8_parts(recs, names, head):
+    """Each floor's GEMMs one by one (ms), their sum and the floor's own figure."""
+    L = []
+    for r in recs:
+        for k in FLOOR_KEYS:
+            v = r["variants"].get(k)
+            if _ok(v) and v.get("parts_ms"):
+                pm = v["parts_ms"]
+                L.append(f"| {_fp8_shape(r)} | {label(k)} | " + " | ".join(f"{pm[n]:.3f}" for n in names)
+                         + f" | {sum(pm.values()):.3f} | {v['ms']:.3f} |")
+    if not L:
+        return []
+    return [f"| {head} | floor | " + " | ".join(names) + " | sum | together |", "|---" * (len(names) + 4) + "|"] \
+        + L + [""]
+
+
+def _fp8(res):
+    mlp, dense, L = res.get("fp8", []), res.get("fp8_dense", []), []
+    if mlp:
+        L += ["## FP8 MLP forward + backward: ms (× FP8 floor)\n",
+              "Linear(d, 4d) → GELU (tanh) → Linear(4d, d), bf16 master weights, M tokens. FP8 floor = the six GEMMs "
+              "of the step as torch._scaled_mm e4m3 × e4m3 → bf16 with per-tensor scales (operands quantized "
+              "beforehand); bf16 GEMMs = the same six as torch.mm; fused = FusedMLP (heuristic 'auto'), FP8: "
+              "Float8Recipe(scaling, min_features=0) called with is_first_microbatch=True (weights cast every step), "
+              "cached: False after one step with True; torchao = convert_to_float8_training of the nn.Linear MLP, "
+              "torch.compile'd. TF/s = 12·M·d·h / time.\n"]
+        L += _fp8_table(mlp, "M × d")
+    if dense:
+        L += ["## FP8 Linear forward + backward: ms (× FP8 floor)\n",
+              "One Linear with bias, x[M, K] → [M, N], bf16 master weights: nn.Linear (eager), FusedDense bf16 and "
+              "FP8 (Float8Recipe(scaling='current', min_features=0), called as dense(x)), torchao Float8Linear "
+              "(tensorwise) torch.compile'd; floors: the three GEMMs (x@Wᵀ, dY@W, dYᵀ@x). TF/s = 6·M·K·N / time.\n"]
+        L += _fp8_table(dense, "M × K → N")
+    if not mlp and not dense:
+        return L
+    L += ["### FP8 detail: ratios, memory kept for backward, accuracy\n",
+          "× FP8 floor, × bf16 floor = time / the floor's; vs eager, vs torchao = eager bf16's, torchao tensorwise's "
+          "time / time (> 1: faster). saved = unique non-parameter storages saved for backward (not for compiled "
+          "variants); peak Δ = max_memory_allocated over forward + backward − before. err = ‖v − ref‖/‖ref‖ against "
+          "float32 eager, for out and dx. first = first call (compile / tuning), excluded from the timing.\n",
+          "| shape | variant | ms | p20–p80 | TF/s | × FP8 floor | × bf16 floor | vs eager | vs torchao | saved MiB | "
+          "peak Δ MiB | err out | err dx | first s |", "|---" * 14 + "|"]
+    for r in mlp + dense:
+        for k in _keys([r], FP8_ORDER):
+            v, head = r["variants"][k], f"| {'MLP' if 'K' not in r else 'Linear'} {_fp8_shape(r)} | {label(k)} |"
+            if not _ok(v):
+                err = _error(v)
+                L.append(f"{head} {v.get('status')}{': ' + err if err else ''} |" + " |" * 11)
+                continue
+            cells = _detail_cells(v, ["x_fp8_floor", "x_bf16_floor", "speedup_vs_eager", "speedup_vs_torchao"])
+            L.append(f"{head} {cells} | {_f(v.get('first_call_s'), '{:.2f}')} |")
+    L.append("")
+    parts = _fp8_parts(mlp, ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"], "M × d") \
+        + _fp8_parts(dense, ["fwd", "dgrad", "wgrad"], "M × K → N")
+    if parts:
+        L += ["### The floors' GEMMs one by one (ms)\n",
+              "MLP: fwd1 x@W1ᵀ, fwd2 h@W2ᵀ, dgrad2 dY@W2, wgrad2 dYᵀ@h, dgrad1 dH@W1, wgrad1 dHᵀ@x; Linear: fwd, "
+              "dgrad, wgrad. FP8 GEMMs use_fast_accum: fwd yes, dgrad and wgrad no (as torchao).\n"] + parts
+    return L
+
+
 def _header(res):
     env, m = res.get("env", {}), res.get("method", {})
     gpu = env.get("gpu") or f"CPU ({env.get('cpu_threads')} threads) — smoke test, not a performance figure"
@@ -279,6 +414,7 @@ def _header(res):
          f"{gpu}; driver {env.get('driver', '–')}; torch {env.get('torch')}; CUDA {env.get('torch_cuda')}; "
          f"cuBLASLt {env.get('cublasLt_version_str', '–')}; triton {env.get('triton', '–')}"
          + (f"; flash-attn {env['flash_attn']}" if env.get("flash_attn") else "")
+         + (f"; torchao {env['torchao']}" if env.get("torchao") and (res.get("fp8") or res.get("fp8_dense")) else "")
          + f"; {env.get('date_utc')}; fused_dense commit {str(env.get('git_commit') or 'unknown')[:12]}"
          + (" (dirty)" if env.get("git_dirty") else "")
          + (f"; source tree {env['git_tree'][:12]}" if env.get("git_tree") else "") + ".\n"]
@@ -295,7 +431,8 @@ def _header(res):
                                           f"{m.get('min_reps')} reps of measurement per figure",
         m.get("mlp_timer"), "fresh random data (normal), never zeros", res.get("mlp") and m.get("mlp"),
         res.get("mlp") and m.get("floor") and "floor = " + m["floor"],
-        (res.get("gated") or res.get("gated_stack")) and m.get("gated")])) + ". Full method: bench/README.md.\n")
+        (res.get("gated") or res.get("gated_stack")) and m.get("gated"),
+        (res.get("fp8") or res.get("fp8_dense")) and m.get("fp8")])) + ". Full method: bench/README.md.\n")
     if m.get("budget_s") is not None:
         L.append(f"Time budget {m['budget_s']:.0f} s; run time {_f(res.get('elapsed_s'), '{:.0f}')} s.\n")
     c, ce = res.get("ceiling") or {}, res.get("ceiling_end") or {}
@@ -409,12 +546,12 @@ def _ops_and_host(res):
 
 def markdown(res):
     L = _header(res)
-    trg = targets(res) + gated_targets(res)
+    trg = targets(res) + gated_targets(res) + fp8_targets(res)
     if trg:
         L += ["## Targets, from this run\n", "| target | figure | met |", "|---|---|---|"]
         L += [f"| {t} | {fig} | {'yes' if met else ('no' if met is False else '–')} |" for t, fig, met in trg]
         L.append("")
-    L += _mlp(res) + _gated(res) + _ops_and_host(res)
+    L += _mlp(res) + _gated(res) + _fp8(res) + _ops_and_host(res)
     skipped, errors, crashed = res.get("skipped") or [], res.get("errors") or [], res.get("crashed") or []
     if skipped or errors or crashed or not res.get("complete"):
         L.append("## Not measured\n")
@@ -454,10 +591,10 @@ def summary(res):
             L.append(f"{_cfg(r):<11}{str(r['M']) + 'x' + str(r['d']):>12}"
                      + "".join(f"{ms(vs.get(k)):>9}" for k in SUSTAINED_KEYS) + ratios(a)
                      + (f"  auto at {a['clocks'].get('sm_mhz', 0):.0f} MHz" if "clocks" in a else ""))
-    for r in res.get("gated", []) + res.get("gated_stack", []):
+    for r in res.get("gated", []) + res.get("gated_stack", []) + res.get("fp8", []) + res.get("fp8_dense", []):
         L.append(f"{r['id']}: " + ", ".join(f"{k} {ms(v)}" for k, v in r["variants"].items()))
     L += ["targets:"] + [f"  [{'ok' if met else ('NO' if met is False else '--')}] {t}: {fig}"
-                         for t, fig, met in targets(res) + gated_targets(res)]
+                         for t, fig, met in targets(res) + gated_targets(res) + fp8_targets(res)]
     if res.get("skipped"):
         L.append(f"skipped (budget): {', '.join(res['skipped'])}")
     L += [f"CRASHED (exit {c.get('rc')}): {c.get('item')} / {c.get('variant')}" for c in res.get("crashed") or []]
@@ -466,42 +603,57 @@ def summary(res):
     return "\n".join(L)
 
 
+def _bars(ax, recs, keys, ticks, ylabel, title, ceiling=None):
+    """One panel: a bar group per record (ticks: their labels), a bar per variant of keys measured
+    in any of them, its TF/s."""
+    keys = [k for k in keys if any(_ok(r["variants"].get(k)) for r in recs)]
+    width = 0.8 / max(1, len(keys))
+    for i, k in enumerate(keys):
+        pts = [(j - 0.4 + width * (i + 0.5), r["variants"][k]["tflops"]) for j, r in enumerate(recs)
+               if _ok(r["variants"].get(k))]
+        bars = ax.bar([p[0] for p in pts], [p[1] for p in pts], width * 0.95, label=label(k), color=COLORS.get(k))
+        if len(keys) * len(recs) <= 48:
+            ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1, rotation=90)
+    ax.set_xticks(range(len(recs)))
+    ax.set_xticklabels(ticks)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    top = max([ceiling or 0] + [v["tflops"] for r in recs for v in r["variants"].values() if _ok(v)])
+    ax.set_ylim(0, top * 1.18 or 1)
+    ax.legend(fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 1.07), frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def make_png(res, path):
-    """TF/s per shape per variant, one panel per dtype × activation, the ceiling dashed; raises
-    ImportError without matplotlib."""
+    """TF/s per shape per variant, one panel per dtype × activation (the ceiling dashed) and one for
+    the fp8 section (a bar group per shape); raises ImportError without matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     mlp, env = res.get("mlp", []) + res.get("gated", []), res.get("env", {})
     configs = list(dict.fromkeys((r["dtype"], r["activation"]) for r in mlp))
-    if not configs:
+    fp8 = res.get("fp8", []) + res.get("fp8_dense", [])
+    panels = len(configs) + bool(fp8)
+    if not panels:
         raise ValueError("no MLP results to plot")
     ceiling = (res.get("ceiling") or {}).get("tflops")
-    fig, axes = plt.subplots(len(configs), 1, figsize=(13, 3.6 * len(configs) + 0.8), squeeze=False)
+    fig, axes = plt.subplots(panels, 1, figsize=(13, 3.6 * panels + 0.8), squeeze=False)
     for ax, cfg in zip(axes[:, 0], configs):
         recs = [r for r in mlp if (r["dtype"], r["activation"]) == cfg]
-        keys = [k for k in _keys(recs) if any(_ok(r["variants"].get(k)) for r in recs)]
-        width = 0.8 / max(1, len(keys))
-        for i, k in enumerate(keys):
-            pts = [(j - 0.4 + width * (i + 0.5), r["variants"][k]["tflops"]) for j, r in enumerate(recs)
-                   if _ok(r["variants"].get(k))]
-            bars = ax.bar([p[0] for p in pts], [p[1] for p in pts], width * 0.95, label=label(k), color=COLORS.get(k))
-            if len(keys) * len(recs) <= 48:
-                ax.bar_label(bars, fmt="%.0f", fontsize=6, padding=1, rotation=90)
         if ceiling:
             ax.axhline(ceiling, color="k", ls="--", lw=0.8)
             ax.text(0.995, ceiling, f"ceiling: {res['ceiling']['n']}³ {res['ceiling'].get('dtype', '')} mm "
                     f"{ceiling:.0f} TF/s", transform=ax.get_yaxis_transform(), va="bottom", ha="right", fontsize=7)
-        ax.set_xticks(range(len(recs)))
         gated = cfg[1] in ("swiglu", "geglu")
-        ax.set_xticklabels([f"M={r['M']}, d={r['d']}" + (f", h={r['h']}" if gated else "") for r in recs])
-        ax.set_ylabel("TF/s (18·M·d·h / time)" if gated else "TF/s (12·M·d·h / time)")
-        ax.set_title(f"{'gated MLP' if gated else 'MLP'} forward + backward, {cfg[0]}, {cfg[1]}", fontsize=10)
-        top = max([ceiling or 0] + [v["tflops"] for r in recs for v in r["variants"].values() if _ok(v)])
-        ax.set_ylim(0, top * 1.18 or 1)
-        ax.legend(fontsize=7, ncol=6, loc="lower center", bbox_to_anchor=(0.5, 1.07), frameon=False)
-        ax.grid(axis="y", alpha=0.3)
+        _bars(ax, recs, _keys(recs), [f"M={r['M']}, d={r['d']}" + (f", h={r['h']}" if gated else "") for r in recs],
+              "TF/s (18·M·d·h / time)" if gated else "TF/s (12·M·d·h / time)",
+              f"{'gated MLP' if gated else 'MLP'} forward + backward, {cfg[0]}, {cfg[1]}", ceiling)
+    if fp8:
+        _bars(axes[-1, 0], fp8, _keys(fp8, FP8_ORDER),
+              [f"Linear M={r['M']}, {r['K']} → {r['N']}" if "K" in r else f"MLP M={r['M']}, d={r['d']}" for r in fp8],
+              "TF/s (12·M·d·h or 6·M·K·N / time)",
+              "FP8: MLP d → 4d → d (GELU) and one Linear, bf16 master weights, forward + backward")
     fig.suptitle(f"fused_dense — {env.get('gpu') or 'CPU (smoke test)'}, torch {env.get('torch')}, CUDA "
                  f"{env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str', '–')}, "
                  f"{str(env.get('date_utc', ''))[:10]}", fontsize=10)

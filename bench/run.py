@@ -5,6 +5,7 @@
     python bench/run.py --out DIR --quick             # one shape, a smoke subset
     python bench/run.py --out DIR --device cpu --quick   # without a GPU: plumbing only
     python bench/run.py --out docs/results --sections gated   # the gated MLP's run of record
+    python bench/run.py --out docs/results --sections fp8     # the FP8 run of record
 
 Writes DIR/mlp-<YYYY-MM-DD>.json (every figure and the environment, rewritten after each
 measurement), .md (tables, targets) and .png (chart; needs matplotlib). A complete run removes
@@ -30,18 +31,20 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import environment, gated, report, sections  # noqa: E402
+from bench import environment, fp8, gated, report, sections  # noqa: E402
 from bench.power import INTERVAL_MS  # noqa: E402
 from bench.sections import FULL_VARIANTS, REDUCED_VARIANTS, log  # noqa: E402
 
-SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained", "gated")
-DEFAULT_SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained")  # gated: asked for by name
+SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained", "gated", "fp8")
+DEFAULT_SECTIONS = ("ceiling", "mlp", "ops", "host", "reduced", "sustained")  # gated, fp8: asked for by name
+OWN_RECORD = ("gated", "fp8")  # sections that, run alone, are a run of record of their own
 
 
 def record_prefix(args):
-    """The run of record's file stem: gated-<date> for a run of the gated section alone (its own
-    record beside the MLP one), else mlp-<date>."""
-    return "gated" if args.sections.split(",") == ["gated"] else "mlp"
+    """The run of record's file stem: gated-<date> or fp8-<date> for a run of that section alone
+    (its own record beside the MLP one), else mlp-<date>."""
+    want = args.sections.split(",")
+    return want[0] if len(want) == 1 and want[0] in OWN_RECORD else "mlp"
 
 
 def record_pattern(prefix):
@@ -64,7 +67,7 @@ def parse_args(argv):
                     help="MLP shapes (M tokens x d), default 8192x{1024,2048,4096} and 16384x8192")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny sizes, figures meaningless)")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
-                    help=f"comma list out of {','.join(SECTIONS)} (default: all but gated)")
+                    help=f"comma list out of {','.join(SECTIONS)} (default: all but gated and fp8)")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which measurements not yet started are recorded as skipped (420)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
@@ -81,7 +84,8 @@ def parse_args(argv):
     ap.add_argument("--max-restarts", type=int, default=10, help="worker restarts after crashes (10)")
     ap.add_argument("--max-fused-crashes", type=int, default=6, help="after this many, skip all fused variants (6)")
     ap.add_argument("--no-supervise", action="store_true", help="measure in this process (no crash recovery)")
-    ap.add_argument("--resume", action="store_true", help="continue the newest mlp-*.json run in --out")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the newest run in --out (mlp-*.json, or gated- / fp8- run alone)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--t0-epoch", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -138,6 +142,8 @@ def build_plan(args):
                  for M, d in shapes + big]
     if "gated" in want:
         plan += gated.plan_items(args)
+    if "fp8" in want:
+        plan += fp8.plan_items(args)
     if "ceiling" in want:
         plan.append(("ceiling_end", "ceiling", ("ceiling_end",)))
     return plan
@@ -166,6 +172,16 @@ def method(args, bench):
                  "against float32 eager; TF/s = 18*M*d*h/time. gated_stack: 2 pre-norm blocks (RMSNorm, causal "
                  "F.scaled_dot_product_attention, gated MLP) fwd + bwd, nn.Linear MLPs or FusedGatedMLP "
                  "(replace_llama_mlps), eager and torch.compile; TF/s counts the projections' GEMMs only",
+        "fp8": "fwd + bwd of Linear(d,4d) -> tanh GELU -> Linear(4d,d) (bf16 master weights) and of one Linear "
+               "M x K -> N with bias, variants in interleaved rounds as in the mlp section (at most "
+               f"{fp8.BIG_ROUNDS} rounds from M*d = 16384*8192); fp8_floor = the step's GEMMs as torch._scaled_mm "
+               "e4m3 x e4m3 -> bf16, per-tensor scales, operands quantized outside the timing, a row-major, b "
+               "column-major, use_fast_accum " + ", ".join(f"{k} {v}" for k, v in fp8.FAST_ACCUM.items())
+               + "; bf16_floor = the same GEMMs as plain torch.mm; FusedMLP FP8 called with is_first_microbatch="
+               "True (weights cast every step) or, _cached, False after one step with True; FusedDense FP8 "
+               "called as dense(x); torchao = convert_to_float8_training(Float8LinearConfig.from_recipe_name("
+               "recipe)) of the nn.Linear model, torch.compile'd; accuracy against float32 eager; TF/s = "
+               "12*M*d*h/time (MLP), 6*M*K*N/time (Linear)",
         "sustained": f"floor, eager, compile and FusedMLP auto at the bf16 gelu_approx shapes in {args.rounds} "
                      f"interleaved rounds as in the mlp section, but each block after {args.sustained_warmup_ms:.0f} "
                      "ms of that variant's own steps, so it is timed at the steady state of sustained load (the "
@@ -231,7 +247,8 @@ def supervise(args, argv):
 
 
 RUNNERS = {"ceiling": sections.run_ceiling, "mlp": sections.run_mlp, "ops": sections.run_ops,
-           "host": sections.run_host, "gated": gated.run_gated, "gated_stack": gated.run_stack}
+           "host": sections.run_host, "gated": gated.run_gated, "gated_stack": gated.run_stack,
+           "fp8": fp8.run_fp8, "fp8_dense": fp8.run_fp8_dense}
 
 
 def worker(ap, args, argv):
@@ -270,6 +287,8 @@ def worker(ap, args, argv):
     ctx.results["plan"] = [item_id for item_id, _, _ in plan]
     if any(section == "gated" for _, section, _ in plan):
         gated.note_liger()
+    if any(section.startswith("fp8") for _, section, _ in plan):
+        fp8.note()
     log(f"plan: {len(plan)} items, budget {args.budget:.0f} s ({ctx.time_left():.0f} s left)")
     ctx.save()
     for i, (item_id, section, payload) in enumerate(plan, 1):

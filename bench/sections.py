@@ -372,27 +372,33 @@ class VariantSpec:
     """What run_variants needs of a section: build(key) -> the module of a variant (Unavailable
     where it cannot run here); floor() -> (step, {name: GEMM}); fused_path(key) -> the code path or
     None; settings(key) -> fields recorded with the variant; reference() -> {name: float32 tensor}
-    compared with a pass's outputs of the same names (out, dx, dw1, ...), or None."""
+    compared with a pass's outputs of the same names (out, dx, dw1, ...), or None. floors: {key:
+    () -> (step, {name: GEMM})} where a section has floors other than 'floor' (default: floor as
+    'floor'); compiled(key): whether the variant is torch.compile'd (no saved-tensor hooks in its
+    memory pass; default: 'compile' in its key)."""
 
-    def __init__(self, build, floor, fused_path, settings, reference):
+    def __init__(self, build, floor, fused_path, settings, reference, floors=None, compiled=None):
         self.build, self.floor, self.fused_path, self.settings, self.reference = (build, floor, fused_path, settings,
                                                                                    reference)
+        self.floors = floors if floors is not None else ({"floor": floor} if floor is not None else {})
+        self.compiled = compiled or (lambda key: "compile" in key)
 
 
-def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, floor_parts=False):
+def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, floor_parts=False, rounds=None):
     """A shape's variants into rec['variants']: each one's first call, memory and accuracy pass,
     then all of them timed in interleaved rounds (the sustained section: each block after a long
-    warm-up of its own steps, clock and power sampled, no accuracy or memory pass)."""
+    warm-up of its own steps, clock and power sampled, no accuracy or memory pass). floor_parts:
+    each floor's GEMMs also timed one by one; rounds: other than --rounds."""
     sustained = section == "sustained"
     bench = ctx.sustained_bench if sustained else ctx.bench
     flops = rec["flops"]
     todo = [k for k in variants if rec["variants"].get(k, {}).get("status") not in FINAL]
     ref = None
-    if not ctx.args.no_accuracy and not sustained and any(k != "floor" for k in todo):
+    if not ctx.args.no_accuracy and not sustained and any(k not in spec.floors for k in todo):
         ref = spec.reference()
         x.grad = None
 
-    prepared, parts = {}, None  # key -> (step, tensors whose grads reset, record, fused path)
+    prepared, parts = {}, {}  # key -> (step, tensors whose grads reset, record, fused path); floor -> GEMMs
     for key in todo:
         fused = spec.fused_path(key)
         pre = ctx.precheck(item_id, key, fused)
@@ -403,8 +409,8 @@ def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, 
         ctx.begin(item_id, key, fused)
         v = {"status": "ok"}
         try:
-            if key == "floor":
-                step, parts = spec.floor()
+            if key in spec.floors:
+                step, parts[key] = spec.floors[key]()
                 step()
                 ctx.sync()
                 prepared[key] = (step, None, v, fused)
@@ -423,7 +429,7 @@ def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, 
                 raise (Unavailable(errstr(exc)) if fused else exc) from exc
             v["first_call_s"] = round(time.perf_counter() - t0, 3)
             if not sustained:
-                v["memory"], outs = measure_pass(ctx, mod, x, dy, params, use_hooks="compile" not in key)
+                v["memory"], outs = measure_pass(ctx, mod, x, dy, params, use_hooks=not spec.compiled(key))
                 if ref is not None:
                     v["rel_err"] = {k: rel_err(outs[k], r) for k, r in ref.items() if outs.get(k) is not None}
             prepared[key] = (step, params + [x], v, fused)
@@ -438,7 +444,7 @@ def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, 
             ctx.free()
 
     if prepared:
-        rounds = ctx.args.rounds
+        rounds = rounds or ctx.args.rounds
         log(f"{tag}: timing {len(prepared)} variants in {rounds} interleaved rounds"
             + (f", each block after {bench.warmup_ms:.0f} ms of its own steps" if sustained else ""))
         windows = {}
@@ -460,8 +466,9 @@ def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, 
         ctx.end()
         if sampler is not None:
             power.record_clocks(rec, {k: p[2] for k, p in prepared.items()}, sampler, windows)
-        if floor_parts and "floor" in prepared and "error" not in timed["floor"]:
-            timed["floor"]["parts_ms"] = {name: ctx.bench(fn)["ms"] for name, fn in parts.items()}
+        for fk in parts if floor_parts else ():
+            if fk in prepared and "error" not in timed[fk]:
+                timed[fk]["parts_ms"] = {name: ctx.bench(fn)["ms"] for name, fn in parts[fk].items()}
         for key, (_, _, v, _) in prepared.items():
             if "error" in timed[key]:
                 record_failure(ctx, rec, tag, key, v, timed[key]["error"])

@@ -1,7 +1,8 @@
 """The benchmarks still run and report (CPU, tiny sizes: the figures mean nothing, the plumbing does):
 every section reports a status, the interleaved rounds and the sustained section are recorded, a
-crashing variant is survived, clock sampling degrades to "not sampled" without NVML, and the
-committed runs of record are what the report code writes from their JSON."""
+crashing variant is survived, clock sampling degrades to "not sampled" without NVML, the gated and
+fp8 sections write runs of record of their own, and the committed runs of record are what the
+report code writes from their JSON."""
 import glob
 import importlib.util
 import json
@@ -148,6 +149,79 @@ def test_bench_gated_section_cpu(tmp_path):
     assert "ckpt 2 ≤ 1.30× ckpt 0, keeps at most x" in md
 
 
+def test_bench_fp8_section_cpu(tmp_path):
+    """--sections fp8: the FP8 MLP shape and the Linear block in a run of record of its own
+    (fp8-<date>.*) that replaces an older one and leaves the MLP one alone; on the CPU the
+    torch._scaled_mm, torchao and torch.compile variants are recorded unavailable with the reason,
+    and the fused FP8 ones too where fused_dense has no Float8Recipe."""
+    from bench import fp8
+    for name in ("mlp-2000-01-01.json", "fp8-2000-01-01.json"):
+        (tmp_path / name).write_text("{}")
+    res = _run([sys.executable, *CPU_QUICK, "--sections", "fp8", "--rounds", "2", "--out", str(tmp_path)],
+               timeout=900)
+    path = _only(str(tmp_path / "fp8-*.json"))
+    data = json.loads(open(path).read())
+    assert (tmp_path / "mlp-2000-01-01.json").exists() and not (tmp_path / "fp8-2000-01-01.json").exists()
+    assert data["complete"] and not data.get("errors"), data.get("errors")
+    assert data["plan"] == ["fp8:bf16:gelu_approx:64x32", "fp8_dense:bf16:64x32x32"]
+    assert "[2/2] fp8_dense:bf16:64x32x32" in res.stdout  # progress
+    (mlp,), (dense,) = data["fp8"], data["fp8_dense"]
+    assert list(mlp["variants"]) == fp8.MLP_VARIANTS and list(dense["variants"]) == fp8.DENSE_VARIANTS
+    six, three = ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"], ["fwd", "dgrad", "wgrad"]
+    for rec, names in ((mlp, six), (dense, three)):
+        vs = rec["variants"]
+        for key in ("bf16_floor", "eager", "fused_bf16"):
+            assert vs[key]["status"] == "ok" and vs[key]["ms"] > 0 and len(vs[key]["round_ms"]) == 2, (key, vs[key])
+            assert vs[key]["x_bf16_floor"] == vs[key]["ms"] / vs["bf16_floor"]["ms"] and "x_fp8_floor" not in vs[key]
+        assert list(vs["bf16_floor"]["parts_ms"]) == names
+        assert vs["fused_bf16"]["speedup_vs_eager"] == vs["eager"]["ms"] / vs["fused_bf16"]["ms"]
+        for key in ("eager", "fused_bf16"):
+            assert max(vs[key]["rel_err"].values()) <= 2e-2 and "dw1" in vs[key]["rel_err"], vs[key]["rel_err"]
+        for key in [k for k in vs if k == "fp8_floor" or k.startswith("torchao") or k == "compile_bf16"]:
+            assert vs[key]["status"] == "unavailable" and vs[key]["error"].startswith("CPU run: "), (key, vs[key])
+        for key in [k for k in vs if k.startswith("fused_fp8")]:
+            if fp8.Float8Recipe is None:
+                assert vs[key] == {"status": "unavailable",
+                                   "error": "fused_dense has no Float8Recipe (no FP8 API in this build)"}, vs[key]
+            else:
+                assert vs[key]["status"] in ("ok", "unavailable"), (key, vs[key])
+    md = open(path[:-5] + ".md").read()
+    assert report.markdown(data) == md
+    assert "## FP8 MLP forward + backward" in md and "## FP8 Linear forward + backward" in md
+    assert "| 64 × 32 | 2 | unavailable | " in md and "| 64 × 32 → 32 | 2 | unavailable | " in md
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.exists(path[:-5] + ".png")
+
+
+def test_report_fp8_targets_against_torchao(tmp_path):
+    """The fp8 targets: torchao tensorwise's time / the fused FP8 variant's, with its per-round
+    range, at the target shapes only; an unmeasured fused variant fails its target."""
+    def ok(ms):
+        return {"status": "ok", "ms": ms, "tflops": 100.0, "round_ms": [ms] * 3, "rounds": 3}
+    shape = {"dtype": "bf16", "activation": "gelu_approx"}
+    res = {"fp8": [dict(shape, id="fp8:bf16:gelu_approx:8192x4096", M=8192, d=4096, h=16384, variants={
+               "fp8_floor": ok(5.0), "fused_fp8_current": ok(5.0), "torchao_tensorwise": ok(6.0),
+               "fused_fp8_delayed": {"status": "unavailable", "error": "no FP8 API"}}),
+                   dict(shape, id="fp8:bf16:gelu_approx:8192x1024", M=8192, d=1024, h=4096, variants={
+                       "fused_fp8_current": ok(1.0), "torchao_tensorwise": ok(1.0)})],
+           "fp8_dense": [{"id": "fp8_dense:bf16:16384x8192x8192", "dtype": "bf16", "M": 16384, "K": 8192, "N": 8192,
+                          "d": 8192, "variants": {"fused_fp8_current": ok(9.8), "torchao_tensorwise": ok(10.0)}}]}
+    rows = {t: (fig, met) for t, fig, met in report.fp8_targets(res)}
+    assert rows == {
+        "FP8 MLP 8192 × 4096: FusedMLP FP8 current ≥ 1.15× torchao tensorwise (torchao / fused)":
+            ("1.200 (rounds 1.200–1.200): 6.000 vs 5.000 ms", True),
+        "FP8 MLP 8192 × 4096: FusedMLP FP8 delayed ≥ 1.20× torchao tensorwise (torchao / fused)":
+            ("unavailable", False),
+        "FP8 Linear 16384 × 8192 → 8192: FusedDense FP8 current ≥ 1.05× torchao Float8Linear tensorwise (torchao / "
+        "fused)": ("1.020 (rounds 1.020–1.020): 10.000 vs 9.800 ms", False)}, rows
+    md = report.markdown(res)
+    assert "| 8192 × 4096 | 3 | 5.000 (–×) |" in md
+    assert "| MLP 8192 × 4096 | fused FP8 delayed | unavailable: no FP8 API |" in md
+    assert "[NO] FP8 Linear 16384 × 8192 → 8192" in report.summary(res)
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.exists(report.make_png(res, str(tmp_path / "fp8.png")))
+
+
 def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
     (tmp_path / "parallel-mlp-2000-01-01.json").write_text("{}")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -195,6 +269,11 @@ def test_runs_of_record_are_what_the_report_writes():
     gated = _only(os.path.join(ROOT, "docs", "results", "gated-*.json"))
     assert report.markdown(json.loads(open(gated).read())) == open(gated[:-5] + ".md").read()
     assert os.path.exists(gated[:-5] + ".png")
+    fp8_runs = glob.glob(os.path.join(ROOT, "docs", "results", "fp8-*.json"))
+    assert len(fp8_runs) <= 1, fp8_runs
+    for path in fp8_runs:
+        assert report.markdown(json.loads(open(path).read())) == open(path[:-5] + ".md").read()
+        assert os.path.exists(path[:-5] + ".png")
     from bench import dynamic
     dyn = _only(os.path.join(ROOT, "docs", "results", "dynamic-*.json"))
     assert dynamic.markdown(json.loads(open(dyn).read())) == open(dyn[:-5] + ".md").read()
