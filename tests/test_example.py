@@ -220,3 +220,19 @@ def test_gpu_run_short(tmp_path):
     report = _report(tmp_path)
     assert set(report["runs"]) == {f"{m} {v}" for m in ("eager", "compile") for v in ("nn.Linear", "FusedMLP")}
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 for r in report["runs"].values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="FP8 needs a GPU of compute capability 8.9+")
+def test_gpu_fp8_run_short(tmp_path):
+    """--fp8 current on the GPU configuration cut to 2 layers and 40 steps: the three runs, every
+    dense layer in FP8, and an exit status that follows the verdict (not asserted to pass)."""
+    code = train_gpt.main(["--device", "cuda", "--fp8", "current", "--steps", "40", "--layers", "2",
+                           "--out", str(tmp_path)])
+    report = _report(tmp_path)
+    assert set(report["runs"]) == {"eager fp8 current", "eager bf16", "eager fp32"}
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 for r in report["runs"].values())
+    v = report["fp8"]
+    assert v["fp8_layers"] == {"FusedMLP": 2, "FusedDense": 5, "fp8_gemms": 27, "dense_layers_not_in_fp8": 0}
+    assert code == (0 if v["passed"] else 1)
