@@ -7,6 +7,7 @@ the same batches, eagerly and under torch.compile; compare speed, memory and los
     python examples/train_gpt.py --no-compile     # eager runs only
     python examples/train_gpt.py --device cpu     # small float32 model: a functional check
     python examples/train_gpt.py --variable-length  # a new sequence length every step
+    python examples/train_gpt.py --fp8 current    # every dense layer in FP8 against bf16 and fp32
 
 GPU: d_model 768, 12 layers x 12 heads, sequence 1024, batch 8, byte vocabulary (86M parameters),
 bf16 parameters, fused AdamW. On the H200 this is both faster and a fairer test of the MLPs than
@@ -28,6 +29,18 @@ batches do. No step is left untimed, each run trains in a process of its own (ea
 first calls: cuBLAS's, the attention's and the fused layers' tuning), eagerly only unless
 --compile, and the cumulative tokens/s after each step is reported: the run pays every first call
 inside that figure.
+
+--fp8 {current,delayed}: trains the GPT with every dense layer a fused_dense layer (FusedMLP, and
+FusedDense for the attention's qkv and output projections and the head) three times from the same
+weights on the same batches, each in a process of its own: in FP8 (Float8Recipe(scaling=...,
+min_features=0): all 6 GEMMs of every MLP and all 3 of every FusedDense, at any size; attention's
+own batched products stay in SDPA, in bf16), in bf16 and in float32 (--precision bf16-autocast:
+the FP8 and bf16 runs keep float32 weights under bf16 autocast). Eager unless --compile. Each
+run's loss curve is averaged over 20-step windows; the FP8 run passes when the largest relative
+gap between its moving average and bf16's stays within max(1e-2, 3 x the largest such gap between
+bf16 and float32). Default 500 steps on the GPU; on the CPU a tiny model for 40 steps, a functional
+check of the path (FP8 runs on the extension's CPU reference kernels). Results as above plus the
+verdict ("fp8" in the JSON); exit status 1 when FP8 is outside the limit.
 """
 import argparse
 import contextlib
@@ -50,13 +63,21 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import fused_dense
-from fused_dense import FusedMLP
+from fused_dense import FusedDense, FusedMLP
 
 VOCAB = 256  # bytes
 GPU_CONFIG = dict(d_model=768, layers=12, seq=1024, batch=8, steps=200)
 CPU_CONFIG = dict(d_model=128, layers=2, seq=128, batch=8, steps=60)
 VARIANTS = {"nn.Linear": "plain", "FusedMLP": "fused"}
 TARGETS = {"eager": 1.02, "compile": 0.99}  # FusedMLP / nn.Linear tokens/s, H200, default configuration
+FP8_GPU_CONFIG = dict(GPU_CONFIG, steps=500)
+FP8_CPU_CONFIG = dict(d_model=64, layers=1, seq=64, batch=4, steps=40)
+FP8_WINDOW = 20  # steps per moving average of the loss curves
+FP8_FACTOR = 3  # the FP8 run may be this many times further from bf16 than bf16 is from float32
+# The limit's floor, for runs where bf16 happens to track float32 very closely (3 x a tiny gap is
+# less than rounding alone moves a curve): half the --tol this example gives two bf16 runs whose
+# MLPs differ only in summation order, so FP8 is never held to less than bf16's own rounding drift.
+FP8_FLOOR = 1e-2
 
 
 # ---- model
@@ -74,15 +95,21 @@ class PlainMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
+def linear_of(mlp_kind):
+    """'all-fused' (--fp8): every dense layer a fused_dense layer; the attention's and the head's are
+    nn.Linear otherwise. FusedDense is an nn.Linear with the same parameters."""
+    return FusedDense if mlp_kind == "all-fused" else nn.Linear
+
+
 class Block(nn.Module):
     def __init__(self, d_model, n_heads, mlp_kind):
         super().__init__()
         self.n_heads = n_heads
         self.ln1 = nn.LayerNorm(d_model)
-        self.qkv = nn.Linear(d_model, 3 * d_model)
-        self.proj = nn.Linear(d_model, d_model)
+        self.qkv = linear_of(mlp_kind)(d_model, 3 * d_model)
+        self.proj = linear_of(mlp_kind)(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = (FusedMLP(d_model, 4 * d_model, activation="gelu_approx") if mlp_kind == "fused"
+        self.mlp = (FusedMLP(d_model, 4 * d_model, activation="gelu_approx") if mlp_kind in ("fused", "all-fused")
                     else PlainMLP(d_model, 4 * d_model))
 
     def forward(self, x):
@@ -100,7 +127,7 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(Block(d_model, n_heads, mlp_kind) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head = linear_of(mlp_kind)(d_model, vocab, bias=False)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
@@ -158,8 +185,25 @@ class Progress:
 # ---- training
 
 
-def train_run(kind, compiled, init, data, args, device, label):
-    """Trains one model from `init`; returns the run's figures and its loss per step."""
+def fp8_coverage(model):
+    """How many of the model's dense layers run in FP8: those whose recipe's size rule admits them."""
+    mlps = [m for m in model.modules() if isinstance(m, fused_dense.FusedMLP)]
+    inside = {id(fc) for m in mlps for fc in (m.fc1, m.fc2)}
+    dense = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+
+    def on(layer, widths):
+        return isinstance(getattr(layer, "fp8", None), fused_dense.Float8Recipe) and layer.fp8.applies(widths)
+
+    n_mlp = sum(on(m, (m.fc1.in_features, m.fc1.out_features, m.fc2.out_features)) for m in mlps)
+    n_dense = sum(isinstance(m, FusedDense) and on(m, (m.in_features, m.out_features)) for m in dense)
+    return {"FusedMLP": n_mlp, "FusedDense": n_dense, "fp8_gemms": 6 * n_mlp + 3 * n_dense,
+            "dense_layers_not_in_fp8": len(mlps) + len(dense) - n_mlp - n_dense}
+
+
+def train_run(kind, compiled, init, data, args, device, label, precision=None, fp8=None):
+    """Trains one model from `init` (in `precision`, default --precision; with the FP8 recipe `fp8`
+    on every fused_dense layer); returns the run's figures and its loss per step."""
+    precision = precision or args.precision
     train, val, offsets, val_offsets, lengths = data
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gc.collect()
@@ -168,11 +212,13 @@ def train_run(kind, compiled, init, data, args, device, label):
         torch.cuda.reset_peak_memory_stats(device)
     model = GPT(VOCAB, args.seq, args.d_model, args.layers, args.heads, kind)
     model.load_state_dict(init)
-    model.to(device=device, dtype=torch.bfloat16 if args.precision == "bf16" else torch.float32)
+    model.to(device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    if fp8 is not None:  # after load_state_dict: delayed scaling's buffers are made on the first step
+        fused_dense.convert_to_fp8(model, fp8)
     forward = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-autocast")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-autocast")
     warmup_lr = max(1, args.steps // 10)
     losses = torch.zeros(args.steps, device=device)
     progress = Progress(args.steps, label)
@@ -219,17 +265,20 @@ def train_run(kind, compiled, init, data, args, device, label):
         "final_train_loss": curve[-1],
         "train_loss_last20": sum(curve[-20:]) / len(curve[-20:]),
         "val_loss": val_loss,
+        **({"fp8_layers": fp8_coverage(model)} if fp8 is not None else {}),
     }, curve
 
 
 def run_in_own_process(argv, mode, name, args):
-    """One run of --variable-length in a fresh process (its own CUDA context and caches)."""
+    """One run of --variable-length or --fp8 in a fresh process (its own CUDA context and caches),
+    with this process's CPU thread count."""
     import subprocess
     import tempfile
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv),
                "--run", f"{mode} {name}", "--out", tmp]
-        proc = subprocess.run(cmd)
+        proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
             sys.exit(f"error: the run '{mode} {name}' failed (exit status {proc.returncode})")
         with open(os.path.join(tmp, "run.json")) as f:
@@ -237,7 +286,39 @@ def run_in_own_process(argv, mode, name, args):
     return got["run"], got["curve"]
 
 
-def plot(curves, path):
+def moving_average(curve, window):
+    """The means of every `window` consecutive values: entry i covers steps i + 1 .. i + window."""
+    sums = [0.0]
+    for value in curve:
+        sums.append(sums[-1] + value)
+    return [(sums[i + window] - sums[i]) / window for i in range(len(curve) - window + 1)]
+
+
+def moving_average_gaps(curve, ref, window):
+    """|MA(curve) - MA(ref)| / MA(ref) per window (infinite where not finite: a NaN loss fails)."""
+    gaps = [abs(a - b) / b for a, b in zip(moving_average(curve, window), moving_average(ref, window))]
+    return [g if math.isfinite(g) else math.inf for g in gaps]
+
+
+def fp8_verdict(fp8, bf16, fp32, window=FP8_WINDOW, floor=FP8_FLOOR, factor=FP8_FACTOR):
+    """The FP8 check on three loss curves: the largest relative gap of `window`-step moving averages
+    FP8 vs bf16, against the limit max(floor, factor x the largest such gap bf16 vs float32). Steps
+    are 1-based, each naming the last step of its window."""
+    window = min(window, len(fp8))
+    gaps = {"fp8_vs_bf16": moving_average_gaps(fp8, bf16, window),
+            "bf16_vs_fp32": moving_average_gaps(bf16, fp32, window)}
+    verdict = {"window": window, "floor": floor, "factor": factor}
+    for key, g in gaps.items():
+        worst = max(range(len(g)), key=g.__getitem__)
+        verdict[f"gap_{key}"], verdict[f"gap_{key}_step"] = g[worst], worst + window
+    verdict["limit"] = max(floor, factor * verdict["gap_bf16_vs_fp32"])
+    verdict["within_limit"] = math.isfinite(verdict["limit"]) and verdict["gap_fp8_vs_bf16"] <= verdict["limit"]
+    return verdict, gaps
+
+
+def plot(curves, path, gaps=None, limit=None):
+    """The loss curves; with `gaps` (name -> moving-average gaps, --fp8) a second panel of those
+    against `limit`."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -245,102 +326,35 @@ def plot(curves, path):
     except ImportError:
         print("note: matplotlib is not installed; no loss-curve PNG")
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(2 if gaps else 1, 1, figsize=(8, 8 if gaps else 5), squeeze=False, sharex=True)
+    ax = axes[0][0]
     for name, curve in curves.items():
-        ax.plot(range(1, len(curve) + 1), curve, "--" if name.endswith("nn.Linear") else "-", label=name, lw=1)
-    ax.set(xlabel="step", ylabel="train loss (nats / byte)", title="GPT on the Python standard library")
+        ax.plot(range(1, len(curve) + 1), curve, "--" if name.endswith(("nn.Linear", "fp32")) else "-",
+                label=name, lw=1)
+    ax.set(xlabel=None if gaps else "step", ylabel="train loss (nats / byte)",
+           title="GPT on the Python standard library")
     ax.grid(alpha=0.3), ax.legend()
+    if gaps:
+        gx = axes[1][0]
+        for name, g in gaps.items():
+            first = len(next(iter(curves.values()))) - len(g) + 1
+            gx.semilogy(range(first, first + len(g)), [max(v, 1e-6) for v in g], label=name, lw=1)
+        gx.axhline(limit, color="k", ls=":", label=f"limit {limit:.1e}")
+        gx.set(xlabel="step (last of the window)", ylabel="relative gap of moving-average losses")
+        gx.grid(alpha=0.3), gx.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
-    for flag in ("steps", "batch", "seq", "d-model", "layers"):
-        p.add_argument(f"--{flag}", type=int, default=None, help="default: by device (see above)")
-    p.add_argument("--heads", type=int, default=None, help="default: d_model / 64")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps per run (at most a quarter of them)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 GPU, 3e-3 CPU)")
-    p.add_argument("--precision", choices=["auto", "bf16", "bf16-autocast", "fp32"], default="auto",
-                   help="'auto': bf16 (bf16 weights) on GPU, fp32 on CPU; 'bf16-autocast': float32 weights")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="also run under torch.compile (default: on GPU only)")
-    p.add_argument("--attention", choices=["sdpa", "math"], default="sdpa",
-                   help="'math': PyTorch's plain-kernel attention instead of the fused SDPA kernels")
-    p.add_argument("--tol", type=float, default=None, help="loss agreement tolerance (default 2e-2 bf16, 1e-3 fp32)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="train_gpt_out", help="folder for train_gpt.json and train_gpt.png")
-    p.add_argument("--variable-length", action="store_true",
-                   help="a sequence length from [seq / 8, seq] per step, each run in its own process (see above)")
-    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # "<mode> <variant>": this run only
-    args = p.parse_args(argv)
+def fp8_legs(args):
+    """--fp8's runs, name -> (precision, recipe): FP8 at every size, its bf16 twin, the float32 yardstick."""
+    recipe = fused_dense.Float8Recipe(scaling=args.fp8, min_features=0)
+    return {f"fp8 {args.fp8}": (args.precision, recipe), args.precision: (args.precision, None), "fp32": ("fp32", None)}
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    if device.type == "cuda" and not fused_dense.has_cuda_kernels():
-        sys.exit("error: a GPU is present, but this fused_dense extension was built without its CUDA kernels "
-                 "(no CUDA toolkit was found at build time), so FusedMLP would run its CPU code. Rebuild with "
-                 "CUDA's compiler visible (nvcc on PATH or CUDA_HOME set, FUSED_DENSE_CPU_ONLY unset): "
-                 "`pip install --no-build-isolation -e .`; or pass --device cpu for the CPU check.")
-    for key, value in (GPU_CONFIG if device.type == "cuda" else CPU_CONFIG).items():
-        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.heads = args.heads or max(1, args.d_model // 64)
-    if args.d_model % args.heads:
-        p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
-    args.warmup = 0 if args.variable_length else min(args.warmup, args.steps // 4)
-    args.lr = args.lr or (1e-3 if device.type == "cuda" else 3e-3)
-    args.precision = args.precision if args.precision != "auto" else "bf16" if device.type == "cuda" else "fp32"
-    args.compile = (device.type == "cuda" and not args.variable_length) if args.compile is None else args.compile
-    tol = args.tol if args.tol is not None else (1e-3 if args.precision == "fp32" else 2e-2)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the same for both MLPs
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        torch.cuda.set_device(device)
 
-    train, val = stdlib_text()
-    gen = torch.Generator().manual_seed(args.seed)
-    offsets = torch.randint(0, len(train) - args.seq - 1, (args.steps, args.batch), generator=gen)
-    val_offsets = torch.randint(0, len(val) - args.seq - 1, (8, args.batch), generator=gen)
-    lengths = (torch.randint(max(1, args.seq // 8), args.seq + 1, (args.steps,), generator=gen).tolist()
-               if args.variable_length else [args.seq] * args.steps)
-    data = (train.to(device), val.to(device), offsets.to(device), val_offsets.to(device), lengths)
-    torch.manual_seed(args.seed)
-    init = GPT(VOCAB, args.seq, args.d_model, args.layers, args.heads, "plain").state_dict()
-    n_params = sum(t.numel() for t in init.values())
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    if args.run is not None:  # one run of --variable-length, in its own process: figures to --out
-        mode, name = args.run.split(" ", 1)
-        with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
-            run, curve = train_run(VARIANTS[name], mode == "compile", init, data, args, device, args.run)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "run.json"), "w") as f:
-            json.dump({"run": run, "curve": curve}, f)
-        return 0
-    print(f"{device} ({where}), torch {torch.__version__}, {args.precision}; {n_params / 1e6:.1f}M parameters: "
-          f"d_model {args.d_model}, {args.layers} layers x {args.heads} heads, seq {args.seq}, batch {args.batch}, "
-          f"{args.steps} steps ({args.warmup} untimed), lr {args.lr}"
-          f"{', variable sequence lengths' if args.variable_length else ''}; data: {len(train) / 1e6:.1f} MB train, "
-          f"{len(val) / 1e6:.1f} MB val of Python {sys.version.split()[0]}'s standard library", flush=True)
-    if device.type == "cpu":
-        print("note: on the CPU this is a functional check of FusedMLP in training, not a speed figure")
-
-    runs, curves = {}, {}
-    modes = ["eager"] + (["compile"] if args.compile else [])
-    with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
-        for mode in modes:
-            for name, kind in VARIANTS.items():
-                if args.variable_length:
-                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = run_in_own_process(argv, mode, name, args)
-                else:
-                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = train_run(
-                        kind, mode == "compile", init, data, args, device, f"{mode} {name}")
-
-    print(f"\n{'run':<18} {'tokens/s':>10} {'peak GiB':>9} {'final loss':>11} {'last-20 mean':>13} {'val loss':>9}")
-    for name, r in runs.items():
-        mem = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
-        print(f"{name:<18} {r['tokens_per_s']:>10,.0f} {mem:>9} {r['final_train_loss']:>11.4f} "
-              f"{r['train_loss_last20']:>13.4f} {r['val_loss']:>9.4f}")
+def compare_mlps(runs, curves, modes, args, tol, device):
+    """FusedMLP against nn.Linear per mode: tokens/s ratios and loss agreement, printed."""
     ratios, agreement = {}, {}
     for mode in modes:
         fused, plain = runs[f"{mode} FusedMLP"], runs[f"{mode} nn.Linear"]
@@ -362,21 +376,166 @@ def main(argv=None):
         print(f"{mode:>7}: FusedMLP / nn.Linear tokens/s {ratios[mode]:.3f}x{target}; loss curves "
               f"{'agree' if a['agree'] else 'DIFFER'}: last-20-step means {a['relative_gap_last20']:.2e} apart "
               f"(tol {tol:.0e}), largest single-step gap {a['max_relative_step_gap']:.2e}")
+    return ratios, agreement
+
+
+def compare_fp8(runs, curves, mode, args, fell):
+    """The FP8 verdict (fp8_verdict, plus: every dense layer ran in FP8 and every loss fell), printed;
+    returns it and the moving-average gaps by name."""
+    fp8, low, ref = (f"{mode} {name}" for name in fp8_legs(args))
+    verdict, gaps = fp8_verdict(curves[fp8], curves[low], curves[ref])
+    layers = runs[fp8]["fp8_layers"]
+    verdict.update(tokens_per_s_fp8_over_bf16=runs[fp8]["tokens_per_s"] / runs[low]["tokens_per_s"],
+                   fp8_layers=layers, every_dense_layer_fp8=layers["dense_layers_not_in_fp8"] == 0, loss_fell=fell)
+    verdict["passed"] = verdict["within_limit"] and verdict["every_dense_layer_fp8"] and fell
+    print(f"FP8 layers: {layers['FusedMLP']} FusedMLP + {layers['FusedDense']} FusedDense = {layers['fp8_gemms']} "
+          f"GEMMs per step in FP8; dense layers left out of FP8: {layers['dense_layers_not_in_fp8']}")
+    print(f"{fp8} / {low} tokens/s {verdict['tokens_per_s_fp8_over_bf16']:.3f}x")
+    v = verdict
+    print(f"largest relative gap of {v['window']}-step moving-average losses: {fp8} vs {low} "
+          f"{v['gap_fp8_vs_bf16']:.2e} (window ending at step {v['gap_fp8_vs_bf16_step']}), {low} vs {ref} "
+          f"{v['gap_bf16_vs_fp32']:.2e} (step {v['gap_bf16_vs_fp32_step']}); limit max({v['floor']:.0e}, "
+          f"{v['factor']} x {v['gap_bf16_vs_fp32']:.2e}) = {v['limit']:.2e}")
+    return verdict, {f"{fp8} vs {low}": gaps["fp8_vs_bf16"], f"{low} vs {ref}": gaps["bf16_vs_fp32"]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ...")
+    for flag in ("steps", "batch", "seq", "d-model", "layers"):
+        p.add_argument(f"--{flag}", type=int, default=None, help="default: by device (see above)")
+    p.add_argument("--heads", type=int, default=None, help="default: d_model / 64")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per run (at most a quarter of them)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 GPU, 3e-3 CPU)")
+    p.add_argument("--precision", choices=["auto", "bf16", "bf16-autocast", "fp32"], default="auto",
+                   help="'auto': bf16 (bf16 weights) on GPU, fp32 on CPU; 'bf16-autocast': float32 weights")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also run under torch.compile (default: on GPU only)")
+    p.add_argument("--attention", choices=["sdpa", "math"], default="sdpa",
+                   help="'math': PyTorch's plain-kernel attention instead of the fused SDPA kernels")
+    p.add_argument("--tol", type=float, default=None, help="loss agreement tolerance (default 2e-2 bf16, 1e-3 fp32)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="train_gpt_out", help="folder for train_gpt.json and train_gpt.png")
+    p.add_argument("--variable-length", action="store_true",
+                   help="a sequence length from [seq / 8, seq] per step, each run in its own process (see above)")
+    p.add_argument("--fp8", choices=["current", "delayed"], default=None,
+                   help="every dense layer in FP8 with this scaling, against bf16 and fp32 (see above)")
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # "<mode> <variant>": this run only
+    args = p.parse_args(argv)
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if device.type == "cuda" and not fused_dense.has_cuda_kernels():
+        sys.exit("error: a GPU is present, but this fused_dense extension was built without its CUDA kernels "
+                 "(no CUDA toolkit was found at build time), so FusedMLP would run its CPU code. Rebuild with "
+                 "CUDA's compiler visible (nvcc on PATH or CUDA_HOME set, FUSED_DENSE_CPU_ONLY unset): "
+                 "`pip install --no-build-isolation -e .`; or pass --device cpu for the CPU check.")
+    if args.fp8 and args.variable_length:
+        p.error("--fp8 and --variable-length are separate checks: pass one of them")
+    if args.fp8 and args.precision not in ("auto", "bf16", "bf16-autocast"):
+        p.error("--fp8 compares FP8 with bf16 and fp32: --precision is bf16 (the default) or bf16-autocast")
+    if args.fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        sys.exit(f"error: --fp8 needs a GPU of compute capability 8.9 or later; {torch.cuda.get_device_name(device)} "
+                 f"is {'.'.join(map(str, torch.cuda.get_device_capability(device)))}")
+    configs = (FP8_GPU_CONFIG, FP8_CPU_CONFIG) if args.fp8 else (GPU_CONFIG, CPU_CONFIG)
+    for key, value in (configs[0] if device.type == "cuda" else configs[1]).items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    args.heads = args.heads or max(1, args.d_model // 64)
+    if args.d_model % args.heads:
+        p.error(f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})")
+    args.warmup = 0 if args.variable_length else min(args.warmup, args.steps // 4)
+    args.lr = args.lr or (1e-3 if device.type == "cuda" else 3e-3)
+    args.precision = (args.precision if args.precision != "auto" else
+                      "bf16" if device.type == "cuda" or args.fp8 else "fp32")
+    args.compile = (device.type == "cuda" and not (args.variable_length or args.fp8)
+                    if args.compile is None else args.compile)
+    tol = args.tol if args.tol is not None else (1e-3 if args.precision == "fp32" else 2e-2)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the same for both MLPs
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+
+    train, val = stdlib_text()
+    gen = torch.Generator().manual_seed(args.seed)
+    offsets = torch.randint(0, len(train) - args.seq - 1, (args.steps, args.batch), generator=gen)
+    val_offsets = torch.randint(0, len(val) - args.seq - 1, (8, args.batch), generator=gen)
+    lengths = (torch.randint(max(1, args.seq // 8), args.seq + 1, (args.steps,), generator=gen).tolist()
+               if args.variable_length else [args.seq] * args.steps)
+    data = (train.to(device), val.to(device), offsets.to(device), val_offsets.to(device), lengths)
+    torch.manual_seed(args.seed)
+    init = GPT(VOCAB, args.seq, args.d_model, args.layers, args.heads, "plain").state_dict()
+    n_params = sum(t.numel() for t in init.values())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    if args.run is not None:  # one run of --variable-length or --fp8, in its own process: figures to --out
+        mode, name = args.run.split(" ", 1)
+        with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
+            if args.fp8:
+                precision, recipe = fp8_legs(args)[name]
+                run, curve = train_run("all-fused", mode == "compile", init, data, args, device, args.run,
+                                       precision, recipe)
+            else:
+                run, curve = train_run(VARIANTS[name], mode == "compile", init, data, args, device, args.run)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "run.json"), "w") as f:
+            json.dump({"run": run, "curve": curve}, f)
+        return 0
+    what = f"FP8 ({args.fp8} scaling, every dense layer) vs {args.precision} vs fp32" if args.fp8 else args.precision
+    print(f"{device} ({where}), torch {torch.__version__}, {what}; {n_params / 1e6:.1f}M parameters: "
+          f"d_model {args.d_model}, {args.layers} layers x {args.heads} heads, seq {args.seq}, batch {args.batch}, "
+          f"{args.steps} steps ({args.warmup} untimed), lr {args.lr}"
+          f"{', variable sequence lengths' if args.variable_length else ''}; data: {len(train) / 1e6:.1f} MB train, "
+          f"{len(val) / 1e6:.1f} MB val of Python {sys.version.split()[0]}'s standard library", flush=True)
+    if device.type == "cpu":
+        print(f"note: on the CPU this is a functional check of {'the FP8 layers' if args.fp8 else 'FusedMLP'} "
+              "in training, not a speed figure")
+
+    runs, curves = {}, {}
+    modes = ["eager"] + (["compile"] if args.compile else [])
+    if args.fp8:  # the FP8 run and its two yardsticks, eagerly (or compiled) only
+        modes = modes[-1:]
+    with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
+        for mode in modes:
+            for name, kind in (fp8_legs(args) if args.fp8 else VARIANTS).items():
+                if args.variable_length or args.fp8:
+                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = run_in_own_process(argv, mode, name, args)
+                else:
+                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = train_run(
+                        kind, mode == "compile", init, data, args, device, f"{mode} {name}")
+
+    print(f"\n{'run':<18} {'tokens/s':>10} {'peak GiB':>9} {'final loss':>11} {'last-20 mean':>13} {'val loss':>9}")
+    for name, r in runs.items():
+        mem = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
+        print(f"{name:<18} {r['tokens_per_s']:>10,.0f} {mem:>9} {r['final_train_loss']:>11.4f} "
+              f"{r['train_loss_last20']:>13.4f} {r['val_loss']:>9.4f}")
+    if not args.fp8:
+        ratios, agreement = compare_mlps(runs, curves, modes, args, tol, device)
     fell = all(c[-1] < c[0] for c in curves.values())
     print(f"loss {'fell' if fell else 'did NOT fall'} in every run: "
           + ", ".join(f"{c[0]:.3f} -> {c[-1]:.3f}" for c in curves.values()))
+    if args.fp8:
+        verdict, gaps = compare_fp8(runs, curves, modes[0], args, fell)
+        found, limit = {"fp8": verdict}, verdict["limit"]
+    else:
+        gaps = limit = None
+        found = {"ratio_fused_over_linear": ratios, "agreement": agreement,
+                 "targets": TARGETS if device.type == "cuda" else None}
 
     os.makedirs(args.out, exist_ok=True)
-    png = plot(curves, os.path.join(args.out, "train_gpt.png"))
+    png = plot(curves, os.path.join(args.out, "train_gpt.png"), gaps, limit)
     report = {"device": where, "torch": torch.__version__, "fused_dense": fused_dense.__version__,
               "config": {k: getattr(args, k) for k in ("d_model", "layers", "heads", "seq", "batch", "steps",
                                                        "warmup", "lr", "precision", "compile", "seed",
-                                                       "variable_length")},
-              "parameters": n_params, "runs": runs, "ratio_fused_over_linear": ratios, "agreement": agreement,
-              "targets": TARGETS if device.type == "cuda" else None, "loss_curves": curves}
+                                                       "variable_length", "fp8")},
+              "parameters": n_params, "runs": runs, **found, "loss_curves": curves}
     with open(os.path.join(args.out, "train_gpt.json"), "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {os.path.join(args.out, 'train_gpt.json')}" + (f" and {png}" if png else ""))
+    if args.fp8:
+        ok = verdict["passed"]
+        print(f"{'OK' if ok else 'FAIL'}: FP8 ({args.fp8} scaling, every dense layer) vs {args.precision}: moving-"
+              f"average gap {verdict['gap_fp8_vs_bf16']:.2e} {'<=' if verdict['within_limit'] else '>'} limit "
+              f"{verdict['limit']:.2e}" + ("" if verdict["every_dense_layer_fp8"] else "; NOT every dense layer in FP8")
+              + ("" if fell else "; a loss did NOT fall"))
+        return 0 if ok else 1
     ok = fell and all(a["agree"] for a in agreement.values())
     print("OK: FusedMLP and nn.Linear train alike" if ok else "FAIL: the loss curves differ or did not fall")
     return 0 if ok else 1

@@ -1,6 +1,8 @@
 """examples/train_gpt.py: its CPU configuration trains both MLP variants to agreeing, falling loss
 curves and writes its figures; a disagreeing MLP is reported; a GPU with a CPU-only build of the
-extension is refused before any training."""
+extension is refused before any training. --fp8: a tiny CPU run writes a verdict that follows from
+its own curves, with every dense layer in FP8; the verdict's rule (the floor, 3 x the bf16-vs-fp32
+gap, a NaN) decides the exit status."""
 import json
 import math
 import os
@@ -15,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import train_gpt  # noqa: E402
 
 TINY = ["--device", "cpu", "--steps", "16", "--d-model", "64", "--layers", "1", "--seq", "64", "--batch", "4"]
+FP8_TINY = ["--device", "cpu", "--steps", "24", "--d-model", "64", "--layers", "1", "--seq", "32", "--batch", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -112,6 +115,104 @@ def test_script_runs_as_a_program(tmp_path):
     assert set(_report(tmp_path / "o")["runs"]) == {"eager nn.Linear", "eager FusedMLP"}
 
 
+def _largest_ma_gap(curve, ref, window):
+    """The test's own moving averages: (largest relative gap, 1-based step ending that window)."""
+    ma = [sum(curve[i:i + window]) / window for i in range(len(curve) - window + 1)]
+    mr = [sum(ref[i:i + window]) / window for i in range(len(ref) - window + 1)]
+    gaps = [abs(a - b) / b for a, b in zip(ma, mr)]
+    return max(gaps), gaps.index(max(gaps)) + window
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_cpu_fp8_run_writes_a_verdict_its_curves_give(tmp_path, capfd, scaling):
+    """Three runs (FP8 at every size, bf16, fp32), each in its own process; the verdict's figures
+    follow from the curves in the JSON and the exit status from the verdict. Whether FP8 is within
+    the limit after 24 CPU steps of a tiny model is not asserted."""
+    code = train_gpt.main([*FP8_TINY, "--fp8", scaling, "--out", str(tmp_path)])
+    report = _report(tmp_path)
+    fp8, bf16, fp32 = f"eager fp8 {scaling}", "eager bf16", "eager fp32"
+    assert set(report["runs"]) == {fp8, bf16, fp32}
+    assert report["config"]["fp8"] == scaling and report["config"]["precision"] == "bf16"
+    assert report["config"]["compile"] is False
+    curves = report["loss_curves"]
+    for name in (fp8, bf16, fp32):
+        assert len(curves[name]) == 24 and math.isfinite(report["runs"][name]["val_loss"]), name
+        assert sum(curves[name][-4:]) / 4 < curves[name][0] - 0.5, (name, curves[name])
+    # the bf16 run has the same layers without FP8 (deterministic on the CPU): FP8 took effect
+    assert curves[fp8] != curves[bf16]
+    assert "fp8_layers" not in report["runs"][bf16]
+    v = report["fp8"]
+    assert v["window"] == train_gpt.FP8_WINDOW == 20 and v["factor"] == 3 and v["floor"] == train_gpt.FP8_FLOOR
+    gap, at = _largest_ma_gap(curves[fp8], curves[bf16], 20)
+    ref, ref_at = _largest_ma_gap(curves[bf16], curves[fp32], 20)
+    assert v["gap_fp8_vs_bf16"] == pytest.approx(gap, rel=1e-9) and v["gap_fp8_vs_bf16_step"] == at
+    assert v["gap_bf16_vs_fp32"] == pytest.approx(ref, rel=1e-9) and v["gap_bf16_vs_fp32_step"] == ref_at
+    assert v["limit"] == pytest.approx(max(v["floor"], 3 * ref), rel=1e-9)
+    assert v["within_limit"] == (v["gap_fp8_vs_bf16"] <= v["limit"])
+    # one block: its MLP (6 GEMMs) and qkv, proj and the head as FusedDense (3 GEMMs each)
+    assert v["fp8_layers"] == {"FusedMLP": 1, "FusedDense": 3, "fp8_gemms": 15, "dense_layers_not_in_fp8": 0}
+    assert v["every_dense_layer_fp8"] and v["loss_fell"]
+    assert v["passed"] == v["within_limit"] and code == (0 if v["passed"] else 1)
+    assert (tmp_path / "train_gpt.png").stat().st_size > 0
+    out, err = capfd.readouterr()
+    assert f"{fp8} [" in err and "24/24" in err  # each run's progress bar, from its own process
+    assert f"{'OK' if v['passed'] else 'FAIL'}: FP8 ({scaling} scaling, every dense layer)" in out
+
+
+def _fake_fp8_runs(bf16_offset, fp8_offset):
+    """run_in_own_process for --fp8 without training: curves a fixed factor off a falling fp32 curve."""
+    def fake(argv, mode, name, args):
+        curve = [5.0 - 0.03 * i for i in range(args.steps)]
+        factor = {"fp32": 1.0, "bf16": 1.0 + bf16_offset}.get(name, 1.0 + fp8_offset)
+        curve = [c * factor for c in curve]
+        run = {"tokens_per_s": 1.0, "peak_memory_gib": None, "final_train_loss": curve[-1],
+               "train_loss_last20": sum(curve[-20:]) / 20, "val_loss": 4.0}
+        if name.startswith("fp8"):
+            run["fp8_layers"] = {"FusedMLP": 1, "FusedDense": 3, "fp8_gemms": 15, "dense_layers_not_in_fp8": 0}
+        return run, curve
+    return fake
+
+
+@pytest.mark.parametrize("bf16_offset, fp8_offset, limit, passed", [
+    (4e-3, 1e-2, 1.2e-2, True),    # 3 x the bf16-vs-fp32 gap (1.2e-2) admits a 6e-3 gap
+    (4e-3, 5e-2, 1.2e-2, False),   # a 4.6e-2 gap is outside it
+    (1e-3, 9e-3, 1e-2, True),      # the floor (1e-2 > 3 x 1e-3) admits an 8e-3 gap
+    (1e-3, 1.5e-2, 1e-2, False),   # but not a 1.4e-2 one
+])
+def test_fp8_verdict_decides_the_exit_status(tmp_path, monkeypatch, capsys, bf16_offset, fp8_offset, limit, passed):
+    """The runs are replaced; the CPU defaults of --fp8 (FP8_CPU_CONFIG, eager) are checked on the way."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train_gpt, "run_in_own_process", _fake_fp8_runs(bf16_offset, fp8_offset))
+    assert train_gpt.main(["--fp8", "delayed", "--out", str(tmp_path)]) == (0 if passed else 1)
+    report = _report(tmp_path)
+    cfg = report["config"]
+    assert {k: cfg[k] for k in ("d_model", "layers", "seq", "batch", "steps")} == train_gpt.FP8_CPU_CONFIG
+    assert cfg["compile"] is False and cfg["precision"] == "bf16"
+    v = report["fp8"]
+    expected = abs((1 + fp8_offset) / (1 + bf16_offset) - 1)
+    assert v["gap_fp8_vs_bf16"] == pytest.approx(expected, rel=1e-6)
+    assert v["gap_bf16_vs_fp32"] == pytest.approx(bf16_offset, rel=1e-6)
+    assert v["limit"] == pytest.approx(limit, rel=1e-6)
+    assert v["within_limit"] is passed and v["passed"] is passed
+    assert ("OK: FP8 (delayed scaling" if passed else "FAIL: FP8 (delayed scaling") in capsys.readouterr().out
+
+
+def test_fp8_nan_loss_is_outside_any_limit():
+    fp32 = [5.0 - 0.03 * i for i in range(40)]
+    fp8 = list(fp32)
+    fp8[30] = math.nan
+    verdict, gaps = train_gpt.fp8_verdict(fp8, fp32, fp32)
+    assert verdict["gap_fp8_vs_bf16"] == math.inf and not verdict["within_limit"]
+    assert verdict["limit"] == train_gpt.FP8_FLOOR and len(gaps["fp8_vs_bf16"]) == 21
+
+
+@pytest.mark.parametrize("extra", [["--precision", "fp32"], ["--variable-length"]])
+def test_fp8_refuses_what_it_does_not_compare(tmp_path, extra):
+    with pytest.raises(SystemExit) as exc:
+        train_gpt.main(["--device", "cpu", "--fp8", "current", *extra, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and not (tmp_path / "train_gpt.json").exists()
+
+
 @pytest.mark.cuda
 def test_gpu_run_short(tmp_path):
     """A short run of the GPU configuration (2 layers, 30 steps, eager and compiled)."""
@@ -119,3 +220,19 @@ def test_gpu_run_short(tmp_path):
     report = _report(tmp_path)
     assert set(report["runs"]) == {f"{m} {v}" for m in ("eager", "compile") for v in ("nn.Linear", "FusedMLP")}
     assert all(r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 for r in report["runs"].values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="FP8 needs a GPU of compute capability 8.9+")
+def test_gpu_fp8_run_short(tmp_path):
+    """--fp8 current on the GPU configuration cut to 2 layers and 40 steps: the three runs, every
+    dense layer in FP8, and an exit status that follows the verdict (not asserted to pass)."""
+    code = train_gpt.main(["--device", "cuda", "--fp8", "current", "--steps", "40", "--layers", "2",
+                           "--out", str(tmp_path)])
+    report = _report(tmp_path)
+    assert set(report["runs"]) == {"eager fp8 current", "eager bf16", "eager fp32"}
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 for r in report["runs"].values())
+    v = report["fp8"]
+    assert v["fp8_layers"] == {"FusedMLP": 2, "FusedDense": 5, "fp8_gemms": 27, "dense_layers_not_in_fp8": 0}
+    assert code == (0 if v["passed"] else 1)
