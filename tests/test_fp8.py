@@ -22,6 +22,9 @@ from conftest import poison_cuda_cache, rel_err
 from fused_dense import Float8Recipe, FusedDense, FusedMLP
 
 FP8_TOL = 2e-2
+# A gradient quantized to e5m2 (2 mantissa bits, twice e4m3's spacing) is off by 25% where it
+# flips; at one row of 64 units a single flip is a few percent of the norm (measured 3.0e-2).
+FP8_TOL_E5M2 = 5e-2
 FMAX = {0: 448.0, 1: 57344.0}
 F8 = {0: torch.float8_e4m3fn, 1: torch.float8_e5m2}
 ACTS = {"gelu_approx": 1, "relu": 2, "sqrelu": 3}
@@ -93,9 +96,9 @@ def ref_mlp(x, w1, b1, w2, b2, g, act, grad_fmt, dtype, scales=None):
     return {"out": out, "x": dq @ w1q, "w1": dq.T @ xq, "b1": d_pre.sum(0), "w2": gq.T @ aq, "b2": g.sum(0)}
 
 
-def assert_fp8_close(out, ref, what):
+def assert_fp8_close(out, ref, what, tol=FP8_TOL):
     err = rel_err(out, ref)
-    assert err <= FP8_TOL, f"{what}: relative error {err:.3e} > {FP8_TOL}"
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol}"
 
 
 # ---- fp8_quantize ----
@@ -221,7 +224,10 @@ def test_linear_matches_reference(device, formats, out_dtype, bias):
     ref = (xi[0].double().cpu() * xi[3].item()) @ (wi[0].double().cpu() * wi[3].item()).T
     if bias:
         ref = ref + b.double().cpu()
-    assert rel_err(out.double().cpu(), ref) <= {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[out_dtype]
+    # fp32 out: Hopper's FP8 tensor cores add products in fewer bits than fp32 between promotions to
+    # the fp32 accumulator (measured 7.5e-5 on the H200 with the precise accumulation), so 5e-4.
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 5e-4 if device == "cuda" else 1e-5}[out_dtype]
+    assert rel_err(out.double().cpu(), ref) <= tol
 
 
 def test_linear_errors():
@@ -306,7 +312,7 @@ def test_mlp_current_scaling_matches_reference(device, act, grad_format, rows):
     assert_fp8_close(out, ref["out"], "out")
     for k, v in grads.items():
         assert v.dtype == torch.bfloat16
-        assert_fp8_close(v, ref[k], f"grad {k}")
+        assert_fp8_close(v, ref[k], f"grad {k}", FP8_TOL if grad_format == "e4m3" else FP8_TOL_E5M2)
 
 
 @pytest.mark.parametrize("device", devices())

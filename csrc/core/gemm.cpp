@@ -137,7 +137,12 @@ MatmulDesc make_matmul_desc(const GemmProblem& p) {
   set_attr(raw, CUBLASLT_MATMUL_DESC_TRANSB, tb);
   set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(p));
   if (uses_aux(p.epilogue)) set_attr(raw, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, p.ld_aux);
-  if (p.fp8) set_attr(raw, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(p.fast_accum ? 1 : 0));
+  if (p.fp8) {
+    set_attr(raw, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(p.fast_accum ? 1 : 0));
+    // Beside FP8 operands cuBLASLt's default bias type is not always D's (measured: an fp32 bias
+    // read as bf16 with fp32 D), so it is stated; a combination it refuses is then NOT_SUPPORTED.
+    if (p.with_bias) set_attr(raw, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(p.dtype));
+  }
   return desc;
 }
 

@@ -1,0 +1,38 @@
+"""Every FP8 kernel once at small shapes, for compute-sanitizer (tools/README.md): fp8_quantize in
+each mode (plain, forward activations, backward activation derivatives; current and delayed
+scaling; row-major, transposed and column sums), fp8_linear with each format pair, and an FP8 MLP
+and linear layer step under both recipes."""
+import torch
+
+import fused_dense
+
+dev = "cuda"
+q = torch.ops.fused_dense.fp8_quantize
+for rows, cols in [(1, 8), (77, 40), (130, 200)]:
+    x = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+    pre = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+    scale = torch.tensor(5.0, device=dev)
+    for act, backward in [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]:
+        for fmt in (0, 1):
+            for s in (None, scale):
+                q(x, pre if backward else None, act, backward, fmt, s, True, True, True)
+    q(x.float(), None, 0, False, 0, None, True, True, True)
+    q(x.half(), None, 1, False, 1, None, False, True, False)
+xi = q(torch.randn(48, 64, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)
+gi = q(torch.randn(48, 64, device=dev, dtype=torch.bfloat16), None, 0, False, 1, None, True, False, False)
+wi = q(torch.randn(32, 64, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)
+for a, w in [(xi, wi), (gi, wi), (wi, gi)]:
+    bias = torch.randn(w[0].shape[0], device=dev)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        torch.ops.fused_dense.fp8_linear(a[0], w[0], a[3], w[3], bias.to(dt), dt, False, -2)
+for scaling in ("current", "delayed"):
+    recipe = fused_dense.Float8Recipe(scaling=scaling, min_features=0)
+    for lvl in (0, 1, 2):
+        m = fused_dense.FusedMLP(64, 256, checkpoint_lvl=lvl, device=dev, dtype=torch.bfloat16, fp8=recipe)
+        x = torch.randn(100, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2):
+            m(x).float().square().sum().backward()
+    d = fused_dense.FusedDense(64, 48, device=dev, dtype=torch.bfloat16, fp8=recipe)
+    d(torch.randn(33, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
+torch.cuda.synchronize()
+print("fp8_probe: done")
