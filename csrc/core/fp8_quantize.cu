@@ -20,10 +20,13 @@ using namespace elementwise_detail;
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTile = 64;             // a block's tile: 64 rows x 64 columns
-constexpr int kVec = 8;               // elements per thread and load (16 bytes of a 16-bit type)
-constexpr int kColGroups = kTile / kVec;       // 8 threads span a tile row
-constexpr int kRowsPerPass = kThreads / kColGroups;  // 32 rows per pass, 2 passes per tile
+constexpr int kTileCols = 64;          // a block's tile: 128 rows x 64 columns
+constexpr int kTileRows = 128;
+constexpr int kVec = 8;                // elements per thread and load (16 bytes of a 16-bit type)
+constexpr int kColGroups = kTileCols / kVec;          // 8 threads span a tile row
+constexpr int kRowsPerPass = kThreads / kColGroups;   // 32 rows per pass
+constexpr int kPasses = kTileRows / kRowsPerPass;     // 4 passes per tile, their loads issued together
+constexpr int kChunk = 16;             // bytes per store of the transposed tile: 16 rows of a column
 
 // |v| as the bits of a non-negative float: their unsigned order is the float order, and every NaN
 // sorts above +inf, so an unsigned max over them is an amax that propagates NaN.
@@ -58,6 +61,41 @@ __device__ __forceinline__ void values8(const T* x, const T* pre, int64_t offset
   }
 }
 
+// The raw 16-byte words of 8 elements of x (and pre), loaded now and converted later, so that the
+// cast kernel can keep the next tile's loads in flight while it stores the current one.
+template <typename T>
+struct Raw8 {
+  static constexpr int kWords = sizeof(T) * kVec / 16;  // 1 (16-bit types) or 2 (fp32)
+  uint4 x[kWords];
+  uint4 pre[kWords];
+};
+
+template <typename T, int kMode>
+__device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t offset, bool valid, Raw8<T>& r) {
+#pragma unroll
+  for (int w = 0; w < Raw8<T>::kWords; ++w) {
+    r.x[w] = valid ? reinterpret_cast<const uint4*>(x + offset)[w] : make_uint4(0, 0, 0, 0);
+    if constexpr (kMode == 2) r.pre[w] = valid ? reinterpret_cast<const uint4*>(pre + offset)[w] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// values8 of raw words; a zero word gives v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0).
+template <typename T, Activation A, int kMode>
+__device__ __forceinline__ void values_of(const Raw8<T>& r, float (&v)[kVec]) {
+  constexpr bool kFast = sizeof(T) == 2;
+  const T* e = reinterpret_cast<const T*>(r.x);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) v[i] = Cvt<T>::to_float(e[i]);
+  if constexpr (kMode == 1) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
+  } else if constexpr (kMode == 2) {
+    const T* q = reinterpret_cast<const T*>(r.pre);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(Cvt<T>::to_float(q[i]));
+  }
+}
+
 __device__ __forceinline__ unsigned block_max(unsigned m) {
   __shared__ unsigned warp_max[kThreads / 32];
 #pragma unroll
@@ -73,14 +111,28 @@ __device__ __forceinline__ unsigned block_max(unsigned m) {
 }
 
 template <typename T, Activation A, int kMode>
-__global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, const T* pre, int64_t vectors, unsigned* amax) {
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, int64_t vectors, unsigned* amax) {
+  // 4 vectors per thread per step: their loads are in flight together.
+  constexpr int kUnroll = 4;
   unsigned m = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < vectors;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    float v[kVec];
-    values8<T, A, kMode>(x, pre, i * kVec, v);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < vectors; i0 += kUnroll * stride) {
+    float v[kUnroll][kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) m = max(m, abs_bits(v[k]));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + u * stride;
+      if (i < vectors) {
+        values8<T, A, kMode>(x, pre, i * kVec, v[u]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[u][k] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) m = max(m, abs_bits(v[u][k]));
   }
   m = block_max(m);
   if (threadIdx.x == 0 && m != 0u) atomicMax(amax, m);
@@ -104,14 +156,16 @@ struct CastParams {
   float* col_partials;        // [gridDim.y, cols] or null
 };
 
-// Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 64-row
+// Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
 // tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t.
 template <typename T, Activation A, int kMode>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, const T* pre, CastParams p) {
-  __shared__ uint8_t tile[kTile][kTile + 8];
-  __shared__ float sums[kRowsPerPass][kTile];
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* __restrict__ pre, CastParams p) {
+  // Row-major, rows padded by 4 bytes: the transposed reads (16 rows of one column per thread) then
+  // hit 2 banks per warp instead of 1, and the row writes stay 4-byte aligned.
+  __shared__ __align__(16) uint8_t tile[kTileRows][kTileCols + 4];
+  __shared__ float sums[kRowsPerPass][kTileCols];
   const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int64_t col = c0 + cg * kVec;
   const bool col_in = col < p.cols;  // cols % 8 == 0: a group is wholly in or out
   const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
@@ -123,40 +177,56 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, const T* pre
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
   float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   unsigned m = 0;
-  for (int64_t t0 = r_begin; t0 < r_end; t0 += kTile) {
+  Raw8<T> raw[kPasses];
+  const auto load_tile = [&](int64_t t) {
 #pragma unroll
-    for (int pass = 0; pass < kTile / kRowsPerPass; ++pass) {
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int64_t row = t + pass * kRowsPerPass + rl;
+      load_raw<T, kMode>(x, pre, row * p.cols + col, col_in && row < p.rows, raw[pass]);
+    }
+  };
+  if (r_begin < r_end) load_tile(r_begin);
+  for (int64_t t0 = r_begin; t0 < r_end; t0 += kTileRows) {
+    float v[kPasses][kVec];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], v[pass]);
+    // The next tile's loads are in flight while this one is quantized and stored.
+    if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
       const int lr = pass * kRowsPerPass + rl;
       const int64_t row = t0 + lr;
-      float v[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (col_in && row < p.rows) values8<T, A, kMode>(x, pre, row * p.cols + col, v);
       uint8_t q[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        acc[k] += v[k];
-        m = max(m, abs_bits(v[k]));
-        q[k] = to_fp8(v[k] * scale, p.format);
+        acc[k] += v[pass][k];
+        m = max(m, abs_bits(v[pass][k]));
+        q[k] = to_fp8(v[pass][k] * scale, p.format);
       }
       if (p.data != nullptr && col_in && row < p.rows)
         *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = *reinterpret_cast<const uint2*>(q);
-      if (p.data_t != nullptr) *reinterpret_cast<uint2*>(&tile[lr][cg * kVec]) = *reinterpret_cast<const uint2*>(q);
+      if (p.data_t != nullptr) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[lr][cg * kVec]);
+        dst[0] = *reinterpret_cast<const uint32_t*>(q);
+        dst[1] = *reinterpret_cast<const uint32_t*>(q + 4);
+      }
     }
     if (p.data_t != nullptr) {
       __syncthreads();
-      // 64 columns x 8 chunks of 8 rows: thread k writes rows [8 (k % 8), +8) of column k / 8.
+      // 64 columns x 8 chunks of 16 rows: thread k writes rows [16 (k % 8), +16) of column k / 8.
 #pragma unroll
-      for (int i = 0; i < (kTile * kTile / kVec) / kThreads; ++i) {
+      for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
         const int k = i * kThreads + threadIdx.x;
-        const int c = k / kVec, rc = (k % kVec) * kVec;
+        const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
         const int64_t out_row = c0 + c, out_col = t0 + rc;
         if (out_row < p.cols && out_col < p.ld_t) {
-          uint8_t b[kVec];
+          __align__(16) uint8_t b[kChunk];
 #pragma unroll
-          for (int j = 0; j < kVec; ++j) b[j] = tile[rc + j][c];
-          *reinterpret_cast<uint2*>(p.data_t + out_row * p.ld_t + out_col) = *reinterpret_cast<const uint2*>(b);
+          for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
+          *reinterpret_cast<uint4*>(p.data_t + out_row * p.ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
         }
       }
-      __syncthreads();  // the tile is rewritten by the next 64 rows
+      __syncthreads();  // the tile is rewritten by the next rows
     }
   }
   if (p.amax_record != nullptr) {
@@ -168,7 +238,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* x, const T* pre
 #pragma unroll
     for (int k = 0; k < kVec; ++k) sums[rl][cg * kVec + k] = acc[k];
     __syncthreads();
-    if (threadIdx.x < kTile && c0 + threadIdx.x < p.cols) {
+    if (threadIdx.x < kTileCols && c0 + threadIdx.x < p.cols) {
       float s = 0.f;
       for (int l = 0; l < kRowsPerPass; ++l) s += sums[l][threadIdx.x];
       p.col_partials[static_cast<int64_t>(blockIdx.y) * p.cols + c0 + threadIdx.x] = s;
@@ -190,12 +260,12 @@ void dispatch_mode(int mode, F&& f) {
   }
 }
 
-// Row groups per column tile: enough blocks for about 4 per SM, at least one 64-row tile each.
+// Row groups per column tile: enough blocks for about 8 per SM, at least one 128-row tile each.
 int64_t row_groups(int device, const Fp8QuantizeArgs& a) {
   const int64_t rows = a.data_t != nullptr ? fp8_padded_rows(a.rows) : a.rows;
-  const int64_t tiles = std::max<int64_t>(1, (rows + kTile - 1) / kTile);
-  const int64_t col_tiles = (a.cols + kTile - 1) / kTile;
-  const int64_t want = std::max<int64_t>(1, 4 * device_info(device).sm_count() / std::max<int64_t>(1, col_tiles));
+  const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows);
+  const int64_t col_tiles = (a.cols + kTileCols - 1) / kTileCols;
+  const int64_t want = std::max<int64_t>(1, 8 * device_info(device).sm_count() / std::max<int64_t>(1, col_tiles));
   const int64_t groups = std::min<int64_t>(tiles, want);
   const int64_t tiles_per_group = (tiles + groups - 1) / groups;
   return (tiles + tiles_per_group - 1) / tiles_per_group;
@@ -263,10 +333,10 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
           p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);
           const int64_t groups = row_groups(device, a);
           const int64_t rows_cov = a.data_t != nullptr ? p.ld_t : a.rows;
-          const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTile - 1) / kTile);
-          p.rows_per_block = ((tiles + groups - 1) / groups) * kTile;
+          const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTileRows - 1) / kTileRows);
+          p.rows_per_block = ((tiles + groups - 1) / groups) * kTileRows;
           p.col_partials = (a.column_sums != nullptr && a.rows > 0) ? partials : nullptr;
-          const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTile - 1) / kTile);
+          const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTileCols - 1) / kTileCols);
           dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
           cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
           FD_CHECK_LAUNCH();
