@@ -6,12 +6,15 @@ Three layers:
   collective along dim 0 and return ``(output, handle)``. ``handle`` is None for a synchronous
   call; with ``async_op=True`` it is an object whose ``wait()`` makes ``output`` valid. The
   autograd Functions in ``functional.py`` use these to overlap communication with GEMMs.
-* autograd forms -- ``all_gather``, ``reduce_scatter``, ``all_reduce`` -- differentiable
-  versions used by the parallel modules. Their backward follows the tensor-parallel convention
-  that every rank computes the same loss from replicated values: the gradient of a gather is a
-  reduce-scatter (each rank's use of the gathered tensor contributes a partial gradient), the
-  gradient of a reduce-scatter is a gather, and the gradient of an all-reduce is passed through
-  unchanged (every rank already holds the gradient of the replicated sum).
+* autograd forms -- ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``copy_to_group`` --
+  differentiable versions used by the parallel modules. Their backward follows the
+  tensor-parallel convention that every rank computes the same loss from replicated values: the
+  gradient of a gather is a reduce-scatter (each rank's use of the gathered tensor contributes a
+  partial gradient), the gradient of a reduce-scatter is a gather, the gradient of an all-reduce
+  is passed through unchanged (every rank already holds the gradient of the replicated sum), and
+  ``copy_to_group`` is the all-reduce's conjugate: the identity in forward (a replicated input
+  entering layers that each use it for their own shard), the sum of the ranks' partial gradients
+  in backward.
 * model helpers -- ``sync_shared_params``, ``allreduce_sequence_parallel_grad`` and
   ``get_dim_for_local_rank``.
 
@@ -36,6 +39,7 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "all_reduce",
+    "copy_to_group",
     "sync_shared_params",
     "allreduce_sequence_parallel_grad",
     "get_dim_for_local_rank",
@@ -234,6 +238,23 @@ class AllReduceFunc(torch.autograd.Function):
         return grad_output, None
 
 
+class CopyToGroupFunc(torch.autograd.Function):
+    """The identity in forward; sum the gradient over ranks in backward (AllReduceFunc's conjugate)."""
+
+    @staticmethod
+    def forward(ctx, input_: Tensor, process_group: Optional[ProcessGroup]) -> Tensor:
+        ctx.process_group = process_group
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        if _world_size(ctx.process_group) == 1:
+            return grad_output, None
+        # A copy: the gradient autograd hands over may be shared with another input's.
+        grad_input, _ = all_reduce_raw(grad_output.clone(memory_format=torch.contiguous_format), ctx.process_group)
+        return grad_input, None
+
+
 def all_gather(input_: Tensor, process_group: Optional[ProcessGroup]) -> Tensor:
     """Differentiable gather along dim 0 (backward: reduce-scatter)."""
     return AllGatherFunc.apply(input_, process_group)
@@ -248,6 +269,13 @@ def all_reduce(input_: Tensor, process_group: Optional[ProcessGroup]) -> Tensor:
     """Differentiable all-reduce (sum) of partial results into a replicated one (backward:
     identity, see the module docstring). May reuse ``input_``'s memory."""
     return AllReduceFunc.apply(input_, process_group)
+
+
+def copy_to_group(input_: Tensor, process_group: Optional[ProcessGroup]) -> Tensor:
+    """Differentiable identity for an input replicated on every rank of ``process_group`` that
+    each rank uses for its own shard of the work (a column-parallel layer without sequence
+    parallelism): backward sums the ranks' partial gradients (all-reduce)."""
+    return CopyToGroupFunc.apply(input_, process_group)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,11 +20,13 @@ Activations and weights are e4m3; gradients e5m2 (``grad_format='e5m2'``, the de
 Values beyond the format's range saturate to its largest finite value; a NaN makes the
 quantized tensor NaN (current scaling: the whole tensor, through its scale).
 
-Ways in: the ``fp8=`` argument of :class:`FusedDense` and :class:`FusedMLP` (a recipe, or
-``True`` for the default recipe), :func:`fp8_autocast` around the forward, or
-:func:`convert_to_fp8` over a whole model. Whether a layer runs in FP8 never depends on the batch:
-it is the user's choice, narrowed by the recipe's size rule (``min_features``: a layer whose
-smallest width is below it stays in the model's dtype; 0 forces FP8 everywhere).
+Ways in: the ``fp8=`` argument of :class:`FusedDense`, :class:`FusedMLP` and the tensor-parallel
+``ColumnParallelLinear``, ``RowParallelLinear`` and ``ParallelFusedMLP`` (a recipe, or ``True``
+for the default recipe), :func:`fp8_autocast` around the forward, or :func:`convert_to_fp8` over a
+whole model. Whether a layer runs in FP8 never depends on the batch: it is the user's choice,
+narrowed by the recipe's size rule (``min_features``: a layer whose smallest width is below it
+stays in the model's dtype; 0 forces FP8 everywhere). A tensor-parallel layer's rule reads its
+full widths, not its shard's (fused_dense/parallel.py), so every rank decides alike.
 
 The FP8 copy of the weights is made on every call by default. ``forward(x, is_first_microbatch=
 True)`` makes it and keeps it, ``is_first_microbatch=False`` reuses the kept copy (gradient
@@ -114,9 +116,10 @@ _AUTOCAST_LOCK = threading.Lock()
 
 
 class fp8_autocast:
-    """Run every FusedDense / FusedMLP whose ``fp8`` argument is unset in FP8 inside the block
-    (``recipe`` or the default recipe), as TransformerEngine's ``fp8_autocast``. ``enabled=False``
-    turns an outer block off. The state is process-wide."""
+    """Run every FusedDense / FusedMLP / tensor-parallel layer whose ``fp8`` argument is unset in
+    FP8 inside the block (``recipe`` or the default recipe), as TransformerEngine's
+    ``fp8_autocast``. ``enabled=False`` turns an outer block off. The state is process-wide. The
+    gated MLPs stay in the model's dtype."""
 
     def __init__(self, enabled: bool = True, recipe: Optional[Float8Recipe] = None):
         if recipe is not None and not isinstance(recipe, Float8Recipe):

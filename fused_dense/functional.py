@@ -542,9 +542,26 @@ def _fp8_scaling(module, recipe, slots, device):
     return _fp8.delayed_scales(module, recipe, slots), module.fp8_amax
 
 
+def fp8_parallel_input(x: Tensor, process_group, sequence_parallel: bool = True) -> Tensor:
+    """The input of a tensor-parallel FP8 step, differentiably: x in the layer's compute dtype
+    (cast before the gather, as the other tensor-parallel paths cast), all-gathered along dim 0
+    when ``sequence_parallel`` (x is this rank's rows; backward reduce-scatters x's gradient),
+    else x itself, replicated (backward all-reduces the ranks' partial gradients). x as it is
+    without a process group. The FP8 op then quantizes the whole input the same on every rank."""
+    if process_group is None:
+        return x
+    from .distributed import all_gather, copy_to_group
+
+    dtype, _ = _compute_dtype(x)
+    xc = _cast_for_op(x, dtype, True)
+    return all_gather(xc, process_group) if sequence_parallel else copy_to_group(xc, process_group)
+
+
 def fp8_mlp_call(module, recipe, x: Tensor, activation: str, checkpoint_lvl: int,
                  is_first_microbatch: Optional[bool]) -> Tensor:
-    """FusedMLP's FP8 step: the op fused_mlp_fp8 with the layer's weight copies and scaling state."""
+    """The FP8 MLP step of FusedMLP and ParallelFusedMLP (``module.fc1`` / ``module.fc2``: the full
+    layers or this rank's shards, whose partial sums the caller reduces): the op fused_mlp_fp8
+    with the layer's weight copies and scaling state."""
     act = _fp8.activation_code(activation)
     fc1, fc2 = module.fc1, module.fc2
     xc, x2, (b1, b2) = _fp8_inputs(x, (fc1.bias, fc2.bias))
@@ -557,7 +574,8 @@ def fp8_mlp_call(module, recipe, x: Tensor, activation: str, checkpoint_lvl: int
 
 
 def fp8_dense_call(module, recipe, x: Tensor, is_first_microbatch: Optional[bool]) -> Tensor:
-    """FusedDense's FP8 step: the op fp8_dense with the layer's weight copy and scaling state."""
+    """The FP8 step of FusedDense and the parallel linear layers (``module.weight`` / ``.bias``,
+    a shard there): the op fp8_dense with the layer's weight copy and scaling state."""
     xc, x2, (b,) = _fp8_inputs(x, (module.bias,))
     weights = module._fp8_state.weight_copies((module.weight,), is_first_microbatch)
     scales, amax_out = _fp8_scaling(module, recipe, _fp8.DENSE_SLOTS, x.device)

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 
 from . import fp8 as _fp8
 from . import ops
-from .functional import fp8_dense_call, fp8_mlp_call, fused_dense_func, fused_gated_mlp_func, fused_mlp_func
+from .functional import (fp8_dense_call, fp8_mlp_call, fp8_parallel_input, fused_dense_func, fused_gated_mlp_func,
+                         fused_mlp_func)
 
 __all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "replace_llama_mlps"]
 
@@ -50,6 +51,9 @@ class FusedDense(nn.Linear):
     ``fp8``: a :class:`fused_dense.Float8Recipe` (or ``True`` for the default one) runs the layer's
     three GEMMs in FP8 (fused_dense/fp8.py); ``None`` follows :func:`fused_dense.fp8_autocast`.
     ``forward``'s ``is_first_microbatch`` keeps (True) or reuses (False) the weight's FP8 copy.
+    With a ``process_group`` the FP8 step is the same composition: x is all-gathered (backward
+    reduce-scatters its gradient), then quantized whole, alike on every rank; the size rule reads
+    ``out_features`` times the group's size (the full width, for even shards).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, return_residual: bool = False,
@@ -61,13 +65,16 @@ class FusedDense(nn.Linear):
         self._fp8_state = _fp8.Fp8State(_fp8.DENSE_SLOTS)
         _init_fp8_buffers(self, _fp8.DENSE_SLOTS)
 
-    def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
+    def _fp8_recipe(self, process_group=None):
         recipe = _fp8.resolve_recipe(self.fp8)
-        if recipe is not None and recipe.applies((self.in_features, self.out_features)):
-            if process_group is not None:
-                raise NotImplementedError("FusedDense: FP8 with a process_group (tensor parallelism) is not "
-                                          "supported; run the layer without fp8 or without the process group")
-            out = fp8_dense_call(self, recipe, x, is_first_microbatch)
+        if recipe is None or not recipe.applies((self.in_features, self.out_features * _group_size(process_group))):
+            return None
+        return recipe
+
+    def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
+        recipe = self._fp8_recipe(process_group)
+        if recipe is not None:
+            out = fp8_dense_call(self, recipe, fp8_parallel_input(x, process_group), is_first_microbatch)
             return (out, x) if self.return_residual else out
         return fused_dense_func(x, self.weight, self.bias, return_residual=self.return_residual,
                                 process_group=process_group)
@@ -91,7 +98,10 @@ class FusedMLP(nn.Module):
         fp8: a :class:`fused_dense.Float8Recipe` (or ``True`` for the default one) runs the six
             GEMMs in FP8 (fused_dense/fp8.py; the checkpoint levels mean the same); ``None``
             follows :func:`fused_dense.fp8_autocast`. ``forward``'s ``is_first_microbatch`` keeps
-            (True) or reuses (False) the weights' FP8 copies.
+            (True) or reuses (False) the weights' FP8 copies. With a ``process_group`` (this
+            rank's hidden shard, x its rows) the FP8 step gathers x, runs the FP8 MLP on the
+            shards and reduce-scatters fc2's partial sums, as in the model's dtype; the size rule
+            reads the hidden width times the group's size.
 
     If torchao's ``convert_to_float8_training`` replaces fc1 and fc2, the MLP runs them in this
     library's FP8 with current scaling (and warns once), never silently in the model's dtype.
@@ -121,35 +131,33 @@ class FusedMLP(nn.Module):
         self._fp8_state = _fp8.Fp8State(_fp8.MLP_SLOTS)
         _init_fp8_buffers(self, _fp8.MLP_SLOTS)
 
-    def _fp8_recipe(self):
+    def _fp8_recipe(self, process_group=None):
         recipe = _fp8.resolve_recipe(self.fp8)
         if recipe is None and (_fp8.torchao_converted(self.fc1) or _fp8.torchao_converted(self.fc2)):
             _fp8.warn_torchao_once()
             recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
-        if recipe is None or not recipe.applies((self.fc1.in_features, self.fc1.out_features, self.fc2.out_features)):
+        hidden = self.fc1.out_features * _group_size(process_group)
+        if recipe is None or not recipe.applies((self.fc1.in_features, hidden, self.fc2.out_features)):
             return None
         return recipe
 
     def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
-        recipe = self._fp8_recipe()
+        recipe = self._fp8_recipe(process_group)
         if recipe is not None:
-            if process_group is not None:
-                raise NotImplementedError("FusedMLP: FP8 with a process_group (tensor parallelism) is not supported; "
-                                          "run the MLP without fp8 or without the process group")
-            out = fp8_mlp_call(self, recipe, x, self.activation, self.checkpoint_lvl if self.training else 2,
-                               is_first_microbatch)
-            return (out, x) if self.return_residual else out
-        out = fused_mlp_func(
-            x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
-            activation=self.activation,
-            save_pre_act=self.training,
-            return_residual=self.return_residual,
-            checkpoint_lvl=self.checkpoint_lvl,
-            heuristic=self.heuristic,
-            process_group=process_group,
-        )
-        if self.return_residual:
-            out, x = out
+            out = fp8_mlp_call(self, recipe, fp8_parallel_input(x, process_group), self.activation,
+                               self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+        else:
+            out = fused_mlp_func(
+                x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
+                activation=self.activation,
+                save_pre_act=self.training,
+                return_residual=self.return_residual,
+                checkpoint_lvl=self.checkpoint_lvl,
+                heuristic=self.heuristic,
+                process_group=process_group,
+            )
+            if self.return_residual:
+                out, x = out
         if process_group is not None:
             # fc2's output is a partial sum per rank: sum it and keep this rank's sequence shard.
             from .distributed import reduce_scatter
@@ -160,6 +168,17 @@ class FusedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, checkpoint_lvl={self.checkpoint_lvl}, "
                 f"heuristic={self.heuristic!r}, return_residual={self.return_residual}, fp8={self.fp8!r}")
+
+
+def _group_size(process_group) -> int:
+    """The ranks a FusedDense / FusedMLP shard is one of: the size rule reads its sharded width
+    (FusedDense's out_features, FusedMLP's hidden width) times this, which is the full width
+    when the caller's shards are even (every rank then decides alike)."""
+    if process_group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(process_group)
 
 
 def _init_fp8_buffers(module: nn.Module, slots) -> None:

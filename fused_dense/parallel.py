@@ -26,17 +26,42 @@ Layout, for a process group of ``world_size`` ranks:
 
 Shard sizes come from ``get_dim_for_local_rank``: features are cut in units of ``multiple_of``
 and the first ranks take one unit more when the units do not divide evenly.
+
+FP8 (``fp8=`` of ColumnParallelLinear, RowParallelLinear and ParallelFusedMLP; the meaning, the
+recipes, :func:`fused_dense.fp8_autocast` and :func:`fused_dense.convert_to_fp8` as for FusedMLP,
+fused_dense/fp8.py): the FP8 ops of the single-process layers run on this rank's shards, between
+the differentiable collectives of ``distributed.py``:
+
+* ColumnParallelLinear: x all-gathered (sequence parallel; else entered with ``copy_to_group``,
+  whose backward all-reduces x's gradient) -> ``fp8_dense`` on the weight shard;
+* RowParallelLinear: ``fp8_dense`` on the weight shard (bias on rank 0) -> reduce-scatter
+  (sequence parallel) or all-reduce;
+* ParallelFusedMLP: x gathered as for the column layer -> ``fused_mlp_fp8`` on the fc1 / fc2
+  shards (fc2's bias on rank 0 only, so the reduction adds it once) -> reduce-scatter or
+  all-reduce.
+
+Scales are per tensor and per rank: a whole input (gathered, or replicated) is quantized alike on
+every rank, and alike with the single-process layer; a weight shard, and what is sharded (the
+row layer's input, the column layer's output gradient, the MLP's hidden activation and its
+gradient), from this rank's amax. Delayed scaling keeps its history per layer and per rank (the
+layer's buffers, in its state_dict). The size rule (``min_features``) reads the layer's full
+widths (``in_features``, ``out_features``, ``hidden_features`` as given to the constructor), so
+every rank decides alike and whether a layer runs in FP8 does not depend on the world size. The
+FP8 GEMMs need every width a multiple of 16, this rank's shard included (``multiple_of=16``
+makes the shards so). ``overlap_chunks > 1`` (the pipelined paths) does not run in FP8: the layer
+raises NotImplementedError.
 """
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from . import fp8 as _fp8
 from . import ops
 from .distributed import all_reduce, get_dim_for_local_rank, reduce_scatter
-from .functional import fused_dense_func
-from .modules import GatedStateDictNames, _check_gated_bias
+from .functional import fp8_dense_call, fp8_mlp_call, fp8_parallel_input, fused_dense_func
+from .modules import GatedStateDictNames, _check_gated_bias, _init_fp8_buffers
 from .pipeline import PipelinedColumnLinearFunc, PipelinedRowLinearFunc, pipelined_parallel_mlp
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "ParallelFusedGatedMLP", "shard_range"]
@@ -56,6 +81,45 @@ def _check_overlap_chunks(overlap_chunks) -> None:
 def _require_group(process_group: Optional[ProcessGroup], cls: str) -> None:
     if process_group is None:
         raise ValueError(f"{cls} needs a process_group (e.g. torch.distributed.group.WORLD)")
+
+
+def _reduce_partial(out: Tensor, process_group: ProcessGroup, sequence_parallel: bool) -> Tensor:
+    """Sum the ranks' partial products: this rank's rows of the sum (sequence parallel) or all."""
+    return (reduce_scatter if sequence_parallel else all_reduce)(out, process_group)
+
+
+def _init_fp8(module: nn.Module, fp8, slots: Sequence[str]) -> None:
+    """The FP8 argument and state of a parallel layer (as FusedDense's / FusedMLP's); an explicit
+    recipe that the layer cannot run is refused now rather than at the first forward."""
+    _fp8.check_fp8_argument(fp8)
+    module.fp8 = fp8
+    module._fp8_state = _fp8.Fp8State(slots)
+    _init_fp8_buffers(module, slots)
+    if fp8 is not None and fp8 is not False:
+        module._fp8_recipe()
+
+
+def _parallel_fp8_recipe(module: nn.Module, widths: Sequence[int], pipelined: bool, shard: tuple):
+    """The recipe a parallel layer's forward runs under, or None (model dtype): its ``fp8`` (else
+    fp8_autocast's), narrowed by the size rule on the full ``widths``. ``shard``: (name, full
+    width, multiple_of) of the sharded width, whose every rank's shard the FP8 GEMMs need to be a
+    multiple of 16 (checked for all ranks, so all raise alike)."""
+    recipe = _fp8.resolve_recipe(module.fp8)
+    if recipe is None or not recipe.applies(widths):
+        return None
+    cls = type(module).__name__
+    if pipelined:
+        raise NotImplementedError(
+            f"{cls}: fp8 with overlap_chunks={module.overlap_chunks} is not supported (the pipelined "
+            f"blocks run in the model's dtype only); use overlap_chunks=1 with fp8, or fp8=None")
+    name, full, multiple_of = shard
+    world = dist.get_world_size(module.process_group)
+    sizes = [get_dim_for_local_rank(full, world, r, multiple_of or 1) for r in range(world)]
+    if any(n % 16 for n in sizes):
+        hint = "multiple_of=16 makes them so" if multiple_of is not None else f"choose {name} so"
+        raise ValueError(f"{cls}: FP8 needs each rank's shard of {name}={full} to be a multiple of 16, got shards "
+                         f"{sizes} over {world} ranks ({hint})")
+    return recipe
 
 
 def _init_parallel_mlp(module: nn.Module, family: str, activation: str, process_group, sequence_parallel: bool,
@@ -82,11 +146,17 @@ class ColumnParallelLinear(nn.Linear):
     Returns ``[all rows, ..., local_out_features]``. With ``sequence_parallel`` and
     ``overlap_chunks > 1`` the gather of x runs block by block under the blocks' GEMMs
     (``fused_dense.pipeline``).
+
+    ``fp8``: as FusedDense's (a :class:`fused_dense.Float8Recipe`, ``True`` for the default one,
+    ``None`` to follow :func:`fused_dense.fp8_autocast`); the module docstring has the FP8 path.
+    ``forward``'s ``is_first_microbatch`` keeps (True) or reuses (False) the weight shard's FP8
+    copy. FP8 with ``sequence_parallel`` and ``overlap_chunks > 1`` raises NotImplementedError.
     """
 
     def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup,
                  bias: bool = True, sequence_parallel: bool = True, multiple_of: int = 1,
-                 device=None, dtype=None, overlap_chunks: int = 1) -> None:
+                 device=None, dtype=None, overlap_chunks: int = 1,
+                 fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         _require_group(process_group, type(self).__name__)
         _check_overlap_chunks(overlap_chunks)
         world_size = dist.get_world_size(process_group)
@@ -99,8 +169,18 @@ class ColumnParallelLinear(nn.Linear):
         self.total_out_features = out_features
         self.shard = shard_range(out_features, world_size, rank, multiple_of)
         self.overlap_chunks = overlap_chunks
+        _init_fp8(self, fp8, _fp8.DENSE_SLOTS)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _fp8_recipe(self):
+        return _parallel_fp8_recipe(self, (self.in_features, self.total_out_features),
+                                    self.sequence_parallel and self.overlap_chunks > 1,
+                                    ("out_features", self.total_out_features, self.multiple_of))
+
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        recipe = self._fp8_recipe()
+        if recipe is not None:
+            x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
+            return fp8_dense_call(self, recipe, x, is_first_microbatch)
         if self.sequence_parallel and self.overlap_chunks > 1:
             return PipelinedColumnLinearFunc.apply(x, self.weight, self.bias, self.process_group,
                                                    self.overlap_chunks)
@@ -110,7 +190,7 @@ class ColumnParallelLinear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, total_out_features={self.total_out_features}, "
                 f"shard=[{self.shard.start}:{self.shard.stop}], "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8!r}")
 
 
 class RowParallelLinear(nn.Linear):
@@ -122,11 +202,15 @@ class RowParallelLinear(nn.Linear):
     rank's dim-0 slice) when ``sequence_parallel``, else ``[rows, ..., out_features]``. With
     ``overlap_chunks > 1`` the reduction runs block by block under the blocks' GEMMs, and with
     ``sequence_parallel`` the gather of the output gradient in backward likewise.
+
+    ``fp8`` and ``forward``'s ``is_first_microbatch``: as ColumnParallelLinear's. FP8 with
+    ``overlap_chunks > 1`` raises NotImplementedError.
     """
 
     def __init__(self, in_features: int, out_features: int, process_group: ProcessGroup,
                  bias: bool = True, sequence_parallel: bool = True, multiple_of: int = 1,
-                 device=None, dtype=None, overlap_chunks: int = 1) -> None:
+                 device=None, dtype=None, overlap_chunks: int = 1,
+                 fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         _require_group(process_group, type(self).__name__)
         _check_overlap_chunks(overlap_chunks)
         world_size = dist.get_world_size(process_group)
@@ -139,19 +223,27 @@ class RowParallelLinear(nn.Linear):
         self.total_in_features = in_features
         self.shard = shard_range(in_features, world_size, rank, multiple_of)
         self.overlap_chunks = overlap_chunks
+        _init_fp8(self, fp8, _fp8.DENSE_SLOTS)
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.overlap_chunks > 1:
+    def _fp8_recipe(self):
+        return _parallel_fp8_recipe(self, (self.total_in_features, self.out_features), self.overlap_chunks > 1,
+                                    ("in_features", self.total_in_features, self.multiple_of))
+
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        recipe = self._fp8_recipe()
+        if recipe is not None:
+            out = fp8_dense_call(self, recipe, x, is_first_microbatch)
+        elif self.overlap_chunks > 1:
             return PipelinedRowLinearFunc.apply(x, self.weight, self.bias, self.process_group,
                                                 self.sequence_parallel, self.overlap_chunks)
-        out = fused_dense_func(x, self.weight, self.bias)
-        reduce_fn = reduce_scatter if self.sequence_parallel else all_reduce
-        return reduce_fn(out, self.process_group)
+        else:
+            out = fused_dense_func(x, self.weight, self.bias)
+        return _reduce_partial(out, self.process_group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, total_in_features={self.total_in_features}, "
                 f"shard=[{self.shard.start}:{self.shard.stop}], "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8!r}")
 
 
 class ParallelFusedMLP(nn.Module):
@@ -167,13 +259,19 @@ class ParallelFusedMLP(nn.Module):
     whose collectives run under the neighbouring blocks' GEMMs, forward and backward
     (``fused_dense.pipeline``); the default 1 overlaps only backward's communication, as a
     single block allows.
+
+    ``fp8``: as FusedMLP's (the module docstring has the tensor-parallel FP8 path); ``forward``'s
+    ``is_first_microbatch`` keeps (True) or reuses (False) the shards' FP8 copies. In FP8 the
+    collectives are not overlapped with the GEMMs, and ``overlap_chunks > 1`` raises
+    NotImplementedError.
     """
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None,
                  out_features: Optional[int] = None, activation: str = "gelu_approx",
                  process_group: Optional[ProcessGroup] = None, bias1: bool = True, bias2: bool = True,
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto",
-                 device=None, dtype=None, overlap_chunks: int = 1) -> None:
+                 device=None, dtype=None, overlap_chunks: int = 1,
+                 fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__()
         _init_parallel_mlp(self, "plain", activation, process_group, sequence_parallel, checkpoint_lvl, heuristic,
                            overlap_chunks)
@@ -184,8 +282,21 @@ class ParallelFusedMLP(nn.Module):
                                         sequence_parallel=sequence_parallel, **factory_kwargs)
         self.fc2 = RowParallelLinear(hidden_features, out_features, process_group, bias=bias2,
                                      sequence_parallel=sequence_parallel, **factory_kwargs)
+        _init_fp8(self, fp8, _fp8.MLP_SLOTS)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _fp8_recipe(self):
+        hidden = self.fc1.total_out_features
+        return _parallel_fp8_recipe(self, (self.fc1.in_features, hidden, self.fc2.out_features),
+                                    self.overlap_chunks > 1, ("hidden_features", hidden, None))
+
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        recipe = self._fp8_recipe()
+        if recipe is not None:
+            # fc2's bias lives on rank 0 only: the reduction adds it once.
+            x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
+            out = fp8_mlp_call(self, recipe, x, self.activation, self.checkpoint_lvl if self.training else 2,
+                               is_first_microbatch)
+            return _reduce_partial(out, self.process_group, self.sequence_parallel)
         # The gather of x, fc1, the activation, fc2 and the reduction of its partial sums, with
         # the collectives of each row block running under the neighbouring blocks' GEMMs
         # (fused_dense/pipeline.py), forward and backward.
@@ -200,7 +311,7 @@ class ParallelFusedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, sequence_parallel={self.sequence_parallel}, "
                 f"checkpoint_lvl={self.checkpoint_lvl}, heuristic={self.heuristic!r}, "
-                f"overlap_chunks={self.overlap_chunks}")
+                f"overlap_chunks={self.overlap_chunks}, fp8={self.fp8!r}")
 
 
 class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
@@ -218,13 +329,21 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
     and ``up_proj.weight`` ``[local_hidden, in_features]``, ``down_proj.weight`` ``[out,
     local_hidden]``). ``load_full_state_dict`` loads a whole, unsharded FusedGatedMLP or LlamaMLP
     state_dict, cutting this rank's shard out of it.
+
+    ``fp8``: the gated MLP has no FP8 path; anything but None / False raises NotImplementedError
+    (``fp8_autocast`` and ``convert_to_fp8`` leave the layer in the model's dtype, as they leave
+    FusedGatedMLP).
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
                  activation: str = "swiglu", process_group: Optional[ProcessGroup] = None, bias: bool = False,
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto", device=None,
-                 dtype=None, overlap_chunks: int = 1) -> None:
+                 dtype=None, overlap_chunks: int = 1, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__()
+        _fp8.check_fp8_argument(fp8)
+        if fp8 is not None and fp8 is not False:
+            raise NotImplementedError(f"ParallelFusedGatedMLP: FP8 is not supported for the gated MLP ('swiglu' / "
+                                      f"'geglu'), got fp8={fp8!r}; use fp8=None (the layer runs in the model's dtype)")
         _check_gated_bias(bias)
         _init_parallel_mlp(self, "gated", activation, process_group, sequence_parallel, checkpoint_lvl, heuristic,
                            overlap_chunks)

@@ -10,10 +10,13 @@ answering is killed and the test fails (the next test starts a fresh pool).
 References: a single-process float64 model built from nn.Linear / F.gelu with the same
 initial weights; each rank compares its outputs and gradients with the slice of the reference
 that it owns (rows for sequence parallelism, features for tensor parallelism), within the
-tolerance of the dtype it ran in (docs/contract.md, "Accuracy").
+tolerance of the dtype it ran in (docs/contract.md, "Accuracy"). The FP8 layers are compared with
+the single-process FP8 layers on the full weights instead (the tolerances at FP8_SHARD_TOL), and
+FSDP2 over FP8 layers with the same model in one process (FSDP_FP8_TOL).
 """
 import os
 import queue
+import re
 import shutil
 import sys
 import tempfile
@@ -313,7 +316,7 @@ def test_raw_collectives(backend, native, world_size, async_op):
 
 
 def _w_autograd_forms(dtype):
-    from fused_dense.distributed import all_gather, all_reduce, reduce_scatter
+    from fused_dense.distributed import all_gather, all_reduce, copy_to_group, reduce_scatter
 
     group, ws, rank = dist.group.WORLD, _WORLD, _RANK
     n = 3
@@ -348,6 +351,17 @@ def _w_autograd_forms(dtype):
     _check(out, 2 * total, dtype, "all_reduce forward (non-leaf)")
     out.backward(g)
     assert torch.equal(z.grad, 2 * g)
+
+    # copy_to_group: the identity; the gradient is the sum of every rank's, and the gradient
+    # autograd hands it (here shared with w's, through the add) is left as it was.
+    v = _rank_tensor((n, 4), 0, dtype).requires_grad_()
+    w = torch.zeros(n, 4, dtype=dtype, device=_DEVICE, requires_grad=True)
+    out = copy_to_group(v, group) + w
+    assert torch.equal(out.detach(), v.detach())
+    out.backward(_rank_tensor((n, 4), 400 + rank, dtype))
+    _check(v.grad, sum(_rank_tensor((n, 4), 400 + r, torch.float64) for r in range(ws)), dtype,
+           "copy_to_group backward")
+    assert torch.equal(w.grad, _rank_tensor((n, 4), 400 + rank, dtype))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -793,6 +807,339 @@ def _w_modules_process_group(dtype):
 def test_modules_with_process_group(backend, world_size):
     for dtype in _dtypes(backend):
         run_distributed(backend, world_size, "_w_modules_process_group", dtype=dtype)
+
+
+# ---- FP8: the parallel layers (and FusedDense / FusedMLP with a process group) against the
+# single-process FP8 layer holding the full weights
+
+# kind: (in_features, out_features) of the full layer (the MLP's hidden width is 64)
+_FP8_KINDS = {"column": (32, 64), "dense_pg": (32, 64), "row": (64, 32), "mlp": (32, 32), "mlp_pg": (32, 32)}
+
+
+def _skip_unless_fp8(backend):
+    if backend == "nccl" and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs a GPU of compute capability 8.9+")
+
+
+def _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned=False):
+    """(single-process FP8 layer, this rank's layer holding its shards of the same weights, cut:
+    {parameter name: index of this rank's shard in the full parameter}, (index of this rank's
+    input in the full input, of its output in the full output), forward's keyword arguments).
+    Kinds: the parallel layers ('column', 'row', 'mlp') and FusedDense / FusedMLP given a process
+    group ('dense_pg', 'mlp_pg': this rank's shards, x its rows, as flash-attn's callers hold).
+    ``aligned``: every weight shard holds its whole weight's amax (_align_amax)."""
+    from fused_dense import FusedDense, FusedMLP
+    from fused_dense.parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear, shard_range
+
+    group, f = dist.group.WORLD, dict(device=_DEVICE, dtype=dtype)
+    rows, every = _rows(32) if sequence_parallel else slice(None), slice(None)
+    in_f, out_f = _FP8_KINDS[kind]
+    if kind in ("column", "dense_pg"):
+        single = FusedDense(in_f, out_f, fp8=recipe, **f)
+        sl = shard_range(out_f, _WORLD, _RANK)
+        layer = (ColumnParallelLinear(in_f, out_f, group, sequence_parallel=sequence_parallel, fp8=recipe, **f)
+                 if kind == "column" else FusedDense(in_f, sl.stop - sl.start, fp8=recipe, **f))
+        cut, at = {"weight": sl, "bias": sl}, (rows, (every, sl))
+    elif kind == "row":
+        single = FusedDense(in_f, out_f, fp8=recipe, **f)
+        layer = RowParallelLinear(in_f, out_f, group, sequence_parallel=sequence_parallel, fp8=recipe, **f)
+        sl = layer.shard
+        cut, at = {"weight": (every, sl), "bias": every}, ((every, sl), rows)
+    else:
+        single = FusedMLP(in_f, 64, out_f, fp8=recipe, **f)
+        sl = shard_range(64, _WORLD, _RANK)
+        layer = (ParallelFusedMLP(in_f, 64, out_f, process_group=group, sequence_parallel=sequence_parallel,
+                                  fp8=recipe, **f) if kind == "mlp"
+                 else FusedMLP(in_f, sl.stop - sl.start, out_f, bias2=_RANK == 0, fp8=recipe, **f))
+        cut = {"fc1.weight": sl, "fc1.bias": sl, "fc2.weight": (every, sl), "fc2.bias": every}
+        at = (rows, rows)
+    with torch.no_grad():
+        full = dict(single.named_parameters())
+        for name, p in full.items():
+            if aligned and name.endswith("weight"):
+                p.copy_(_align_amax(p, 0 if cut[name] is sl else 1))
+        for name, p in layer.named_parameters():
+            p.copy_(full[name][cut[name]])
+    return single, layer, cut, at, ({"process_group": group} if kind.endswith("_pg") else {})
+
+
+def _align_amax(t, dim):
+    """t with the first element of each rank's shard along `dim` set to amax(t): every shard's
+    amax is then the whole tensor's, so the shard is quantized with the whole tensor's scale, to
+    the same FP8 values."""
+    from fused_dense.parallel import shard_range
+
+    t = t.clone()
+    for r in range(_WORLD):
+        index = [0] * t.dim()
+        index[dim] = shard_range(t.shape[dim], _WORLD, r).start
+        t[tuple(index)] = t.abs().max()
+    return t
+
+
+def _fp8_step(layer, x, g, **kwargs):
+    """One forward and backward: (output, x's gradient, {parameter name: gradient})."""
+    x = x.detach().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    out = layer(x, **kwargs)
+    out.backward(g)
+    return out, x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+# The slots of the tensors every rank quantizes whole (x gathered or replicated, the output
+# gradient gathered or replicated): their amaxes are the single-process layer's, bit for bit.
+_FP8_WHOLE_SLOTS = {"column": [0], "dense_pg": [0], "row": [1], "mlp": [0, 2], "mlp_pg": [0, 2]}
+
+
+# What FP8 on shards must match, and how closely. The whole tensors (x gathered or replicated,
+# the gathered or replicated output gradient) are quantized as by the single-process layer. A
+# shard (of a weight, of the row layer's x, of the column layer's output gradient, and in the MLP
+# always the hidden activation and its gradient) is scaled from its own amax:
+# * aligned (every weight shard and sharded input holds its whole tensor's amax, _align_amax):
+#   the same scale, so the same FP8 values, and a dense layer's results differ from the single
+#   process only by the split of the reduced sums: TOL[dtype] (measured on gloo / float32: 6e-8;
+#   tighter than test_fp8.py's FP8_TOL, the bound against a reference of the same quantization,
+#   since here both sides run the same kernels). The MLP's hidden tensors stay per rank.
+# * otherwise the scales differ by a ratio that is no power of two, which puts the shard's
+#   elements on an offset FP8 grid: each side's value is within half a spacing of the exact one,
+#   and their difference has an RMS of about 2^-m / sqrt(6 E[mantissa^2]) of the element (m
+#   mantissa bits, E[mantissa^2] = 7/3 over [1, 2)): 3.3% for e4m3, 6.7% for e5m2, the format
+#   of the gradients; a result's relative error (norm over norm) is of that size. Measured here
+#   (gloo, float32, 3 steps of both recipes; FD_FP8_ERRORS=1 prints them): up to 3.3% for the
+#   outputs and 9.1% for the gradients. FP8_SHARD_TOL = 0.15 leaves a factor 1.6 on the
+#   largest, and still fails a wrong shard, a missing reduction, or fc2's bias added on every
+#   rank (36% on the MLP output here).
+FP8_SHARD_TOL = 0.15
+
+
+def _fp8_tolerance(kind, aligned, dtype):
+    return TOL[dtype] if aligned and kind not in ("mlp", "mlp_pg") else FP8_SHARD_TOL
+
+
+def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
+    """Three FP8 steps (is_first_microbatch None, True, then False on the same weights) of the
+    layer on this rank's shards against the single-process FP8 layer on the full weights; with
+    delayed scaling also the amaxes of the whole tensors and the scaling state's round trip
+    through state_dict. ``aligned``: the weight shards and the sharded inputs of the dense
+    layers (the row layer's x, the column layer's output gradient) hold their whole tensor's
+    amax (_align_amax)."""
+    from fused_dense import Float8Recipe
+
+    recipe = Float8Recipe(scaling=scaling, min_features=0)
+    single, layer, cut, (x_at, out_at), kwargs = _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned)
+    in_f, out_f = _FP8_KINDS[kind]
+    tol = _fp8_tolerance(kind, aligned, dtype)
+    for step, first in enumerate((None, True, False)):
+        gen = torch.Generator().manual_seed(10 + step)
+        x_full = torch.randn(32, in_f, generator=gen, dtype=torch.float64)
+        g_full = torch.randn(32, out_f, generator=gen, dtype=torch.float64)
+        if aligned and kind == "row":
+            x_full = _align_amax(x_full, 1)
+        if aligned and kind in ("column", "dense_pg"):
+            g_full = _align_amax(g_full, 1)
+        x_full, g_full = (t.to(device=_DEVICE, dtype=dtype) for t in (x_full, g_full))
+        ref_out, ref_dx, ref_grads = _fp8_step(single, x_full, g_full, is_first_microbatch=first)
+        out, dx, grads = _fp8_step(layer, x_full[x_at], g_full[out_at], is_first_microbatch=first, **kwargs)
+        results = [("output", out, ref_out[out_at]), ("grad x", dx, ref_dx[x_at])]
+        results += [(f"grad {n}", g, ref_grads[n][cut[n]]) for n, g in grads.items()]
+        for what, got, ref in results:
+            err = rel_err(got, ref)
+            if os.environ.get("FD_FP8_ERRORS"):
+                print(f"FP8ERR {kind} {aligned} {sequence_parallel} {scaling} {what} {err:.3e}", flush=True)
+            assert err <= tol, (f"rank {_RANK}/{_WORLD}: {kind} {scaling} step {step}: {what}: relative error "
+                                f"{err:.3e} > {tol:.2g}")
+        if scaling == "delayed":
+            for i in _FP8_WHOLE_SLOTS[kind]:
+                assert torch.equal(layer.fp8_amax[i], single.fp8_amax[i]), f"step {step}: amax of slot {i}"
+    if scaling == "delayed":
+        state = layer.state_dict()
+        assert {"fp8_amax_history", "fp8_scales", "fp8_amax"} <= set(state), sorted(state)
+        _, fresh, *_ = _fp8_pair(kind, None, sequence_parallel, dtype)
+        fresh.load_state_dict(state)
+        for name in ("fp8_amax_history", "fp8_scales", "fp8_amax"):
+            assert torch.equal(getattr(fresh, name), getattr(layer, name)), name
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "random"])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("kind", ["column", "row", "mlp"])
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_fp8(backend, world_size, kind, sequence_parallel, scaling, aligned):
+    _skip_unless_fp8(backend)
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_fp8_layer", kind=kind, sequence_parallel=sequence_parallel,
+                        scaling=scaling, dtype=dtype, aligned=aligned)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "random"])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("kind", ["dense_pg", "mlp_pg"])
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_modules_with_process_group_fp8(backend, world_size, kind, scaling, aligned):
+    """FusedDense / FusedMLP.forward(x, process_group) in FP8: x gathered, the FP8 op on the
+    caller's shards, FusedMLP's partial sums reduce-scattered, as in the model's dtype."""
+    _skip_unless_fp8(backend)
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_fp8_layer", kind=kind, sequence_parallel=True, scaling=scaling,
+                        dtype=dtype, aligned=aligned)
+
+
+def _w_fp8_options():
+    """fp8_autocast and convert_to_fp8 reach the parallel layers; the size rule reads the full
+    widths; what FP8 does not run is refused with errors that name it."""
+    import fused_dense
+    from fused_dense import Float8Recipe, FusedDense, FusedMLP, fp8_autocast
+    from fused_dense.parallel import ColumnParallelLinear, ParallelFusedGatedMLP, ParallelFusedMLP, RowParallelLinear
+
+    group, recipe = dist.group.WORLD, Float8Recipe(min_features=0)
+    x = _rank_tensor((8, 32), 0, torch.float32)
+    with torch.no_grad():
+        for delayed in (False, True):
+            r = Float8Recipe(scaling="delayed" if delayed else "current", min_features=0)
+            torch.manual_seed(0)
+            explicit = ParallelFusedMLP(32, 64, process_group=group, sequence_parallel=False, fp8=r)
+            torch.manual_seed(0)
+            plain = ParallelFusedMLP(32, 64, process_group=group, sequence_parallel=False)
+            with fp8_autocast(recipe=r):
+                auto = plain(x)
+            once = explicit(x)  # (each FP8 call advances the delayed-scaling state: one call each)
+            assert torch.equal(auto, once), "fp8_autocast"
+            assert not torch.equal(plain(x), once)  # outside the block: the model's dtype
+            model = fused_dense.convert_to_fp8(nn.Sequential(plain), r)
+            assert plain.fp8 == r and plain.fc1.fp8 == r
+            assert torch.equal(model(x), explicit(x)), "convert_to_fp8"
+
+    # The size rule on the full widths: 64 wide over 2 ranks (32 each) passes min_features=64.
+    wide = Float8Recipe(min_features=64)
+    assert ColumnParallelLinear(64, 64, group, fp8=wide)._fp8_recipe() == wide
+    assert RowParallelLinear(64, 64, group, fp8=wide)._fp8_recipe() == wide
+    assert ParallelFusedMLP(64, 64, process_group=group, fp8=wide)._fp8_recipe() == wide
+    assert ParallelFusedMLP(32, 64, process_group=group, fp8=wide)._fp8_recipe() is None  # in_features 32
+    assert FusedDense(64, 32, fp8=wide)._fp8_recipe(group) == wide  # the caller's shard, 32 of 64
+    assert FusedDense(64, 32, fp8=wide)._fp8_recipe() is None
+    assert FusedMLP(64, 32, 64, fp8=wide)._fp8_recipe(group) == wide
+
+    for make in (lambda fp8: ColumnParallelLinear(32, 64, group, overlap_chunks=2, fp8=fp8),
+                 lambda fp8: RowParallelLinear(64, 32, group, overlap_chunks=2, fp8=fp8),
+                 lambda fp8: ParallelFusedMLP(32, 64, process_group=group, overlap_chunks=2, fp8=fp8)):
+        with pytest.raises(NotImplementedError, match="fp8 with overlap_chunks=2 is not supported"):
+            make(recipe)
+        make(Float8Recipe())  # the size rule keeps these narrow layers in the model's dtype: pipelined
+        layer = make(None)
+        local_x = _rank_tensor((8, getattr(layer, "in_features", 32)), 0, torch.float32)
+        layer(local_x)
+        with fp8_autocast(recipe=recipe), pytest.raises(NotImplementedError, match="overlap_chunks=2"):
+            layer(local_x)
+    # without sequence parallelism a column layer has nothing to pipeline: FP8 runs
+    ColumnParallelLinear(32, 64, group, sequence_parallel=False, overlap_chunks=2, fp8=recipe)(x)
+
+    shards = [40 // _WORLD] * _WORLD
+    with pytest.raises(ValueError, match=r"shard of out_features=40 to be a multiple of 16, got shards "
+                                         + re.escape(str(shards)) + r".*multiple_of=16 makes them so"):
+        ColumnParallelLinear(32, 40, group, fp8=recipe)
+    with pytest.raises(ValueError, match=r"shard of hidden_features=40 .*choose hidden_features so"):
+        ParallelFusedMLP(32, 40, process_group=group, fp8=recipe)
+    ColumnParallelLinear(32, 40, group)  # fine in the model's dtype
+    with pytest.raises(NotImplementedError, match="ParallelFusedGatedMLP: FP8 is not supported for the gated MLP"):
+        ParallelFusedGatedMLP(32, 64, process_group=group, fp8=recipe)
+    with pytest.raises(TypeError, match="fp8 must be None, a bool or a fused_dense.Float8Recipe"):
+        RowParallelLinear(64, 32, group, fp8="e4m3")
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_parallel_fp8_options(backend, world_size):
+    run_distributed(backend, world_size, "_w_fp8_options")
+
+
+# ---- FSDP2 (fully_shard) over FP8 layers
+
+
+class _FP8Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from fused_dense import Float8Recipe, FusedMLP
+
+        recipe = Float8Recipe(min_features=0)
+        self.mlp1, self.norm, self.mlp2 = FusedMLP(32, 64, fp8=recipe), nn.LayerNorm(32), FusedMLP(32, 64, fp8=recipe)
+
+    def forward(self, x, is_first_microbatch=None):
+        h = x + self.mlp1(x, is_first_microbatch=is_first_microbatch)
+        return self.mlp2(self.norm(h), is_first_microbatch=is_first_microbatch)
+
+
+# FSDP2 against one process: both quantize the same tensors (each micro-batch's x, the whole
+# weights that FSDP2 gathers before each layer), so they differ only by the float32 order of the
+# gradient average over ranks, unless a weight, moved by that after an optimizer step, crosses an
+# FP8 rounding boundary. test_fp8.py's FP8_TOL (the same quantization) bounds both; measured here:
+# at most 1e-7.
+FSDP_FP8_TOL = 2e-2
+
+
+def _w_fsdp2_fp8(microbatches, steps=3):
+    """fully_shard over a model of FusedMLP(fp8) layers, data parallel on every rank, trained
+    `steps` SGD steps against the same model unsharded in this process running every rank's
+    micro-batches. With several micro-batches per step, the first casts the weights to FP8 and
+    keeps the copies (is_first_microbatch=True) and the others reuse them (False) while FSDP2
+    frees and re-gathers the unsharded weights around each forward and backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = _FP8Net().to(_DEVICE)
+    torch.manual_seed(0)
+    model = _FP8Net().to(_DEVICE)
+    mesh = init_device_mesh(_DEVICE.type, (_WORLD,))
+    fully_shard(model.mlp1, mesh=mesh)
+    fully_shard(model.mlp2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    flags = [None] if microbatches == 1 else [True] + [False] * (microbatches - 1)
+
+    def batch(step, rank, micro):
+        g = torch.Generator().manual_seed(100 * step + 10 * rank + micro)
+        return (torch.randn(16, 32, generator=g).to(_DEVICE), torch.randn(16, 32, generator=g).to(_DEVICE))
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    for step in range(steps):
+        losses = {}
+        for rank in range(_WORLD):  # every rank's micro-batches, one after the other, one cast per step
+            for micro, flag in enumerate(flags):
+                x, target = batch(step, rank, micro)
+                loss = F.mse_loss(ref(x, is_first_microbatch=flag if rank == 0 or flag is None else False), target)
+                (loss / (microbatches * _WORLD)).backward()
+                losses[rank, micro] = loss.detach()
+        for micro, flag in enumerate(flags):  # FSDP2 averages the gradients over the ranks
+            x, target = batch(step, _RANK, micro)
+            loss = F.mse_loss(model(x, is_first_microbatch=flag), target)
+            (loss / microbatches).backward()
+            err = rel_err(loss.detach(), losses[_RANK, micro])
+            assert err <= FSDP_FP8_TOL, f"rank {_RANK}: step {step} micro-batch {micro}: loss error {err:.3e}"
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            err = rel_err(full(p.grad), ref_params[name].grad)
+            assert err <= FSDP_FP8_TOL, f"rank {_RANK}: step {step}: grad of {name}: relative error {err:.3e}"
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+    for name, p in model.named_parameters():
+        err = rel_err(full(p.detach()), dict(ref.named_parameters())[name].detach())
+        assert err <= FSDP_FP8_TOL, f"rank {_RANK}: {name} after training: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_fsdp2_fp8_matches_single_process(microbatches):
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    run_distributed("gloo", 2, "_w_fsdp2_fp8", microbatches=microbatches)
 
 
 def test_constructor_errors():
