@@ -5,12 +5,14 @@ References are float64 computations of the same quantized computation: the same 
 (fp8_max / max(amax, 1e-12) in float32), the same FP8 rounding of the same values, the GEMM
 outputs rounded to the model dtype where the op rounds them (fc1's pre-activation, fc2's data
 gradient). What still differs is where a value lies within rounding distance of an FP8 or bf16
-rounding boundary: the op's fp32 accumulation rounds a few pre-activations to the neighbouring
-bf16 value, and a sixteenth of those (the bf16 / e4m3 spacing ratio, 2^-8 / 2^-4) then quantize to
-the neighbouring FP8 value, 12.5% (e4m3) or 25% (e5m2) off for that element. Measured on the
-H200 and on CPU this stays below 0.5% relative error for every result; FP8_TOL = 2e-2 leaves a
-factor of 4. The ops' own roundings are checked bit for bit where they are deterministic (the
-quantized bytes, the scales, the amax).
+rounding boundary: the op's accumulation (the forward GEMMs use Hopper's fast FP8 accumulation)
+rounds some pre-activations to the neighbouring bf16 value, and a sixteenth of those (the bf16 /
+e4m3 spacing ratio, 2^-8 / 2^-4) then quantize to the neighbouring FP8 value, 12.5% (e4m3) or 25%
+(e5m2) off for that element. Measured over repeated runs with fresh data on the H200: up to
+2.3e-2 for outputs and e4m3 gradients (a ReLU MLP's output), 3.0e-2 for e5m2 gradients (one row of
+64 units, where one flip is a visible share of the norm); FP8_TOL = 4e-2 and FP8_TOL_E5M2 = 6e-2
+leave a factor of about 2. The ops' own roundings are checked bit for bit where they are
+deterministic (the quantized bytes, the scales, the amax).
 """
 import math
 
@@ -21,10 +23,10 @@ import fused_dense
 from conftest import poison_cuda_cache, rel_err
 from fused_dense import Float8Recipe, FusedDense, FusedMLP
 
-FP8_TOL = 2e-2
+FP8_TOL = 4e-2
 # A gradient quantized to e5m2 (2 mantissa bits, twice e4m3's spacing) is off by 25% where it
 # flips; at one row of 64 units a single flip is a few percent of the norm (measured 3.0e-2).
-FP8_TOL_E5M2 = 5e-2
+FP8_TOL_E5M2 = 6e-2
 FMAX = {0: 448.0, 1: 57344.0}
 F8 = {0: torch.float8_e4m3fn, 1: torch.float8_e5m2}
 ACTS = {"gelu_approx": 1, "relu": 2, "sqrelu": 3}
