@@ -60,6 +60,21 @@ def ref_gated(gu64, activation):
     return act * u
 
 
+def gated_sensitivity(gu64, activation):
+    """The norm of |g act'(g) u| + |act(g) u|: the sizes of the first-order changes of act(g) * u
+    under relative perturbations of g and u. Against the exact pre-activation the output differs by
+    that pre-activation's rounding times these terms, which a few elements (g where act(g) is
+    small and steep, g ~ -3 for GeGLU) can make larger than the output itself; this norm is the
+    scale that rounding is judged on."""
+    gate, up = expected_columns(gu64.shape[-1] // 2, ops.GATED_INTERLEAVE)
+    g = gu64[..., gate].detach().requires_grad_()
+    u = gu64[..., up].detach()
+    act = F.silu(g) if activation == "swiglu" else F.gelu(g, approximate="tanh")
+    (d,) = torch.autograd.grad(act.sum(), g) if g.numel() else (torch.zeros_like(g),)
+    terms = (g * d * u).abs() + (act * u).abs()
+    return torch.linalg.vector_norm(terms.detach()).item()
+
+
 def test_interleave_is_published_once():
     assert ops.GATED_INTERLEAVE == 8
     assert ops.GATED_ACTIVATIONS == ("swiglu", "geglu")
@@ -116,8 +131,10 @@ def check_gated_forward(device, dtype, activation, save, heuristic, shape, poiso
     if save:
         assert res[1].shape == (B, 2 * H) and res[1].dtype == dtype, ctx
         assert_close_rel(res[1], gu_ref, dtype, ctx + " pre_act")
-        assert_close_rel(res[0], ref_gated(gu_ref, activation), dtype, ctx + " out vs exact pre_act",
-                         tol=2 * TOL[dtype])
+        # the rounding of the saved pre-activation, propagated: ||ref|| taken as at least the
+        # sensitivity norm (gated_sensitivity), which a single steep element can dominate
+        err = rel_err(res[0], ref_gated(gu_ref, activation), gated_sensitivity(gu_ref, activation))
+        assert err <= 2 * TOL[dtype], f"{ctx} out vs exact pre_act: relative error {err:.3e} > {2 * TOL[dtype]:.1e}"
     return True
 
 
