@@ -1,12 +1,14 @@
-"""The fp8 section of bench/run.py (``--sections fp8``): the GELU MLP d -> 4d -> d and a FusedDense
-block with FP8 GEMMs and bf16 master weights, forward + backward, against torchao's float8 training
-and the FP8 GEMM floor, every variant side by side in interleaved rounds (bench/README.md lists
-them)."""
+"""The fp8 section of bench/run.py (``--sections fp8``): the GELU MLP d -> 4d -> d, a FusedDense
+block, the gated (SwiGLU) MLP and the Llama-style stack of bench/gated.py with FP8 GEMMs and bf16
+master weights, forward + backward, against torchao's float8 training and the FP8 GEMM floor, every
+variant side by side in interleaved rounds (bench/README.md lists them)."""
 import copy
+import inspect
 
 import torch
 import torch.nn as nn
 
+from bench.gated import STACK, STACK_CPU, EagerGatedMLP, Stack
 from bench.sections import (FD_IMPORT_ERROR, DTYPES, EagerMLP, Unavailable, VariantSpec, baseline_module, errstr,
                             float32_pass, floor_steps, log, reference, run_variants)
 
@@ -14,8 +16,10 @@ try:
     import fused_dense
     from fused_dense import FusedDense, FusedMLP
     Float8Recipe = getattr(fused_dense, "Float8Recipe", None)
+    FusedGatedMLP = getattr(fused_dense, "FusedGatedMLP", None)
+    replace_llama_mlps = getattr(fused_dense, "replace_llama_mlps", None)
 except Exception:  # noqa: BLE001  (sections.FD_IMPORT_ERROR records why; the baselines still run)
-    FusedDense = FusedMLP = Float8Recipe = None
+    FusedDense = FusedMLP = Float8Recipe = FusedGatedMLP = replace_llama_mlps = None
 
 # M x d of the MLP: the targets first, then the smaller widths where FP8 is forced (min_features=0)
 TARGET_SHAPES = [(8192, 4096), (16384, 8192)]
@@ -28,6 +32,16 @@ MLP_VARIANTS = ["fp8_floor", "bf16_floor", "eager", "fused_bf16", "fused_fp8_cur
                 "fused_fp8_current_cached", "fused_fp8_delayed_cached", "torchao_tensorwise", "torchao_rowwise",
                 "compile_bf16"]
 DENSE_VARIANTS = ["fp8_floor", "bf16_floor", "eager", "fused_bf16", "fused_fp8_current", "torchao_tensorwise"]
+# the gated MLP, SwiGLU, M x d -> h: the target (a Llama-3 8B MLP) first, then Llama-2 7B's
+GATED_SHAPES = [(16384, 4096, 14336), (8192, 4096, 11008)]
+CPU_GATED = (64, 32, 48)
+GATED_VARIANTS = ["fp8_floor", "bf16_floor", "eager", "fused_bf16", "fused_fp8_current", "fused_fp8_delayed",
+                  "fused_fp8_current_cached", "fused_fp8_delayed_cached", "torchao_tensorwise", "compile_bf16"]
+# the Llama-style stack (bench/gated.py's): bf16 eager and compiled, torchao float8 of every nn.Linear
+# compiled, and this library's FP8 (FusedGatedMLP MLPs, FusedDense attention projections) eager and compiled
+STACK_VARIANTS = ["eager", "compile_bf16", "torchao_tensorwise", "fused_fp8_eager", "fused_fp8_compile"]
+# what --fp8-items picks: the GELU MLP shapes, the Linear block, the gated MLP shapes, the stack
+ITEMS = ("mlp", "dense", "gated", "stack")
 # torch._scaled_mm's use_fast_accum per GEMM kind: as torchao's Float8LinearConfig has it
 FAST_ACCUM = {"fwd": True, "dgrad": False, "wgrad": False}
 E4M3_MAX = 448.0
@@ -52,7 +66,8 @@ def torchao():
 def not_run(ctx, key):
     """The record of a variant that cannot run in this run ({status, error}), or None."""
     if not ctx.cuda and (compiled(key) or key == "fp8_floor"):
-        what = {"fp8_floor": "torch._scaled_mm", "compile_bf16": "torch.compile"}.get(key, "torchao float8")
+        what = ("torch._scaled_mm" if key == "fp8_floor" else "torchao float8" if key.startswith("torchao")
+                else "torch.compile")
         return {"status": "unavailable", "error": f"CPU run: {what} is measured on a GPU only"}
     if compiled(key) and ctx.args.no_compile:
         return {"status": "skipped", "error": "--no-compile"}
@@ -94,10 +109,12 @@ def fp8_floor_steps(ctx, gemms):
     return step, parts
 
 
-def mlp_gemms(M, d, h):
-    """The six GEMMs of the MLP's step, (m, k, n) as fp8_floor_steps takes them."""
-    return {"fwd1": (M, d, h), "fwd2": (M, h, d), "dgrad2": (M, d, h), "wgrad2": (d, M, h), "dgrad1": (M, h, d),
-            "wgrad1": (h, M, d)}
+def mlp_gemms(M, d, h, n1=None):
+    """The six GEMMs of the MLP's step, (m, k, n) as fp8_floor_steps takes them. n1: fc1's output
+    width when it is not h (2h: a gated MLP's gate and up as one GEMM)."""
+    n1 = h if n1 is None else n1
+    return {"fwd1": (M, d, n1), "fwd2": (M, h, d), "dgrad2": (M, d, h), "wgrad2": (d, M, h), "dgrad1": (M, n1, d),
+            "wgrad1": (n1, M, d)}
 
 
 def dense_floor_steps(ctx, M, K, N, dtype):
@@ -193,7 +210,7 @@ def fused_path(kind):
 
 
 def compiled(key):
-    return key == "compile_bf16" or key.startswith("torchao")
+    return key == "compile_bf16" or key.startswith("torchao") or key.endswith("_compile")
 
 
 def settings(key, microbatch=True):
@@ -283,9 +300,106 @@ def run_fp8_dense(ctx, item_id, M, K, N, variants):
     _run(ctx, item_id, "fp8_dense", rec, f"fp8 dense bf16 M={M} K={K} N={N}", variants, spec, x, dy, eager, True)
 
 
+def run_fp8_gated(ctx, item_id, activation, M, d, h, variants):
+    """One gated MLP shape, bf16 down(act(gate(x)) * up(x)) without biases: the FP8 and bf16 floors
+    (gate and up as one GEMM of width 2h), eager (bench/gated.py's LlamaMLP-like module),
+    FusedGatedMLP bf16 and FP8 (current / delayed scaling, weights cast every step or cached),
+    torchao float8 tensorwise (compiled), torch.compile bf16; forward + backward."""
+    dtype = DTYPES["bf16"]
+    rec = ctx.record("fp8_gated", item_id, dtype="bf16", activation=activation, M=M, d=d, h=h, flops=18 * M * d * h,
+                     variants={})
+    ctx.seed(item_id)
+    eager = EagerGatedMLP(d, h, activation, ctx.device, dtype)
+    x = ctx.randn(M, d, dtype=dtype).requires_grad_(True)
+    dy = ctx.randn(M, d, dtype=dtype)
+
+    def make(**fp8):
+        if FusedGatedMLP is None:
+            raise Unavailable("fused_dense has no FusedGatedMLP")
+        return FusedGatedMLP(d, h, activation=activation, heuristic="auto", device=ctx.device, dtype=dtype, **fp8)
+
+    def ref():  # out and dx: the fused module's parameters (gate and up packed) do not pair with eager's
+        return float32_pass(EagerGatedMLP(d, h, activation, ctx.device, torch.float32), eager, x, dy)
+    spec = VariantSpec(build=lambda key: build(key, eager, make, x, dy), floor=None,
+                       fused_path=fused_path("FusedGatedMLP"), settings=settings, reference=ref, compiled=compiled,
+                       floors={"fp8_floor": lambda: fp8_floor_steps(ctx, mlp_gemms(M, d, h, 2 * h)),
+                               "bf16_floor": lambda: floor_steps(ctx, M, d, h, dtype, fc1_width=2 * h)})
+    parts = (M, d, h) == GATED_SHAPES[0] or not ctx.cuda
+    _run(ctx, item_id, "fp8_gated", rec, f"fp8 gated bf16 {activation} M={M} d={d} h={h}", variants, spec, x, dy,
+         eager, parts)
+
+
+def fused_dense_of(lin, recipe):
+    """A FusedDense(fp8=recipe) holding lin's weights (and bias)."""
+    w = lin.weight
+    return load_weights(FusedDense(lin.in_features, lin.out_features, bias=lin.bias is not None, device=w.device,
+                                   dtype=w.dtype, fp8=recipe), lin)
+
+
+def fp8_stack(source, blocks):
+    """A copy of the stack source in this library's FP8 (current scaling, min_features=0): its MLPs
+    swapped for FusedGatedMLP by replace_llama_mlps(fp8=recipe), its attention projections (qkv,
+    o_proj) for FusedDense(fp8=recipe). Unavailable where fused_dense cannot build it."""
+    if replace_llama_mlps is None or FusedDense is None or Float8Recipe is None:
+        raise Unavailable("fused_dense has no replace_llama_mlps / FusedDense / Float8Recipe")
+    try:
+        recipe = Float8Recipe(scaling="current", min_features=0)
+        model = copy.deepcopy(source)
+        replaced = replace_llama_mlps(model, fp8=recipe)
+        if replaced != blocks:
+            raise Unavailable(f"replace_llama_mlps replaced {replaced} of {blocks} MLPs")
+        wrong = [f"{type(b.mlp).__name__}(fp8={getattr(b.mlp, 'fp8', None)!r})" for b in model.blocks
+                 if not isinstance(b.mlp, FusedGatedMLP) or getattr(b.mlp, "fp8", recipe) != recipe]
+        if wrong:
+            raise Unavailable(f"replace_llama_mlps(fp8=recipe) made {wrong}")
+        for b in model.blocks:
+            b.qkv, b.o_proj = fused_dense_of(b.qkv, recipe), fused_dense_of(b.o_proj, recipe)
+        return model
+    except Unavailable:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise Unavailable(errstr(exc)) from exc
+
+
+def stack_settings(key):
+    if key.startswith("fused_fp8"):
+        return {"scaling": "current", "min_features": 0, "is_first_microbatch": None,
+                "fp8_layers": "MLPs: FusedGatedMLP (replace_llama_mlps); qkv, o_proj: FusedDense"}
+    return settings(key)
+
+
+def run_fp8_stack(ctx, item_id, activation, variants):
+    """bench/gated.py's Llama-style stack forward + backward: bf16 eager and compiled, torchao float8
+    tensorwise of every nn.Linear compiled, and this library's FP8 (fp8_stack) eager and compiled."""
+    dtype = DTYPES["bf16"]
+    s = STACK if ctx.cuda else STACK_CPU
+    B, T, d, h = s["batch"], s["seq"], s["d"], s["h"]
+    flops = s["blocks"] * 6 * B * T * (4 * d * d + 3 * d * h)  # the projections' GEMMs, as bench/gated.py
+    rec = ctx.record("fp8_stack", item_id, dtype="bf16", activation=activation, M=B * T, flops=flops, variants={},
+                     **s)
+    ctx.seed(item_id)
+    eager = Stack(s["blocks"], d, h, s["heads"], activation, ctx.device, dtype)
+    x = ctx.randn(B, T, d, dtype=dtype).requires_grad_(True)
+    dy = ctx.randn(B, T, d, dtype=dtype)
+
+    def build_stack(key):
+        if key in ("eager", "compile_bf16") or key.startswith("torchao"):
+            return build(key, eager, None, x, dy)
+        model = fp8_stack(eager, s["blocks"])
+        return torch.compile(model, dynamic=False) if key.endswith("_compile") else model
+
+    def ref():
+        return float32_pass(Stack(s["blocks"], d, h, s["heads"], activation, ctx.device, torch.float32), eager, x, dy)
+    spec = VariantSpec(build=build_stack, floor=None, fused_path=fused_path("FusedGatedMLP"), settings=stack_settings,
+                       reference=ref, compiled=compiled, floors={})
+    _run(ctx, item_id, "fp8_stack", rec, f"fp8 stack bf16 {activation} B={B} T={T} d={d} h={h}", variants, spec, x,
+         dy, eager, False)
+
+
 def plan_items(args):
-    """[(item_id, section, payload)] of the fp8 section: the target shapes, the FusedDense block, then
-    the forced shapes (a budget cut loses those first)."""
+    """[(item_id, section, payload)] of the fp8 section: the target shapes, the FusedDense block, the
+    forced shapes, then the gated MLP's target shape, the stack and the other gated shape (a budget
+    cut loses the last first); --fp8-items keeps some of the four kinds."""
     if args.shapes:
         shapes = args.shapes
     elif args.device == "cpu":
@@ -299,12 +413,26 @@ def plan_items(args):
     at = sum(1 for s in shapes if s in TARGET_SHAPES) or len(shapes)
     M, K, N = dense
     items.insert(at, (f"fp8_dense:bf16:{M}x{K}x{N}", "fp8_dense", (M, K, N, DENSE_VARIANTS)))
-    return items
+    if args.device == "cpu":
+        gated = [CPU_GATED]
+    elif args.quick:
+        gated = GATED_SHAPES[:1]
+    else:
+        gated = GATED_SHAPES
+    tail = [(f"fp8_gated:bf16:swiglu:{M}x{d}x{h}", "fp8_gated", ("swiglu", M, d, h, GATED_VARIANTS))
+            for M, d, h in gated]
+    if not args.quick or args.device == "cpu":
+        tail.insert(1, ("fp8_stack:bf16:swiglu", "fp8_stack", ("swiglu", STACK_VARIANTS)))
+    want = set(getattr(args, "fp8_items", None) or ITEMS)
+    kind = {"fp8": "mlp", "fp8_dense": "dense", "fp8_gated": "gated", "fp8_stack": "stack"}
+    return [it for it in items + tail if kind[it[1]] in want]
 
 
 def note():
     if Float8Recipe is None:
         log("fp8: fused FP8 variants unavailable (fused_dense has no Float8Recipe)")
+    elif FusedGatedMLP is not None and "fp8" not in inspect.signature(FusedGatedMLP.__init__).parameters:
+        log("fp8: FusedGatedMLP has no fp8 argument in this build: its FP8 variants will be recorded unavailable")
     try:
         torchao()
     except Unavailable as exc:

@@ -28,18 +28,25 @@ FP8_LABELS = {"fp8_floor": "FP8 GEMMs (floor)", "bf16_floor": "bf16 GEMMs", "eag
               "fused_bf16": "fused bf16", "fused_fp8_current": "fused FP8 current",
               "fused_fp8_delayed": "fused FP8 delayed", "fused_fp8_current_cached": "fused FP8 current, cached",
               "fused_fp8_delayed_cached": "fused FP8 delayed, cached", "torchao_tensorwise": "torchao tensorwise",
-              "torchao_rowwise": "torchao rowwise", "compile_bf16": "torch.compile bf16"}
+              "torchao_rowwise": "torchao rowwise", "compile_bf16": "torch.compile bf16",
+              "fused_fp8_eager": "fused FP8, eager", "fused_fp8_compile": "fused FP8, torch.compile"}
 FP8_ORDER = list(FP8_LABELS)
 LABELS.update(FP8_LABELS)
 COLORS.update({"fp8_floor": "#616161", "bf16_floor": "#bdbdbd", "fused_bf16": "#1565c0",
                "fused_fp8_current": "#2e7d32", "fused_fp8_delayed": "#00838f", "fused_fp8_current_cached": "#81c784",
                "fused_fp8_delayed_cached": "#4dd0e1", "torchao_tensorwise": "#6a1b9a", "torchao_rowwise": "#ba68c8",
-               "compile_bf16": "#c62828"})
+               "compile_bf16": "#c62828", "fused_fp8_eager": "#2e7d32", "fused_fp8_compile": "#81c784"})
 # the fp8 targets: torchao tensorwise's time / the fused FP8 variant's at least this
 FP8_TARGETS = {(8192, 4096): {"fused_fp8_current": 1.15, "fused_fp8_delayed": 1.20},
                (16384, 8192): {"fused_fp8_current": 1.10, "fused_fp8_delayed": 1.15}}
 FP8_DENSE_TARGETS = {(16384, 8192, 8192): 1.05}
+# the FP8 gated MLP's, per (M, d, h): torchao tensorwise's time / FusedGatedMLP FP8's at least this
+FP8_GATED_TARGETS = {(16384, 4096, 14336): {"fused_fp8_current": 1.15, "fused_fp8_delayed": 1.15}}
+# the FP8 stack's, per (blocks, batch, seq, d, h): torchao tensorwise (every nn.Linear, compiled)'s time /
+# fused_dense FP8's, eager (the target) and compiled (shown against the same figure where it was measured)
+FP8_STACK_TARGETS = {(2, 2, 2048, 4096, 11008): 1.10}
 FLOOR_KEYS = ("fp8_floor", "bf16_floor")
+FP8_SECTIONS = ("fp8", "fp8_dense", "fp8_gated", "fp8_stack")  # the result lists of the fp8 section
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-4}  # relative error, docs/contract.md
 ACT = {"gelu_approx": "gelu", "relu": "relu", "sqrelu": "sqrelu", "swiglu": "swiglu", "geglu": "geglu"}
 # the gated MLP's targets: FusedGatedMLP's time / the floor's at most this, per (M, d, h)
@@ -320,11 +327,44 @@ def fp8_targets(res):
             rows.append(_vs_torchao(f"FP8 Linear {_fp8_shape(r)}: FusedDense FP8 current ≥ {need:.2f}× torchao "
                                     "Float8Linear tensorwise (torchao / fused)", r["variants"], "fused_fp8_current",
                                     need))
+    for r in res.get("fp8_gated", []):
+        for key, need in FP8_GATED_TARGETS.get((r["M"], r["d"], r["h"]), {}).items():
+            rows.append(_vs_torchao(f"FP8 gated MLP {r['activation']} {_fp8_shape(r)}: FusedGatedMLP {label(key)[6:]} "
+                                    f"≥ {need:.2f}× torchao tensorwise (torchao / fused)", r["variants"], key, need))
+    for r in res.get("fp8_stack", []):
+        need = FP8_STACK_TARGETS.get(tuple(r.get(k) for k in ("blocks", "batch", "seq", "d", "h")))
+        if not need:
+            continue
+        what = (f"FP8 Llama-style stack ({r['blocks']} blocks, B {r['batch']}, T {r['seq']}, d {r['d']}, h {r['h']}): "
+                "fused_dense FP8")
+        rows.append(_vs_torchao(f"{what} eager ≥ {need:.2f}× torchao tensorwise + torch.compile of the "
+                                "whole stack (torchao / fused)", r["variants"], "fused_fp8_eager", need))
+        title, fig, met = _vs_torchao(f"{what} torch.compile'd ≥ {need:.2f}× torchao tensorwise + "
+                                      "torch.compile (torchao / fused)", r["variants"], "fused_fp8_compile",
+                                      need)
+        if _ok(r["variants"].get("fused_fp8_compile")):  # compiled where it works: no verdict where it did not run
+            rows.append((title, fig, met))
+        elif "fused_fp8_compile" in r["variants"]:
+            rows.append((title, _cell(r["variants"]["fused_fp8_compile"]), None))
     return rows
 
 
+def _fp8_kind(r):
+    """The row label of an fp8 record: MLP, Linear, gated or stack."""
+    if "K" in r:
+        return "Linear"
+    return {"fp8_gated": "gated", "fp8_stack": "stack"}.get(str(r.get("id", "")).split(":")[0], "MLP")
+
+
 def _fp8_shape(r):
-    return f"{r['M']} × {r['K']} → {r['N']}" if "K" in r else f"{r['M']} × {r['d']}"
+    kind = _fp8_kind(r)
+    if kind == "Linear":
+        return f"{r['M']} × {r['K']} → {r['N']}"
+    if kind == "gated":
+        return f"{r['M']} × {r['d']} → {r['h']}"
+    if kind == "stack":
+        return f"B {r['batch']} × T {r['seq']}, d {r['d']} → h {r['h']}"
+    return f"{r['M']} × {r['d']}"
 
 
 def _rounds(r):
@@ -364,6 +404,7 @@ def _fp8_parts(recs, names, head):
 
 def _fp8(res):
     mlp, dense, L = res.get("fp8", []), res.get("fp8_dense", []), []
+    gated, stack = res.get("fp8_gated", []), res.get("fp8_stack", [])
     if mlp:
         L += ["## FP8 MLP forward + backward: ms (× FP8 floor)\n",
               "Linear(d, 4d) → GELU (tanh) → Linear(4d, d), bf16 master weights, M tokens. FP8 floor = the six GEMMs "
@@ -379,7 +420,35 @@ def _fp8(res):
               "FP8 (Float8Recipe(scaling='current', min_features=0), called as dense(x)), torchao Float8Linear "
               "(tensorwise) torch.compile'd; floors: the three GEMMs (x@Wᵀ, dY@W, dYᵀ@x). TF/s = 6·M·K·N / time.\n"]
         L += _fp8_table(dense, "M × K → N")
-    if not mlp and not dense:
+    if gated:
+        L += ["## FP8 gated MLP forward + backward: ms (× FP8 floor)\n",
+              "down(act(gate(x)) · up(x)), no biases, bf16 master weights, M tokens. Floors: the six GEMMs of the "
+              "step with gate and up as one GEMM of width 2h (FP8: torch._scaled_mm e4m3 × e4m3 → bf16, per-tensor "
+              "scales, as the MLP's); eager = nn.Linear gate / up / down (LlamaMLP's names); fused = FusedGatedMLP "
+              "(heuristic 'auto'), FP8 and cached as the MLP's; torchao = convert_to_float8_training (tensorwise) of "
+              "the eager module, torch.compile'd. TF/s = 18·M·d·h / time.\n"]
+        L += _fp8_table(gated, "M × d → h")
+    for r in stack:
+        vs = r["variants"]
+        e, c, t = (vs.get(k) if _ok(vs.get(k)) else None for k in ("eager", "compile_bf16", "torchao_tensorwise"))
+        L += [f"## FP8 Llama-style stack forward + backward ({r['blocks']} blocks, B {r['batch']}, T {r['seq']}, d "
+              f"{r['d']}, h {r['h']}, {r['heads']} heads, bf16 {r['activation']})\n",
+              "bench/gated.py's stack (RMSNorm, causal scaled_dot_product_attention, gated MLP). torchao = "
+              "convert_to_float8_training (tensorwise) of every nn.Linear, torch.compile'd; fused FP8 = the MLPs "
+              "swapped by replace_llama_mlps(fp8=recipe), qkv and o_proj by FusedDense(fp8=recipe), recipe "
+              "Float8Recipe(scaling='current', min_features=0), called as model(x). ÷ = that variant's time / "
+              "this one's. TF/s counts the projections' GEMMs only.\n",
+              "| variant | ms | p20–p80 | TF/s | eager bf16 ÷ | torch.compile bf16 ÷ | torchao ÷ |", "|---" * 7 + "|"]
+        for k in _keys([r], FP8_ORDER):
+            v = vs[k]
+            if not _ok(v):
+                err = _error(v)
+                L.append(f"| {label(k)} | {v.get('status')}{': ' + err if err else ''} |" + " |" * 5)
+                continue
+            L.append(f"| {label(k)} | {v['ms']:.3f} | {_f(v.get('p20'))}–{_f(v.get('p80'))} | {v['tflops']:.0f} | "
+                     + " | ".join(_f(b["ms"] / v["ms"] if b else None) for b in (e, c, t)) + " |")
+        L.append("")
+    if not mlp and not dense and not gated and not stack:
         return L
     L += ["### FP8 detail: ratios, memory kept for backward, accuracy\n",
           "× FP8 floor, × bf16 floor = time / the floor's; vs eager, vs torchao = eager bf16's, torchao tensorwise's "
@@ -388,9 +457,9 @@ def _fp8(res):
           "float32 eager, for out and dx. first = first call (compile / tuning), excluded from the timing.\n",
           "| shape | variant | ms | p20–p80 | TF/s | × FP8 floor | × bf16 floor | vs eager | vs torchao | saved MiB | "
           "peak Δ MiB | err out | err dx | first s |", "|---" * 14 + "|"]
-    for r in mlp + dense:
+    for r in mlp + dense + gated + stack:
         for k in _keys([r], FP8_ORDER):
-            v, head = r["variants"][k], f"| {'MLP' if 'K' not in r else 'Linear'} {_fp8_shape(r)} | {label(k)} |"
+            v, head = r["variants"][k], f"| {_fp8_kind(r)} {_fp8_shape(r)} | {label(k)} |"
             if not _ok(v):
                 err = _error(v)
                 L.append(f"{head} {v.get('status')}{': ' + err if err else ''} |" + " |" * 11)
@@ -398,13 +467,20 @@ def _fp8(res):
             cells = _detail_cells(v, ["x_fp8_floor", "x_bf16_floor", "speedup_vs_eager", "speedup_vs_torchao"])
             L.append(f"{head} {cells} | {_f(v.get('first_call_s'), '{:.2f}')} |")
     L.append("")
-    parts = _fp8_parts(mlp, ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"], "M × d") \
-        + _fp8_parts(dense, ["fwd", "dgrad", "wgrad"], "M × K → N")
-    if parts:
+    six = ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"]
+    parts = _fp8_parts(mlp, six, "M × d") + _fp8_parts(dense, ["fwd", "dgrad", "wgrad"], "M × K → N")
+    gated_parts = _fp8_parts(gated, six, "gated M × d → h")
+    if parts or gated_parts:
         L += ["### The floors' GEMMs one by one (ms)\n",
               "MLP: fwd1 x@W1ᵀ, fwd2 h@W2ᵀ, dgrad2 dY@W2, wgrad2 dYᵀ@h, dgrad1 dH@W1, wgrad1 dHᵀ@x; Linear: fwd, "
-              "dgrad, wgrad. FP8 GEMMs use_fast_accum: fwd yes, dgrad and wgrad no (as torchao).\n"] + parts
+              "dgrad, wgrad. FP8 GEMMs use_fast_accum: fwd yes, dgrad and wgrad no (as torchao)."
+              + (" Gated: W1 = gate and up packed (width 2h), h = the gated product, dH [M, 2h]." if gated_parts
+                 else "") + "\n"] + parts + gated_parts
     return L
+
+
+def _has_fp8(res):
+    return any(res.get(k) for k in FP8_SECTIONS)
 
 
 def _header(res):
@@ -414,7 +490,7 @@ def _header(res):
          f"{gpu}; driver {env.get('driver', '–')}; torch {env.get('torch')}; CUDA {env.get('torch_cuda')}; "
          f"cuBLASLt {env.get('cublasLt_version_str', '–')}; triton {env.get('triton', '–')}"
          + (f"; flash-attn {env['flash_attn']}" if env.get("flash_attn") else "")
-         + (f"; torchao {env['torchao']}" if env.get("torchao") and (res.get("fp8") or res.get("fp8_dense")) else "")
+         + (f"; torchao {env['torchao']}" if env.get("torchao") and _has_fp8(res) else "")
          + f"; {env.get('date_utc')}; fused_dense commit {str(env.get('git_commit') or 'unknown')[:12]}"
          + (" (dirty)" if env.get("git_dirty") else "")
          + (f"; source tree {env['git_tree'][:12]}" if env.get("git_tree") else "") + ".\n"]
@@ -432,7 +508,7 @@ def _header(res):
         m.get("mlp_timer"), "fresh random data (normal), never zeros", res.get("mlp") and m.get("mlp"),
         res.get("mlp") and m.get("floor") and "floor = " + m["floor"],
         (res.get("gated") or res.get("gated_stack")) and m.get("gated"),
-        (res.get("fp8") or res.get("fp8_dense")) and m.get("fp8")])) + ". Full method: bench/README.md.\n")
+        _has_fp8(res) and m.get("fp8")])) + ". Full method: bench/README.md.\n")
     if m.get("budget_s") is not None:
         L.append(f"Time budget {m['budget_s']:.0f} s; run time {_f(res.get('elapsed_s'), '{:.0f}')} s.\n")
     c, ce = res.get("ceiling") or {}, res.get("ceiling_end") or {}
@@ -591,7 +667,7 @@ def summary(res):
             L.append(f"{_cfg(r):<11}{str(r['M']) + 'x' + str(r['d']):>12}"
                      + "".join(f"{ms(vs.get(k)):>9}" for k in SUSTAINED_KEYS) + ratios(a)
                      + (f"  auto at {a['clocks'].get('sm_mhz', 0):.0f} MHz" if "clocks" in a else ""))
-    for r in res.get("gated", []) + res.get("gated_stack", []) + res.get("fp8", []) + res.get("fp8_dense", []):
+    for r in res.get("gated", []) + res.get("gated_stack", []) + [r for k in FP8_SECTIONS for r in res.get(k, [])]:
         L.append(f"{r['id']}: " + ", ".join(f"{k} {ms(v)}" for k, v in r["variants"].items()))
     L += ["targets:"] + [f"  [{'ok' if met else ('NO' if met is False else '--')}] {t}: {fig}"
                          for t, fig, met in targets(res) + gated_targets(res) + fp8_targets(res)]
@@ -625,8 +701,9 @@ def _bars(ax, recs, keys, ticks, ylabel, title, ceiling=None):
 
 
 def make_png(res, path):
-    """TF/s per shape per variant, one panel per dtype × activation (the ceiling dashed) and one for
-    the fp8 section (a bar group per shape); raises ImportError without matplotlib."""
+    """TF/s per shape per variant, one panel per dtype × activation (the ceiling dashed) and two for
+    the fp8 section (MLP and Linear; gated MLP and stack; a bar group per shape); raises ImportError
+    without matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -634,7 +711,8 @@ def make_png(res, path):
     mlp, env = res.get("mlp", []) + res.get("gated", []), res.get("env", {})
     configs = list(dict.fromkeys((r["dtype"], r["activation"]) for r in mlp))
     fp8 = res.get("fp8", []) + res.get("fp8_dense", [])
-    panels = len(configs) + bool(fp8)
+    fp8_gated = res.get("fp8_gated", []) + res.get("fp8_stack", [])
+    panels = len(configs) + bool(fp8) + bool(fp8_gated)
     if not panels:
         raise ValueError("no MLP results to plot")
     ceiling = (res.get("ceiling") or {}).get("tflops")
@@ -650,10 +728,16 @@ def make_png(res, path):
               "TF/s (18·M·d·h / time)" if gated else "TF/s (12·M·d·h / time)",
               f"{'gated MLP' if gated else 'MLP'} forward + backward, {cfg[0]}, {cfg[1]}", ceiling)
     if fp8:
-        _bars(axes[-1, 0], fp8, _keys(fp8, FP8_ORDER),
+        _bars(axes[len(configs), 0], fp8, _keys(fp8, FP8_ORDER),
               [f"Linear M={r['M']}, {r['K']} → {r['N']}" if "K" in r else f"MLP M={r['M']}, d={r['d']}" for r in fp8],
               "TF/s (12·M·d·h or 6·M·K·N / time)",
               "FP8: MLP d → 4d → d (GELU) and one Linear, bf16 master weights, forward + backward")
+    if fp8_gated:
+        _bars(axes[-1, 0], fp8_gated, _keys(fp8_gated, FP8_ORDER),
+              [f"stack B={r['batch']}, T={r['seq']}, d={r['d']}, h={r['h']}" if _fp8_kind(r) == "stack" else
+               f"gated M={r['M']}, d={r['d']}, h={r['h']}" for r in fp8_gated],
+              "TF/s (18·M·d·h; stack: projections)",
+              "FP8: gated MLP (SwiGLU) and the Llama-style stack, bf16 master weights, forward + backward")
     fig.suptitle(f"fused_dense — {env.get('gpu') or 'CPU (smoke test)'}, torch {env.get('torch')}, CUDA "
                  f"{env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str', '–')}, "
                  f"{str(env.get('date_utc', ''))[:10]}", fontsize=10)

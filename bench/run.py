@@ -6,6 +6,7 @@
     python bench/run.py --out DIR --device cpu --quick   # without a GPU: plumbing only
     python bench/run.py --out docs/results --sections gated   # the gated MLP's run of record
     python bench/run.py --out docs/results --sections fp8     # the FP8 run of record
+    python bench/run.py --out DIR --sections fp8 --fp8-items gated,stack   # its gated MLP and stack only
 
 Writes DIR/mlp-<YYYY-MM-DD>.json (every figure and the environment, rewritten after each
 measurement), .md (tables, targets) and .png (chart; needs matplotlib). A complete run removes
@@ -68,6 +69,9 @@ def parse_args(argv):
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny sizes, figures meaningless)")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma list out of {','.join(SECTIONS)} (default: all but gated and fp8)")
+    ap.add_argument("--fp8-items", default=",".join(fp8.ITEMS),
+                    help=f"fp8 section: comma list out of {','.join(fp8.ITEMS)} (default: all): the GELU MLP "
+                         "shapes, the Linear block, the gated MLP shapes, the Llama-style stack")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds after which measurements not yet started are recorded as skipped (420)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
@@ -94,6 +98,10 @@ def parse_args(argv):
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
     if unknown:
         ap.error(f"--sections: unknown {', '.join(unknown)}; known: {','.join(SECTIONS)}")
+    args.fp8_items = args.fp8_items.split(",")
+    unknown = [s for s in args.fp8_items if s not in fp8.ITEMS]
+    if unknown:
+        ap.error(f"--fp8-items: unknown {', '.join(unknown)}; known: {','.join(fp8.ITEMS)}")
     if args.t0_epoch is not None:
         sections.T0 = args.t0_epoch
     return ap, args
@@ -181,7 +189,13 @@ def method(args, bench):
                "True (weights cast every step) or, _cached, False after one step with True; FusedDense FP8 "
                "called as dense(x); torchao = convert_to_float8_training(Float8LinearConfig.from_recipe_name("
                "recipe)) of the nn.Linear model, torch.compile'd; accuracy against float32 eager; TF/s = "
-               "12*M*d*h/time (MLP), 6*M*K*N/time (Linear)",
+               "12*M*d*h/time (MLP), 6*M*K*N/time (Linear). Gated MLP (swiglu, no biases): the same variants "
+               "(torchao tensorwise only) with FusedGatedMLP as the fused module, floors of six GEMMs with gate and "
+               "up as one GEMM of width 2h, accuracy of out and dx, TF/s = 18*M*d*h/time. Llama-style stack "
+               "(bench/gated.py's, swiglu): bf16 eager and torch.compile, torchao tensorwise of every nn.Linear "
+               "torch.compile'd, and fused_dense FP8 (Float8Recipe(scaling='current', min_features=0): MLPs by "
+               "replace_llama_mlps(fp8=recipe), qkv and o_proj as FusedDense(fp8=recipe), called as model(x)) "
+               "eager and torch.compile'd; accuracy of out and dx; TF/s counts the projections' GEMMs only",
         "sustained": f"floor, eager, compile and FusedMLP auto at the bf16 gelu_approx shapes in {args.rounds} "
                      f"interleaved rounds as in the mlp section, but each block after {args.sustained_warmup_ms:.0f} "
                      "ms of that variant's own steps, so it is timed at the steady state of sustained load (the "
@@ -248,7 +262,8 @@ def supervise(args, argv):
 
 RUNNERS = {"ceiling": sections.run_ceiling, "mlp": sections.run_mlp, "ops": sections.run_ops,
            "host": sections.run_host, "gated": gated.run_gated, "gated_stack": gated.run_stack,
-           "fp8": fp8.run_fp8, "fp8_dense": fp8.run_fp8_dense}
+           "fp8": fp8.run_fp8, "fp8_dense": fp8.run_fp8_dense, "fp8_gated": fp8.run_fp8_gated,
+           "fp8_stack": fp8.run_fp8_stack}
 
 
 def worker(ap, args, argv):
