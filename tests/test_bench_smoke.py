@@ -150,10 +150,11 @@ def test_bench_gated_section_cpu(tmp_path):
 
 
 def test_bench_fp8_section_cpu(tmp_path):
-    """--sections fp8: the FP8 MLP shape and the Linear block in a run of record of its own
-    (fp8-<date>.*) that replaces an older one and leaves the MLP one alone; on the CPU the
-    torch._scaled_mm, torchao and torch.compile variants are recorded unavailable with the reason,
-    and the fused FP8 ones too where fused_dense has no Float8Recipe."""
+    """--sections fp8: the FP8 MLP shape, the Linear block, the gated MLP and the Llama-style stack
+    in a run of record of its own (fp8-<date>.*) that replaces an older one and leaves the MLP one
+    alone; on the CPU the torch._scaled_mm, torchao and torch.compile variants are recorded
+    unavailable with the reason, and the fused FP8 ones too where fused_dense has no Float8Recipe
+    (or FusedGatedMLP / replace_llama_mlps take no fp8 argument)."""
     from bench import fp8
     for name in ("mlp-2000-01-01.json", "fp8-2000-01-01.json"):
         (tmp_path / name).write_text("{}")
@@ -163,8 +164,9 @@ def test_bench_fp8_section_cpu(tmp_path):
     data = json.loads(open(path).read())
     assert (tmp_path / "mlp-2000-01-01.json").exists() and not (tmp_path / "fp8-2000-01-01.json").exists()
     assert data["complete"] and not data.get("errors"), data.get("errors")
-    assert data["plan"] == ["fp8:bf16:gelu_approx:64x32", "fp8_dense:bf16:64x32x32"]
-    assert "[2/2] fp8_dense:bf16:64x32x32" in res.stdout  # progress
+    assert data["plan"] == ["fp8:bf16:gelu_approx:64x32", "fp8_dense:bf16:64x32x32",
+                            "fp8_gated:bf16:swiglu:64x32x48", "fp8_stack:bf16:swiglu"]
+    assert "[2/4] fp8_dense:bf16:64x32x32" in res.stdout  # progress
     (mlp,), (dense,) = data["fp8"], data["fp8_dense"]
     assert list(mlp["variants"]) == fp8.MLP_VARIANTS and list(dense["variants"]) == fp8.DENSE_VARIANTS
     six, three = ["fwd1", "fwd2", "dgrad2", "wgrad2", "dgrad1", "wgrad1"], ["fwd", "dgrad", "wgrad"]
@@ -185,9 +187,31 @@ def test_bench_fp8_section_cpu(tmp_path):
                                    "error": "fused_dense has no Float8Recipe (no FP8 API in this build)"}, vs[key]
             else:
                 assert vs[key]["status"] in ("ok", "unavailable"), (key, vs[key])
+    (gated,), (stack,) = data["fp8_gated"], data["fp8_stack"]
+    vs = gated["variants"]
+    assert list(vs) == fp8.GATED_VARIANTS and gated["flops"] == 18 * 64 * 32 * 48
+    for key in ("bf16_floor", "eager", "fused_bf16"):
+        assert vs[key]["status"] == "ok" and len(vs[key]["round_ms"]) == 2, (key, vs[key])
+    assert list(vs["bf16_floor"]["parts_ms"]) == six
+    for key in ("eager", "fused_bf16"):
+        assert sorted(vs[key]["rel_err"]) == ["dx", "out"] and max(vs[key]["rel_err"].values()) <= 2e-2, vs[key]
+    for key in ("fp8_floor", "torchao_tensorwise", "compile_bf16"):
+        assert vs[key]["status"] == "unavailable" and vs[key]["error"].startswith("CPU run: "), (key, vs[key])
+    for key in [k for k in vs if k.startswith("fused_fp8")]:  # ok once FusedGatedMLP takes fp8=
+        assert vs[key]["status"] in ("ok", "unavailable"), (key, vs[key])
+        if vs[key]["status"] == "unavailable" and fp8.Float8Recipe is not None:
+            assert "fp8" in vs[key]["error"], vs[key]
+    vs = stack["variants"]
+    assert list(vs) == fp8.STACK_VARIANTS
+    assert vs["eager"]["status"] == "ok" and sorted(vs["eager"]["rel_err"]) == ["dx", "out"], vs["eager"]
+    for key in ("compile_bf16", "torchao_tensorwise", "fused_fp8_compile"):
+        assert vs[key]["status"] == "unavailable" and vs[key]["error"].startswith("CPU run: "), (key, vs[key])
+    assert vs["fused_fp8_eager"]["status"] in ("ok", "unavailable"), vs["fused_fp8_eager"]
     md = open(path[:-5] + ".md").read()
     assert report.markdown(data) == md
     assert "## FP8 MLP forward + backward" in md and "## FP8 Linear forward + backward" in md
+    assert "## FP8 gated MLP forward + backward" in md and "## FP8 Llama-style stack forward + backward" in md
+    assert "| 64 × 32 → 48 | 2 | unavailable | " in md
     assert "| 64 × 32 | 2 | unavailable | " in md and "| 64 × 32 → 32 | 2 | unavailable | " in md
     if importlib.util.find_spec("matplotlib"):
         assert os.path.exists(path[:-5] + ".png")
@@ -220,6 +244,107 @@ def test_report_fp8_targets_against_torchao(tmp_path):
     assert "[NO] FP8 Linear 16384 × 8192 → 8192" in report.summary(res)
     if importlib.util.find_spec("matplotlib"):
         assert os.path.exists(report.make_png(res, str(tmp_path / "fp8.png")))
+
+
+def test_bench_fp8_items_pick_the_plan():
+    """--fp8-items keeps some of the fp8 section's kinds, in the plan's order; the gated MLP's target
+    shape, the stack and the other gated shape come after the existing items."""
+    from bench import run
+    plan = run.build_plan(run.parse_args(["--out", "x", "--sections", "fp8"])[1])
+    assert [p[0] for p in plan] == [
+        "fp8:bf16:gelu_approx:8192x4096", "fp8:bf16:gelu_approx:16384x8192", "fp8_dense:bf16:16384x8192x8192",
+        "fp8:bf16:gelu_approx:8192x1024", "fp8:bf16:gelu_approx:8192x2048", "fp8_gated:bf16:swiglu:16384x4096x14336",
+        "fp8_stack:bf16:swiglu", "fp8_gated:bf16:swiglu:8192x4096x11008"]
+    args = run.parse_args(["--out", "x", "--sections", "fp8", "--fp8-items", "stack,gated"])[1]
+    assert run.build_plan(args) == plan[-3:] and [p[1] for p in plan[-3:]] == ["fp8_gated", "fp8_stack", "fp8_gated"]
+    with pytest.raises(SystemExit):
+        run.parse_args(["--out", "x", "--sections", "fp8", "--fp8-items", "gated,nope"])
+
+
+def test_bench_fp8_gated_and_stack_run_the_fp8_api(tmp_path, monkeypatch):
+    """The gated and stack items with a FusedGatedMLP that takes fp8= and is_first_microbatch= (a
+    stand-in over the bf16 module where fused_dense's own does not yet): the FP8 variants are built,
+    called as their keys say (True every step; the cached ones False) and timed; the stack's MLPs are
+    swapped through replace_llama_mlps(fp8=recipe), its attention projections are FusedDense FP8."""
+    from bench import fp8, run
+    fd = pytest.importorskip("fused_dense")
+    if fp8.Float8Recipe is None:
+        pytest.skip("fused_dense has no Float8Recipe")
+    seen, recipes = [], []
+
+    class Gated(fd.FusedGatedMLP):
+        def __init__(self, *a, fp8=None, **k):
+            super().__init__(*a, **k)
+            self.fp8 = fp8
+
+        def forward(self, x, is_first_microbatch=None):
+            seen.append(is_first_microbatch)
+            return super().forward(x)
+
+    def replace(model, checkpoint_lvl=0, heuristic="auto", fp8=None):
+        recipes.append(fp8)
+        blocks = [m for m in model.modules() if hasattr(m, "mlp")]
+        for b in blocks:
+            w = b.mlp.gate_proj.weight
+            g = Gated(w.shape[1], w.shape[0], fp8=fp8, device=w.device, dtype=w.dtype)
+            g.load_state_dict(b.mlp.state_dict())
+            b.mlp = g
+        return len(blocks)
+    monkeypatch.setattr(fp8, "FusedGatedMLP", Gated)
+    monkeypatch.setattr(fp8, "replace_llama_mlps", replace)
+    monkeypatch.chdir(ROOT)
+    assert run.main([*CPU_QUICK[1:], "--no-supervise", "--sections", "fp8", "--fp8-items", "gated,stack",
+                     "--rounds", "1", "--rep-ms", "5", "--warmup-ms", "2", "--out", str(tmp_path)]) == 0
+    data = json.loads(open(_only(str(tmp_path / "fp8-*.json"))).read())
+    assert data["plan"] == ["fp8_gated:bf16:swiglu:64x32x48", "fp8_stack:bf16:swiglu"]
+    vs = data["fp8_gated"][0]["variants"]
+    for key in ("fused_fp8_current", "fused_fp8_delayed", "fused_fp8_current_cached", "fused_fp8_delayed_cached"):
+        assert vs[key]["status"] == "ok" and vs[key]["scaling"] in key, (key, vs[key])
+        assert vs[key]["is_first_microbatch"] is (not key.endswith("_cached")), vs[key]
+        assert vs[key]["rel_err"]["out"] <= 2e-2 and "speedup_vs_eager" in vs[key], vs[key]
+    assert {True, False} <= set(seen) and None in seen  # the stack's MLPs are called as model(x)
+    stack = data["fp8_stack"][0]["variants"]["fused_fp8_eager"]
+    assert stack["status"] == "ok" and stack["scaling"] == "current" and stack["rel_err"]["out"] <= 8e-2, stack
+    assert recipes == [fp8.Float8Recipe(scaling="current", min_features=0)]  # fused_fp8_eager's (compile: CPU)
+    model = fp8.fp8_stack(fp8.Stack(2, 32, 48, 4, "swiglu", torch.device("cpu"), torch.bfloat16), 2)
+    assert all(type(b.qkv) is fd.FusedDense and b.qkv.fp8 == recipes[0] and b.o_proj.fp8 == recipes[0]
+               for b in model.blocks)
+
+
+def test_report_fp8_gated_and_stack_targets():
+    """The gated MLP's target at 16384 × 4096 → 14336 (current and delayed against torchao
+    tensorwise), none at the other shape; the stack's: fused FP8 eager ≥ 1.10× torchao compiled,
+    the compiled one shown against the same figure, without a verdict where it did not run."""
+    def ok(ms):
+        return {"status": "ok", "ms": ms, "tflops": 100.0, "round_ms": [ms] * 5, "rounds": 5}
+    g = {"dtype": "bf16", "activation": "swiglu", "d": 4096}
+    res = {"fp8_gated": [dict(g, id="fp8_gated:bf16:swiglu:16384x4096x14336", M=16384, h=14336, variants={
+               "fp8_floor": ok(12.0), "fused_fp8_current": ok(14.0), "fused_fp8_delayed": ok(13.5),
+               "torchao_tensorwise": ok(16.5)}),
+                         dict(g, id="fp8_gated:bf16:swiglu:8192x4096x11008", M=8192, h=11008, variants={
+                             "fused_fp8_current": ok(5.0), "torchao_tensorwise": ok(5.0)})],
+           "fp8_stack": [{"id": "fp8_stack:bf16:swiglu", "dtype": "bf16", "activation": "swiglu", "M": 4096,
+                          "blocks": 2, "batch": 2, "seq": 2048, "d": 4096, "h": 11008, "heads": 32, "variants": {
+                              "eager": ok(20.0), "torchao_tensorwise": ok(14.0), "fused_fp8_eager": ok(12.5),
+                              "fused_fp8_compile": {"status": "unavailable", "error": "Unsupported: x"}}}]}
+    rows = {t: (fig, met) for t, fig, met in report.fp8_targets(res)}
+    stack = "FP8 Llama-style stack (2 blocks, B 2, T 2048, d 4096, h 11008): fused_dense FP8"
+    assert rows == {
+        "FP8 gated MLP swiglu 16384 × 4096 → 14336: FusedGatedMLP FP8 current ≥ 1.15× torchao tensorwise "
+        "(torchao / fused)": ("1.179 (rounds 1.179–1.179): 16.500 vs 14.000 ms", True),
+        "FP8 gated MLP swiglu 16384 × 4096 → 14336: FusedGatedMLP FP8 delayed ≥ 1.15× torchao tensorwise "
+        "(torchao / fused)": ("1.222 (rounds 1.222–1.222): 16.500 vs 13.500 ms", True),
+        f"{stack} eager ≥ 1.10× torchao tensorwise + torch.compile of the whole stack (torchao / fused)":
+            ("1.120 (rounds 1.120–1.120): 14.000 vs 12.500 ms", True),
+        f"{stack} torch.compile'd ≥ 1.10× torchao tensorwise + torch.compile (torchao / fused)":
+            ("unavailable", None)}, rows
+    md = report.markdown(res)
+    assert "| 16384 × 4096 → 14336 | 5 | 12.000 (–×) |" in md
+    assert "| fused FP8, eager | 12.500 | ––– | 100 | 1.600 | – | 1.120 |" in md, md
+    assert "| stack B 2 × T 2048, d 4096 → h 11008 | fused FP8, torch.compile | unavailable: Unsupported: x |" in md
+    assert "[ok] FP8 gated MLP swiglu 16384 × 4096 → 14336" in report.summary(res)
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.exists(report.make_png(res, os.path.join(os.environ.get("TMPDIR", "/tmp"), "fp8g.png")))
 
 
 def test_parallel_mlp_bench_cpu_two_ranks(tmp_path):
