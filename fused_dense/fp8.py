@@ -2,8 +2,9 @@
 the ways in.
 
 A layer in FP8 keeps its master weights (and so the optimizer state) in the model's dtype. Each
-step quantizes, per tensor, the input, the activation between the MLP's GEMMs, the output
-gradient and the gradient at the activation, and runs the six GEMMs in FP8 with outputs in the
+step quantizes, per tensor, the input, the activation between the MLP's GEMMs (a gated MLP's
+act(gate) * up), the output gradient and the gradient at the activation (a gated MLP's packed
+gate / up gradient), and runs the six GEMMs in FP8 with outputs in the
 model's dtype (csrc/torch/fused_mlp_fp8.cpp has the dataflow). Weights are quantized from their
 own amax when their FP8 copy is made, under either recipe; activations and gradients follow the
 recipe:
@@ -20,8 +21,9 @@ Activations and weights are e4m3; gradients e5m2 (``grad_format='e5m2'``, the de
 Values beyond the format's range saturate to its largest finite value; a NaN makes the
 quantized tensor NaN (current scaling: the whole tensor, through its scale).
 
-Ways in: the ``fp8=`` argument of :class:`FusedDense`, :class:`FusedMLP` and the tensor-parallel
-``ColumnParallelLinear``, ``RowParallelLinear`` and ``ParallelFusedMLP`` (a recipe, or ``True``
+Ways in: the ``fp8=`` argument of :class:`FusedDense`, :class:`FusedMLP`, :class:`FusedGatedMLP`
+and the tensor-parallel ``ColumnParallelLinear``, ``RowParallelLinear``, ``ParallelFusedMLP`` and
+``ParallelFusedGatedMLP`` (a recipe, or ``True``
 for the default recipe), :func:`fp8_autocast` around the forward, or :func:`convert_to_fp8` over a
 whole model. Whether a layer runs in FP8 never depends on the batch: it is the user's choice,
 narrowed by the recipe's size rule (``min_features``: a layer whose smallest width is below it
@@ -118,8 +120,7 @@ _AUTOCAST_LOCK = threading.Lock()
 class fp8_autocast:
     """Run every FusedDense / FusedMLP / tensor-parallel layer whose ``fp8`` argument is unset in
     FP8 inside the block (``recipe`` or the default recipe), as TransformerEngine's
-    ``fp8_autocast``. ``enabled=False`` turns an outer block off. The state is process-wide. The
-    gated MLPs stay in the model's dtype."""
+    ``fp8_autocast``. ``enabled=False`` turns an outer block off. The state is process-wide."""
 
     def __init__(self, enabled: bool = True, recipe: Optional[Float8Recipe] = None):
         if recipe is not None and not isinstance(recipe, Float8Recipe):
@@ -140,17 +141,17 @@ class fp8_autocast:
 
 
 def convert_to_fp8(model: torch.nn.Module, recipe: Optional[Float8Recipe] = None) -> torch.nn.Module:
-    """Set ``recipe`` (default: ``Float8Recipe()``) on every FusedDense, FusedMLP and tensor-parallel
-    layer of ``model``, in place; returns the model. ``nn.Linear`` layers that are not fused_dense
-    layers are left alone."""
-    from .modules import FusedDense, FusedMLP
+    """Set ``recipe`` (default: ``Float8Recipe()``) on every FusedDense, FusedMLP, FusedGatedMLP and
+    tensor-parallel layer of ``model``, in place; returns the model. ``nn.Linear`` layers that are
+    not fused_dense layers are left alone."""
+    from .modules import FusedDense, FusedGatedMLP, FusedMLP
 
     recipe = recipe or Float8Recipe()
-    kinds = [FusedDense, FusedMLP]
+    kinds = [FusedDense, FusedMLP, FusedGatedMLP]
     try:
-        from .parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear
+        from .parallel import ColumnParallelLinear, ParallelFusedGatedMLP, ParallelFusedMLP, RowParallelLinear
 
-        kinds += [ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP]
+        kinds += [ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP, ParallelFusedGatedMLP]
     except ImportError:  # torch.distributed unavailable
         pass
     for module in model.modules():
@@ -250,6 +251,7 @@ def warn_torchao_once() -> None:
 
 def activation_code(activation: str) -> int:
     code = ops.activation_code(activation)
-    if code not in (1, 2, 3):
-        raise ValueError(f"FP8 runs the activations 'gelu_approx', 'relu' and 'sqrelu', got {activation!r}")
+    if code not in (1, 2, 3, 4, 5):
+        raise ValueError(f"FP8 runs the activations 'gelu_approx', 'relu', 'sqrelu', 'swiglu' and 'geglu', got "
+                         f"{activation!r}")
     return code

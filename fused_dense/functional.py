@@ -557,13 +557,14 @@ def fp8_parallel_input(x: Tensor, process_group, sequence_parallel: bool = True)
     return all_gather(xc, process_group) if sequence_parallel else copy_to_group(xc, process_group)
 
 
-def fp8_mlp_call(module, recipe, x: Tensor, activation: str, checkpoint_lvl: int,
+def fp8_mlp_call(module, layers, recipe, x: Tensor, activation: str, checkpoint_lvl: int,
                  is_first_microbatch: Optional[bool]) -> Tensor:
-    """The FP8 MLP step of FusedMLP and ParallelFusedMLP (``module.fc1`` / ``module.fc2``: the full
-    layers or this rank's shards, whose partial sums the caller reduces): the op fused_mlp_fp8
-    with the layer's weight copies and scaling state."""
+    """The FP8 MLP step of FusedMLP, FusedGatedMLP and their parallel forms: the op fused_mlp_fp8
+    over ``layers`` = (fc1, fc2) (FusedMLP's fc1 / fc2, a gated MLP's gate_up_proj / down_proj: the
+    full layers or this rank's shards, whose partial sums the caller reduces), with the module's
+    weight copies and scaling state."""
     act = _fp8.activation_code(activation)
-    fc1, fc2 = module.fc1, module.fc2
+    fc1, fc2 = layers
     xc, x2, (b1, b2) = _fp8_inputs(x, (fc1.bias, fc2.bias))
     weights = module._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
     scales, amax_out = _fp8_scaling(module, recipe, _fp8.MLP_SLOTS, x.device)

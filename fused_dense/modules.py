@@ -144,8 +144,8 @@ class FusedMLP(nn.Module):
     def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
         recipe = self._fp8_recipe(process_group)
         if recipe is not None:
-            out = fp8_mlp_call(self, recipe, fp8_parallel_input(x, process_group), self.activation,
-                               self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+            out = fp8_mlp_call(self, (self.fc1, self.fc2), recipe, fp8_parallel_input(x, process_group),
+                               self.activation, self.checkpoint_lvl if self.training else 2, is_first_microbatch)
         else:
             out = fused_mlp_func(
                 x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
@@ -267,6 +267,12 @@ class FusedGatedMLP(GatedStateDictNames, nn.Module):
             [.., h] for backward; 1 keeps x and gu and rebuilds the gated output in backward's
             gating pass; 2 keeps only x and re-runs the gate / up GEMM (docs/contract.md).
         heuristic: ``'auto'``, ``-1`` (unfused) or a cuBLASLt algorithm index, as FusedMLP's.
+        fp8: a :class:`fused_dense.Float8Recipe` (or ``True`` for the default one) runs the six
+            GEMMs in FP8 as FusedMLP's ``fp8`` does (the gated activation act(gate) * up and its
+            gradient are quantized in one pass each; fused_dense/fp8.py); ``None`` follows
+            :func:`fused_dense.fp8_autocast`. The size rule reads in_features, hidden_features and
+            out_features. ``forward``'s ``is_first_microbatch`` keeps (True) or reuses (False) the
+            weights' FP8 copies.
 
     Parameters: ``gate_up_proj`` (an ``nn.Linear`` without bias, ``in_features -> 2h``) holds the
     gate and up weights packed as the fused GEMM reads them (``ops.pack_gate_up``; layout in
@@ -274,15 +280,20 @@ class FusedGatedMLP(GatedStateDictNames, nn.Module):
     and layout whatever the packing: ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``
     on saving, and loading takes them (or ``gate_up_proj.weight``), so a LlamaMLP's state_dict loads
     here and this module's into a LlamaMLP. ``forward(x)`` takes ``[..., in_features]``.
+
+    If torchao's ``convert_to_float8_training`` replaces gate_up_proj and down_proj, the MLP runs
+    them in this library's FP8 with current scaling (and warns once), as FusedMLP does.
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
                  activation: str = "swiglu", bias: bool = False, checkpoint_lvl: int = 0,
-                 heuristic: Union[int, str] = "auto", device=None, dtype=None) -> None:
+                 heuristic: Union[int, str] = "auto", device=None, dtype=None,
+                 fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__()
         ops.check_mlp_arguments(activation, checkpoint_lvl, "gated")
         ops.heuristic_code(heuristic)
         _check_gated_bias(bias)
+        _fp8.check_fp8_argument(fp8)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features
         self.activation = activation
@@ -291,16 +302,33 @@ class FusedGatedMLP(GatedStateDictNames, nn.Module):
         self.hidden_features = hidden_features
         self.gate_up_proj = nn.Linear(in_features, 2 * hidden_features, bias=False, **factory_kwargs)
         self.down_proj = nn.Linear(hidden_features, out_features, bias=False, **factory_kwargs)
+        self.fp8 = fp8
+        self._fp8_state = _fp8.Fp8State(_fp8.MLP_SLOTS)
+        _init_fp8_buffers(self, _fp8.MLP_SLOTS)
         self._register_gated_state_dict_names()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _fp8_recipe(self):
+        recipe = _fp8.resolve_recipe(self.fp8)
+        if recipe is None and (_fp8.torchao_converted(self.gate_up_proj) or _fp8.torchao_converted(self.down_proj)):
+            _fp8.warn_torchao_once()
+            recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
+        widths = (self.gate_up_proj.in_features, self.hidden_features, self.down_proj.out_features)
+        if recipe is None or not recipe.applies(widths):
+            return None
+        return recipe
+
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        recipe = self._fp8_recipe()
+        if recipe is not None:
+            return fp8_mlp_call(self, (self.gate_up_proj, self.down_proj), recipe, x, self.activation,
+                                self.checkpoint_lvl if self.training else 2, is_first_microbatch)
         return fused_gated_mlp_func(x, self.gate_up_proj.weight, self.down_proj.weight, activation=self.activation,
                                     save_pre_act=self.training, checkpoint_lvl=self.checkpoint_lvl,
                                     heuristic=self.heuristic)
 
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, checkpoint_lvl={self.checkpoint_lvl}, "
-                f"heuristic={self.heuristic!r}")
+                f"heuristic={self.heuristic!r}, fp8={self.fp8!r}")
 
 
 def _gate_activation(act_fn, where: str) -> str:
@@ -321,18 +349,24 @@ def _is_llama_mlp(module: nn.Module) -> bool:
         and callable(getattr(module, "act_fn", None))
 
 
-def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto") -> int:
+def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto",
+                       fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> int:
     """Replaces, in place, every Hugging Face Llama-family MLP in `model` (a module with
     ``gate_proj``, ``up_proj``, ``down_proj`` linear layers and an ``act_fn`` of SiLU or tanh GELU:
     LlamaMLP, MistralMLP, Qwen2MLP, GemmaMLP, ...) with a FusedGatedMLP holding the same weights,
     on the same device and dtype; returns how many it replaced. Every MLP is checked before any is
     replaced: one with biases or another activation is a ValueError naming it. The new modules hold
     new parameters (the packed gate / up weight): call it before building the optimizer. The model's
-    state_dict keeps Hugging Face's names, so its checkpoints load either way."""
+    state_dict keeps Hugging Face's names, so its checkpoints load either way. ``fp8`` is the new
+    modules' FP8 argument (FusedGatedMLP's)."""
+    _fp8.check_fp8_argument(fp8)
     found = [(name, m) for name, m in model.named_modules() if _is_llama_mlp(m)]
     plans = []
     for name, mlp in found:
-        where = f"replace_llama_mlps: {name or type(model).__name__}"
+        if not name:
+            raise ValueError("replace_llama_mlps: the model itself is an MLP; build a FusedGatedMLP and load its "
+                             "state_dict instead")
+        where = f"replace_llama_mlps: {name}"
         if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             raise ValueError(f"{where} has biases (mlp_bias=True); FusedGatedMLP has none")
         plans.append((name, mlp, _gate_activation(mlp.act_fn, where)))
@@ -342,11 +376,8 @@ def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Uni
                               activation=activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
                               device=w.device, dtype=w.dtype)
         fused.load_state_dict(mlp.state_dict())
+        fused.fp8 = fp8  # after the load: a delayed recipe's buffers are made at the first FP8 step
         fused.train(mlp.training)
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else None
-        if parent is None:
-            raise ValueError("replace_llama_mlps: the model itself is an MLP; build a FusedGatedMLP and load its "
-                             "state_dict instead")
-        setattr(parent, child, fused)
+        setattr(model.get_submodule(parent_name), child, fused)
     return len(plans)

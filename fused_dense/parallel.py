@@ -27,10 +27,11 @@ Layout, for a process group of ``world_size`` ranks:
 Shard sizes come from ``get_dim_for_local_rank``: features are cut in units of ``multiple_of``
 and the first ranks take one unit more when the units do not divide evenly.
 
-FP8 (``fp8=`` of ColumnParallelLinear, RowParallelLinear and ParallelFusedMLP; the meaning, the
-recipes, :func:`fused_dense.fp8_autocast` and :func:`fused_dense.convert_to_fp8` as for FusedMLP,
-fused_dense/fp8.py): the FP8 ops of the single-process layers run on this rank's shards, between
-the differentiable collectives of ``distributed.py``:
+FP8 (``fp8=`` of ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP and
+ParallelFusedGatedMLP; the meaning, the recipes, :func:`fused_dense.fp8_autocast` and
+:func:`fused_dense.convert_to_fp8` as for FusedMLP, fused_dense/fp8.py): the FP8 ops of the
+single-process layers run on this rank's shards, between the differentiable collectives of
+``distributed.py``:
 
 * ColumnParallelLinear: x all-gathered (sequence parallel; else entered with ``copy_to_group``,
   whose backward all-reduces x's gradient) -> ``fp8_dense`` on the weight shard;
@@ -38,7 +39,7 @@ the differentiable collectives of ``distributed.py``:
   (sequence parallel) or all-reduce;
 * ParallelFusedMLP: x gathered as for the column layer -> ``fused_mlp_fp8`` on the fc1 / fc2
   shards (fc2's bias on rank 0 only, so the reduction adds it once) -> reduce-scatter or
-  all-reduce.
+  all-reduce; ParallelFusedGatedMLP alike on its gate / up and down shards.
 
 Scales are per tensor and per rank: a whole input (gathered, or replicated) is quantized alike on
 every rank, and alike with the single-process layer; a weight shard, and what is sharded (the
@@ -294,8 +295,8 @@ class ParallelFusedMLP(nn.Module):
         if recipe is not None:
             # fc2's bias lives on rank 0 only: the reduction adds it once.
             x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
-            out = fp8_mlp_call(self, recipe, x, self.activation, self.checkpoint_lvl if self.training else 2,
-                               is_first_microbatch)
+            out = fp8_mlp_call(self, (self.fc1, self.fc2), recipe, x, self.activation,
+                               self.checkpoint_lvl if self.training else 2, is_first_microbatch)
             return _reduce_partial(out, self.process_group, self.sequence_parallel)
         # The gather of x, fc1, the activation, fc2 and the reduction of its partial sums, with
         # the collectives of each row block running under the neighbouring blocks' GEMMs
@@ -330,9 +331,11 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
     local_hidden]``). ``load_full_state_dict`` loads a whole, unsharded FusedGatedMLP or LlamaMLP
     state_dict, cutting this rank's shard out of it.
 
-    ``fp8``: the gated MLP has no FP8 path; anything but None / False raises NotImplementedError
-    (``fp8_autocast`` and ``convert_to_fp8`` leave the layer in the model's dtype, as they leave
-    FusedGatedMLP).
+    ``fp8``: as ParallelFusedMLP's: the FP8 step gathers x, runs the gated FP8 MLP on this rank's
+    units and reduces down's partial sums; the size rule reads the full widths, and every rank's
+    shard of hidden_features must be a multiple of 16. ``forward``'s ``is_first_microbatch`` keeps
+    (True) or reuses (False) the shards' FP8 copies. FP8 with ``overlap_chunks > 1`` raises
+    NotImplementedError.
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
@@ -340,10 +343,6 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto", device=None,
                  dtype=None, overlap_chunks: int = 1, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__()
-        _fp8.check_fp8_argument(fp8)
-        if fp8 is not None and fp8 is not False:
-            raise NotImplementedError(f"ParallelFusedGatedMLP: FP8 is not supported for the gated MLP ('swiglu' / "
-                                      f"'geglu'), got fp8={fp8!r}; use fp8=None (the layer runs in the model's dtype)")
         _check_gated_bias(bias)
         _init_parallel_mlp(self, "gated", activation, process_group, sequence_parallel, checkpoint_lvl, heuristic,
                            overlap_chunks)
@@ -357,9 +356,21 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
         self.down_proj = RowParallelLinear(hidden_features, out_features, process_group, bias=False,
                                            sequence_parallel=sequence_parallel, **factory_kwargs)
         assert self.down_proj.shard == self.shard  # the same units on both sides
+        _init_fp8(self, fp8, _fp8.MLP_SLOTS)
         self._register_gated_state_dict_names()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _fp8_recipe(self):
+        return _parallel_fp8_recipe(self, (self.gate_up_proj.in_features, self.hidden_features,
+                                           self.down_proj.out_features),
+                                    self.overlap_chunks > 1, ("hidden_features", self.hidden_features, None))
+
+    def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
+        recipe = self._fp8_recipe()
+        if recipe is not None:
+            x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
+            out = fp8_mlp_call(self, (self.gate_up_proj, self.down_proj), recipe, x, self.activation,
+                               self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+            return _reduce_partial(out, self.process_group, self.sequence_parallel)
         return pipelined_parallel_mlp(
             x, self.gate_up_proj.weight, self.down_proj.weight, None, None, activation=self.activation,
             save_pre_act=self.training, checkpoint_lvl=self.checkpoint_lvl, heuristic=self.heuristic,
@@ -384,4 +395,4 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, shard=[{self.shard.start}:{self.shard.stop}], "
                 f"sequence_parallel={self.sequence_parallel}, checkpoint_lvl={self.checkpoint_lvl}, "
-                f"heuristic={self.heuristic!r}, overlap_chunks={self.overlap_chunks}")
+                f"heuristic={self.heuristic!r}, overlap_chunks={self.overlap_chunks}, fp8={self.fp8!r}")

@@ -261,11 +261,14 @@ def test_bench_fp8_items_pick_the_plan():
         run.parse_args(["--out", "x", "--sections", "fp8", "--fp8-items", "gated,nope"])
 
 
+FP8_VS_FP32 = 0.15
+
+
 def test_bench_fp8_gated_and_stack_run_the_fp8_api(tmp_path, monkeypatch):
-    """The gated and stack items with a FusedGatedMLP that takes fp8= and is_first_microbatch= (a
-    stand-in over the bf16 module where fused_dense's own does not yet): the FP8 variants are built,
-    called as their keys say (True every step; the cached ones False) and timed; the stack's MLPs are
-    swapped through replace_llama_mlps(fp8=recipe), its attention projections are FusedDense FP8."""
+    """The gated and stack items run FusedGatedMLP(fp8=...): the FP8 variants are built, called as
+    their keys say (is_first_microbatch True every step; the cached ones False) and timed; the
+    stack's MLPs are swapped through replace_llama_mlps(fp8=recipe), its attention projections are
+    FusedDense FP8. (A subclass records the calls; a replace_llama_mlps stand-in builds it.)"""
     from bench import fp8, run
     fd = pytest.importorskip("fused_dense")
     if fp8.Float8Recipe is None:
@@ -273,21 +276,18 @@ def test_bench_fp8_gated_and_stack_run_the_fp8_api(tmp_path, monkeypatch):
     seen, recipes = [], []
 
     class Gated(fd.FusedGatedMLP):
-        def __init__(self, *a, fp8=None, **k):
-            super().__init__(*a, **k)
-            self.fp8 = fp8
-
         def forward(self, x, is_first_microbatch=None):
             seen.append(is_first_microbatch)
-            return super().forward(x)
+            return super().forward(x, is_first_microbatch)
 
     def replace(model, checkpoint_lvl=0, heuristic="auto", fp8=None):
         recipes.append(fp8)
         blocks = [m for m in model.modules() if hasattr(m, "mlp")]
         for b in blocks:
             w = b.mlp.gate_proj.weight
-            g = Gated(w.shape[1], w.shape[0], fp8=fp8, device=w.device, dtype=w.dtype)
+            g = Gated(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
             g.load_state_dict(b.mlp.state_dict())
+            g.fp8 = fp8
             b.mlp = g
         return len(blocks)
     monkeypatch.setattr(fp8, "FusedGatedMLP", Gated)
@@ -301,10 +301,12 @@ def test_bench_fp8_gated_and_stack_run_the_fp8_api(tmp_path, monkeypatch):
     for key in ("fused_fp8_current", "fused_fp8_delayed", "fused_fp8_current_cached", "fused_fp8_delayed_cached"):
         assert vs[key]["status"] == "ok" and vs[key]["scaling"] in key, (key, vs[key])
         assert vs[key]["is_first_microbatch"] is (not key.endswith("_cached")), vs[key]
-        assert vs[key]["rel_err"]["out"] <= 2e-2 and "speedup_vs_eager" in vs[key], vs[key]
+        # FP8 against the unquantized float32 step: e4m3 rounds each value by up to 2^-4 relative
+        # (measured 6.5e-2 on the output at this tiny shape)
+        assert vs[key]["rel_err"]["out"] <= FP8_VS_FP32 and "speedup_vs_eager" in vs[key], vs[key]
     assert {True, False} <= set(seen) and None in seen  # the stack's MLPs are called as model(x)
     stack = data["fp8_stack"][0]["variants"]["fused_fp8_eager"]
-    assert stack["status"] == "ok" and stack["scaling"] == "current" and stack["rel_err"]["out"] <= 8e-2, stack
+    assert stack["status"] == "ok" and stack["scaling"] == "current" and stack["rel_err"]["out"] <= FP8_VS_FP32, stack
     assert recipes == [fp8.Float8Recipe(scaling="current", min_features=0)]  # fused_fp8_eager's (compile: CPU)
     model = fp8.fp8_stack(fp8.Stack(2, 32, 48, 4, "swiglu", torch.device("cpu"), torch.bfloat16), 2)
     assert all(type(b.qkv) is fd.FusedDense and b.qkv.fp8 == recipes[0] and b.o_proj.fp8 == recipes[0]

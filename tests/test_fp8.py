@@ -198,8 +198,8 @@ def test_quantize_errors():
         q(x, None, 0, False, 2, None, True, False, False)
     with pytest.raises(ValueError, match="backward=True needs pre_act"):
         q(x, None, 1, True, 0, None, True, False, False)
-    with pytest.raises(ValueError, match="activation must be .* got 4"):
-        q(x, None, 4, False, 0, None, True, False, False)
+    with pytest.raises(ValueError, match="activation must be .* got 6"):
+        q(x, None, 6, False, 0, None, True, False, False)
     with pytest.raises(ValueError, match="scale must be float32"):
         q(x, None, 0, False, 0, torch.tensor(1.0, dtype=torch.float64), True, False, False)
     with pytest.raises(ValueError, match="input must be contiguous"):
@@ -317,23 +317,27 @@ def test_mlp_current_scaling_matches_reference(device, act, grad_format, rows):
         assert_fp8_close(v, ref[k], f"grad {k}", FP8_TOL if grad_format == "e4m3" else FP8_TOL_E5M2)
 
 
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_mlp_checkpoint_levels_are_bit_identical(device, scaling):
-    """Levels 1 and 2 rebuild what level 0 keeps with the forward's scales: the same bits."""
-    x = randn(96, 64, device=device)
-    g = randn(96, 64, device=device)
-    base = make_mlp(device, recipe=Float8Recipe(scaling=scaling, min_features=0))
-    state = {k: v.clone() for k, v in base.state_dict().items()}
+def levels_are_bit_identical(make_at_level, step, x, g):
+    """Levels 1 and 2 rebuild what level 0 keeps with the forward's scales: the same bits.
+    make_at_level(lvl) builds the module; step(module, x, g) -> (out, {name: grad})."""
+    state = {k: v.clone() for k, v in make_at_level(0).state_dict().items()}
     results = []
     for lvl in (0, 1, 2):
-        m = make_mlp(device, recipe=Float8Recipe(scaling=scaling, min_features=0), lvl=lvl)
+        m = make_at_level(lvl)
         m.load_state_dict(state)
-        results.append(run_step(m, x, g))
+        results.append(step(m, x, g))
     for out, grads in results[1:]:
         assert torch.equal(out, results[0][0])
         for k in grads:
             assert torch.equal(grads[k], results[0][1][k]), k
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_mlp_checkpoint_levels_are_bit_identical(device, scaling):
+    recipe = Float8Recipe(scaling=scaling, min_features=0)
+    levels_are_bit_identical(lambda lvl: make_mlp(device, recipe=recipe, lvl=lvl), run_step,
+                             randn(96, 64, device=device), randn(96, 64, device=device))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -440,10 +444,14 @@ def test_recipe_errors():
         Float8Recipe(amax_history_len=0)
     with pytest.raises(TypeError, match="fp8 must be None, a bool or a fused_dense.Float8Recipe"):
         FusedMLP(64, 128, fp8="yes")
-    with pytest.raises(ValueError, match="FP8 runs the activations"):
-        m = FusedMLP(64, 128, fp8=Float8Recipe(min_features=0))
-        m.activation = "swiglu"
+    m = FusedMLP(64, 128, fp8=Float8Recipe(min_features=0))
+    m.activation = "swiglu"  # a gated activation over a plain fc1: the op names the packed layout
+    with pytest.raises(ValueError, match=r"gated MLP's weight1 is the packed .* must be 256, got weight1 shape"):
         m(randn(4, 64, dtype=torch.float32))
+    with pytest.raises(ValueError, match="activation must be 1 .* got 6"):
+        torch.ops.fused_dense.fused_mlp_fp8(randn(4, 64), m.fc1.weight, None, m.fc2.weight, None, 6, 0,
+                                            fused_dense.fp8.quantize_weight(m.fc1.weight)
+                                            + fused_dense.fp8.quantize_weight(m.fc2.weight), 1, None, None)
 
 
 def test_torchao_converted_mlp_runs_fp8_and_warns():
@@ -467,21 +475,19 @@ def test_torchao_converted_mlp_runs_fp8_and_warns():
     assert torch.equal(out, ref(x))
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
-def test_compile_fullgraph(scaling):
-    """torch.compile(fullgraph=True) of an FP8 step gives the eager step's bits, and with delayed
-    scaling the same scaling state (amaxes recorded in forward and backward, the history, the
-    scales) over two steps."""
+def compile_matches_eager(make, step, d=64):
+    """torch.compile(fullgraph=True) of an FP8 step of make()'s module gives the eager step's bits,
+    and with delayed scaling the same scaling state (amaxes recorded in forward and backward, the
+    history, the scales) over two steps. step(module, x, g) -> (out, {name: grad}); d: the
+    module's input and output width."""
     torch._dynamo.reset()
-    recipe = Float8Recipe(scaling=scaling, min_features=0)
-    m = make_mlp("cpu", recipe=recipe)
-    eager = make_mlp("cpu", recipe=recipe)
+    m, eager = make(), make()
     eager.load_state_dict(m.state_dict())
     compiled = torch.compile(m, fullgraph=True)
     for _ in range(2):
-        x, g = randn(32, 64), randn(32, 64)
-        eager_out, eager_grads = run_step(eager, x, g)
-        out, grads = run_step(compiled, x, g)
+        x, g = randn(32, d), randn(32, d)
+        eager_out, eager_grads = step(eager, x, g)
+        out, grads = step(compiled, x, g)
         assert torch.equal(out, eager_out)
         for k in grads:
             assert torch.equal(grads[k], eager_grads[k]), k
@@ -489,26 +495,36 @@ def test_compile_fullgraph(scaling):
             assert torch.equal(m.state_dict()[k], v), k
 
 
+def graph_replay_matches_eager(make, step, d):
+    """A captured FP8 step of make()'s module (weights cast, scales derived and amaxes recorded
+    inside the graph) replays to the eager step's results on new data."""
+    from conftest import capture_training_step
+
+    torch.manual_seed(0)
+    m, eager = make(), make()
+    static_x = randn(256, d, device="cuda").requires_grad_(True)
+    static_g = randn(256, d, device="cuda")
+    graph, static_out, grads = capture_training_step(m, static_x, static_g)
+    eager.load_state_dict(m.state_dict())  # the same weights and, for delayed, the same scaling state
+    x, g = randn(256, d, device="cuda"), randn(256, d, device="cuda")
+    static_x.data.copy_(x)
+    static_g.copy_(g)
+    graph.replay()
+    out, _ = step(eager, x, g)
+    assert torch.equal(static_out, out)
+    for got, p in zip(grads, eager.parameters()):
+        assert torch.equal(got, p.grad)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_compile_fullgraph(scaling):
+    recipe = Float8Recipe(scaling=scaling, min_features=0)
+    compile_matches_eager(lambda: make_mlp("cpu", recipe=recipe), run_step)
+
+
 @cuda
 @fp8_gpu
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_cuda_graph_replays_fp8_step(scaling):
-    """A captured FP8 step (weights cast, scales derived and amaxes recorded inside the graph)
-    replays to the eager step's results on new data."""
-    from conftest import capture_training_step
-
-    torch.manual_seed(0)
     recipe = Float8Recipe(scaling=scaling, min_features=0)
-    m = make_mlp("cuda", recipe=recipe, d=128, h=256)
-    eager = make_mlp("cuda", recipe=recipe, d=128, h=256)
-    static_x = randn(256, 128, device="cuda").requires_grad_(True)
-    static_g = randn(256, 128, device="cuda")
-    graph, static_out, grads = capture_training_step(m, static_x, static_g)
-    eager.load_state_dict(m.state_dict())  # the same weights and, for delayed, the same scaling state
-    x, g = randn(256, 128, device="cuda"), randn(256, 128, device="cuda")
-    static_x.data.copy_(x)
-    static_g.copy_(g)
-    graph.replay()
-    out, ref_grads = run_step(eager, x, g)
-    assert torch.equal(static_out, out)
-    assert torch.equal(grads[0], ref_grads["w1"]) and torch.equal(grads[2], ref_grads["w2"])
+    graph_replay_matches_eager(lambda: make_mlp("cuda", recipe=recipe, d=128, h=256), run_step, 128)

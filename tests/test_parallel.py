@@ -813,7 +813,8 @@ def test_modules_with_process_group(backend, world_size):
 # single-process FP8 layer holding the full weights
 
 # kind: (in_features, out_features) of the full layer (the MLP's hidden width is 64)
-_FP8_KINDS = {"column": (32, 64), "dense_pg": (32, 64), "row": (64, 32), "mlp": (32, 32), "mlp_pg": (32, 32)}
+_FP8_KINDS = {"column": (32, 64), "dense_pg": (32, 64), "row": (64, 32), "mlp": (32, 32), "mlp_pg": (32, 32),
+              "gated": (32, 32)}
 
 
 def _skip_unless_fp8(backend):
@@ -828,8 +829,9 @@ def _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned=False):
     Kinds: the parallel layers ('column', 'row', 'mlp') and FusedDense / FusedMLP given a process
     group ('dense_pg', 'mlp_pg': this rank's shards, x its rows, as flash-attn's callers hold).
     ``aligned``: every weight shard holds its whole weight's amax (_align_amax)."""
-    from fused_dense import FusedDense, FusedMLP
-    from fused_dense.parallel import ColumnParallelLinear, ParallelFusedMLP, RowParallelLinear, shard_range
+    from fused_dense import FusedDense, FusedGatedMLP, FusedMLP
+    from fused_dense.parallel import (ColumnParallelLinear, ParallelFusedGatedMLP, ParallelFusedMLP,
+                                      RowParallelLinear, shard_range)
 
     group, f = dist.group.WORLD, dict(device=_DEVICE, dtype=dtype)
     rows, every = _rows(32) if sequence_parallel else slice(None), slice(None)
@@ -845,6 +847,14 @@ def _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned=False):
         layer = RowParallelLinear(in_f, out_f, group, sequence_parallel=sequence_parallel, fp8=recipe, **f)
         sl = layer.shard
         cut, at = {"weight": (every, sl), "bias": every}, ((every, sl), rows)
+    elif kind == "gated":
+        single = FusedGatedMLP(in_f, 64, out_f, fp8=recipe, **f)
+        layer = ParallelFusedGatedMLP(in_f, 64, out_f, process_group=group, sequence_parallel=sequence_parallel,
+                                      fp8=recipe, **f)
+        sl = layer.shard
+        # shards of whole interleave blocks: this rank's packed gate / up rows are one slice
+        cut = {"gate_up_proj.weight": slice(2 * sl.start, 2 * sl.stop), "down_proj.weight": (every, sl)}
+        at = (rows, rows)
     else:
         single = FusedMLP(in_f, 64, out_f, fp8=recipe, **f)
         sl = shard_range(64, _WORLD, _RANK)
@@ -857,7 +867,7 @@ def _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned=False):
         full = dict(single.named_parameters())
         for name, p in full.items():
             if aligned and name.endswith("weight"):
-                p.copy_(_align_amax(p, 0 if cut[name] is sl else 1))
+                p.copy_(_align_amax(p, 0 if cut[name] is sl or name == "gate_up_proj.weight" else 1))
         for name, p in layer.named_parameters():
             p.copy_(full[name][cut[name]])
     return single, layer, cut, at, ({"process_group": group} if kind.endswith("_pg") else {})
@@ -888,7 +898,7 @@ def _fp8_step(layer, x, g, **kwargs):
 
 # The slots of the tensors every rank quantizes whole (x gathered or replicated, the output
 # gradient gathered or replicated): their amaxes are the single-process layer's, bit for bit.
-_FP8_WHOLE_SLOTS = {"column": [0], "dense_pg": [0], "row": [1], "mlp": [0, 2], "mlp_pg": [0, 2]}
+_FP8_WHOLE_SLOTS = {"column": [0], "dense_pg": [0], "row": [1], "mlp": [0, 2], "mlp_pg": [0, 2], "gated": [0, 2]}
 
 
 # What FP8 on shards must match, and how closely. The whole tensors (x gathered or replicated,
@@ -913,7 +923,7 @@ FP8_SHARD_TOL = 0.15
 
 
 def _fp8_tolerance(kind, aligned, dtype):
-    return TOL[dtype] if aligned and kind not in ("mlp", "mlp_pg") else FP8_SHARD_TOL
+    return TOL[dtype] if aligned and kind not in ("mlp", "mlp_pg", "gated") else FP8_SHARD_TOL
 
 
 def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
@@ -963,7 +973,7 @@ def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "random"])
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "tp"])
-@pytest.mark.parametrize("kind", ["column", "row", "mlp"])
+@pytest.mark.parametrize("kind", ["column", "row", "mlp", "gated"])
 @pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parallel_fp8(backend, world_size, kind, sequence_parallel, scaling, aligned):
@@ -1043,8 +1053,11 @@ def _w_fp8_options():
     with pytest.raises(ValueError, match=r"shard of hidden_features=40 .*choose hidden_features so"):
         ParallelFusedMLP(32, 40, process_group=group, fp8=recipe)
     ColumnParallelLinear(32, 40, group)  # fine in the model's dtype
-    with pytest.raises(NotImplementedError, match="ParallelFusedGatedMLP: FP8 is not supported for the gated MLP"):
-        ParallelFusedGatedMLP(32, 64, process_group=group, fp8=recipe)
+    with pytest.raises(NotImplementedError, match="ParallelFusedGatedMLP: fp8 with overlap_chunks=2"):
+        ParallelFusedGatedMLP(32, 64, process_group=group, overlap_chunks=2, fp8=recipe)
+    with pytest.raises(ValueError, match=r"ParallelFusedGatedMLP: FP8 needs each rank's shard of hidden_features=40"):
+        ParallelFusedGatedMLP(32, 40, process_group=group, fp8=recipe)
+    assert ParallelFusedGatedMLP(32, 64, process_group=group, fp8=Float8Recipe())._fp8_recipe() is None  # size rule
     with pytest.raises(TypeError, match="fp8 must be None, a bool or a fused_dense.Float8Recipe"):
         RowParallelLinear(64, 32, group, fp8="e4m3")
 

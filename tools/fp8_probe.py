@@ -1,7 +1,11 @@
 """Every FP8 kernel once at small shapes, for compute-sanitizer (tools/README.md): fp8_quantize in
-each mode (plain, forward activations, backward activation derivatives; current and delayed
-scaling; row-major, transposed and column sums), fp8_linear with each format pair, and an FP8 MLP
-and linear layer step under both recipes."""
+each mode (plain, forward activations, backward activation derivatives, the gated forward and
+backward; current and delayed scaling; row-major, transposed and column sums), fp8_linear with
+each format pair, and an FP8 MLP, gated MLP and linear layer step under both recipes.
+``--quantize-only``: the quantize calls alone, on inputs that PyTorch's own kernels wrote (for
+initcheck, which does not see the stores of cuBLAS's GEMMs: docs/reliability.md)."""
+import sys
+
 import torch
 
 import fused_dense
@@ -16,8 +20,20 @@ for rows, cols in [(1, 8), (77, 40), (130, 200)]:
         for fmt in (0, 1):
             for s in (None, scale):
                 q(x, pre if backward else None, act, backward, fmt, s, True, True, True)
+    gu = torch.randn(rows, 2 * cols, device=dev, dtype=torch.bfloat16)
+    for act in (4, 5):
+        for fmt in (0, 1):
+            for s in (None, scale):
+                q(gu, None, act, False, fmt, s, True, True, True)
+                q(x, gu, act, True, fmt, s, True, True, True)
+        q(gu.float(), None, act, False, 0, None, True, True, True)
+        q(x.float(), gu.float(), act, True, 1, None, True, True, True)
     q(x.float(), None, 0, False, 0, None, True, True, True)
     q(x.half(), None, 1, False, 1, None, False, True, False)
+if "--quantize-only" in sys.argv:
+    torch.cuda.synchronize()
+    print("fp8_probe: done (quantize only)")
+    sys.exit(0)
 xi = q(torch.randn(48, 64, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)
 gi = q(torch.randn(48, 64, device=dev, dtype=torch.bfloat16), None, 0, False, 1, None, True, False, False)
 wi = q(torch.randn(32, 64, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)
@@ -32,6 +48,9 @@ for scaling in ("current", "delayed"):
         x = torch.randn(100, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
         for _ in range(2):
             m(x).float().square().sum().backward()
+        g = fused_dense.FusedGatedMLP(64, 96, checkpoint_lvl=lvl, device=dev, dtype=torch.bfloat16, fp8=recipe)
+        for _ in range(2):
+            g(x).float().square().sum().backward()
     d = fused_dense.FusedDense(64, 48, device=dev, dtype=torch.bfloat16, fp8=recipe)
     d(torch.randn(33, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
 torch.cuda.synchronize()

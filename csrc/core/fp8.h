@@ -17,11 +17,17 @@
 
 namespace fused_dense::core {
 
-// The quantize pass over input [rows, cols] (dtype, row-major, contiguous; cols a multiple of 8,
-// every pointer 16-byte aligned). The value quantized is
+// The quantize pass, writing a tensor [rows, cols] (cols a multiple of 8, every pointer 16-byte
+// aligned; inputs row-major, contiguous, in dtype). The value quantized is
 //   v = input                          activation kNone, pre_act null
-//   v = act(input)                     backward false: input is a pre-activation
-//   v = input * act'(pre_act)          backward true: input is the gradient at act's output
+//   v = act(input)                     backward false: input [rows, cols] is a pre-activation
+//   v = input * act'(pre_act)          backward true: input and pre_act [rows, cols], input the
+//                                      gradient at act's output
+// and for the gated activations (kSwiGLU, kGeGLU; the packed layout of types.h):
+//   v = act(g) * u                     backward false: input is the packed gu [rows, 2 cols]
+//   v = (d_h * u * act'(g), d_h * act(g)) in gu's layout
+//                                      backward true: input is d_h [rows, cols / 2], pre_act the
+//                                      packed gu [rows, cols]; cols a multiple of 16
 // with fp32 math (the activation math of activation_math.cuh). Outputs, each where non-null:
 //   data [rows, cols] and data_t [cols, ld_t] (ld_t = fp8_padded_rows(rows); the padding
 //   columns are zeros): q = saturate(v * scale) in `format`, round to nearest even; NaN stays NaN;
@@ -31,7 +37,7 @@ namespace fused_dense::core {
 // delayed scaling with *scale, the amax recorded in the same single pass.
 struct Fp8QuantizeArgs {
   DType dtype = DType::kBFloat16;
-  int64_t rows = 0, cols = 0;
+  int64_t rows = 0, cols = 0;  // of the quantized tensor
   const void* input = nullptr;
   const void* pre_act = nullptr;
   Activation activation = Activation::kNone;

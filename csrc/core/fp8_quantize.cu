@@ -32,69 +32,91 @@ constexpr int kChunk = 16;             // bytes per store of the transposed tile
 // sorts above +inf, so an unsigned max over them is an amax that propagates NaN.
 __device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&out)[kVec]) {
-  if constexpr (sizeof(T) == 2) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) out[i] = Cvt<T>::to_float(e[i]);
-  } else {
-    const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-  }
-}
+// The value quantized (fp8.h, Fp8QuantizeArgs), by kMode:
+//   0  v = x                 1  v = act(x)             2  v = x * act'(pre)
+//   3  v = act(g) * u        (gated forward: x is the packed pre-activation gu [rows, 2 cols])
+//   4  v = d_h * u * act'(g) at a gate column, d_h * act(g) at an up column (gated backward:
+//      x is d_h [rows, cols / 2], pre the packed gu [rows, cols])
+// Each thread's 8 values are 8 consecutive columns of the quantized tensor [rows, cols]. In the
+// gated modes those are one interleave block (types.h, kGatedInterleave = 8): mode 3's 8 units
+// read the block's 8 gate and 8 up values, one 16-element run of gu; mode 4's 8 columns are the
+// block's gate or its up half, and read the block's 8 d_h values and its 16 gu values.
+static_assert(kGatedInterleave == kVec, "a thread's 8 values are one gated interleave block");
 
-// The value quantized (fp8.h, Fp8QuantizeArgs): kMode 0 v = x, 1 v = act(x), 2 v = x * act'(pre).
-template <typename T, Activation A, int kMode>
-__device__ __forceinline__ void values8(const T* x, const T* pre, int64_t offset, float (&v)[kVec]) {
-  constexpr bool kFast = sizeof(T) == 2;
-  load8(x + offset, v);
-  if constexpr (kMode == 1) {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
-  } else if constexpr (kMode == 2) {
-    float p[kVec];
-    load8(pre + offset, p);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(p[i]);
-  }
-}
+template <int kMode>
+constexpr int x_factor() { return kMode == 3 ? 2 : 1; }  // x elements per value: mode 3 reads g and u
+template <int kMode>
+constexpr int pre_factor() { return kMode == 2 ? 1 : (kMode == 4 ? 2 : 0); }  // pre elements per value
 
-// The raw 16-byte words of 8 elements of x (and pre), loaded now and converted later, so that the
-// cast kernel can keep the next tile's loads in flight while it stores the current one.
-template <typename T>
+// The raw 16-byte words of a thread's 8 values' inputs (x, and pre), loaded now and converted
+// later, so that the cast kernel can keep the next tile's loads in flight while it stores the
+// current one.
+template <typename T, int kMode>
 struct Raw8 {
-  static constexpr int kWords = sizeof(T) * kVec / 16;  // 1 (16-bit types) or 2 (fp32)
-  uint4 x[kWords];
-  uint4 pre[kWords];
+  static constexpr int kWords = sizeof(T) * kVec / 16;  // per 8 elements: 1 (16-bit types) or 2 (fp32)
+  static constexpr int kXWords = kWords * x_factor<kMode>();
+  static constexpr int kPreWords = kWords * (pre_factor<kMode>() > 0 ? pre_factor<kMode>() : 1);
+  uint4 x[kXWords];
+  uint4 pre[kPreWords];
 };
 
+// Loads the inputs of the 8 values at offset `off` = row * cols + col of the quantized tensor
+// (zeros where !valid).
 template <typename T, int kMode>
-__device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t offset, bool valid, Raw8<T>& r) {
+__device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, bool valid, Raw8<T, kMode>& r) {
+  using R = Raw8<T, kMode>;
+  int64_t x_off = off, pre_off = off;
+  if constexpr (kMode == 3) x_off = 2 * off;
+  if constexpr (kMode == 4) {
+    pre_off = off - off % (2 * kGatedInterleave);  // the block's first gate column (cols % 16 == 0)
+    x_off = pre_off / 2;
+  }
 #pragma unroll
-  for (int w = 0; w < Raw8<T>::kWords; ++w) {
-    r.x[w] = valid ? reinterpret_cast<const uint4*>(x + offset)[w] : make_uint4(0, 0, 0, 0);
-    if constexpr (kMode == 2) r.pre[w] = valid ? reinterpret_cast<const uint4*>(pre + offset)[w] : make_uint4(0, 0, 0, 0);
+  for (int w = 0; w < R::kXWords; ++w)
+    r.x[w] = valid ? reinterpret_cast<const uint4*>(x + x_off)[w] : make_uint4(0, 0, 0, 0);
+  if constexpr (pre_factor<kMode>() > 0) {
+#pragma unroll
+    for (int w = 0; w < R::kPreWords; ++w)
+      r.pre[w] = valid ? reinterpret_cast<const uint4*>(pre + pre_off)[w] : make_uint4(0, 0, 0, 0);
   }
 }
 
-// values8 of raw words; a zero word gives v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0).
+// The 8 values of raw words; `up` (mode 4): the columns are the block's up half. Zero words give
+// v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0, act(0) * 0 = 0).
 template <typename T, Activation A, int kMode>
-__device__ __forceinline__ void values_of(const Raw8<T>& r, float (&v)[kVec]) {
+__device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, float (&v)[kVec]) {
   constexpr bool kFast = sizeof(T) == 2;
   const T* e = reinterpret_cast<const T*>(r.x);
+  if constexpr (kMode == 3) {
 #pragma unroll
-  for (int i = 0; i < kVec; ++i) v[i] = Cvt<T>::to_float(e[i]);
-  if constexpr (kMode == 1) {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
-  } else if constexpr (kMode == 2) {
+    for (int i = 0; i < kVec; ++i) v[i] = gate_act<A, kFast>(Cvt<T>::to_float(e[i])) * Cvt<T>::to_float(e[kVec + i]);
+    return;
+  } else if constexpr (kMode == 4) {
     const T* q = reinterpret_cast<const T*>(r.pre);
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(Cvt<T>::to_float(q[i]));
+    for (int i = 0; i < kVec; ++i) {
+      const float d = Cvt<T>::to_float(e[i]), g = Cvt<T>::to_float(q[i]), u = Cvt<T>::to_float(q[kVec + i]);
+      float deriv;
+      const float a = gate_act<A, kFast>(g, &deriv);
+      v[i] = up ? d * a : (d * u) * deriv;
+    }
+    return;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = Cvt<T>::to_float(e[i]);
+    if constexpr (kMode == 1) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
+    } else if constexpr (kMode == 2) {
+      const T* q = reinterpret_cast<const T*>(r.pre);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(Cvt<T>::to_float(q[i]));
+    }
   }
 }
+
+// Mode 4: the columns from `off` are an up half (the second 8 of their 16-column block).
+__device__ __forceinline__ bool up_half(int64_t off) { return off % (2 * kGatedInterleave) >= kGatedInterleave; }
 
 __device__ __forceinline__ unsigned block_max(unsigned m) {
   __shared__ unsigned warp_max[kThreads / 32];
@@ -118,17 +140,15 @@ __global__ void __launch_bounds__(kThreads)
   unsigned m = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < vectors; i0 += kUnroll * stride) {
-    float v[kUnroll][kVec];
+    Raw8<T, kMode> raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = i0 + u * stride;
-      if (i < vectors) {
-        values8<T, A, kMode>(x, pre, i * kVec, v[u]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) v[u][k] = 0.f;
-      }
+      load_raw<T, kMode>(x, pre, i * kVec, i < vectors, raw[u]);
     }
+    float v[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), v[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -177,7 +197,8 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
   float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   unsigned m = 0;
-  Raw8<T> raw[kPasses];
+  Raw8<T, kMode> raw[kPasses];
+  const bool up = up_half(col);
   const auto load_tile = [&](int64_t t) {
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -189,7 +210,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   for (int64_t t0 = r_begin; t0 < r_end; t0 += kTileRows) {
     float v[kPasses][kVec];
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], v[pass]);
+    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, v[pass]);
     // The next tile's loads are in flight while this one is quantized and stored.
     if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
 #pragma unroll
@@ -247,16 +268,23 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 }
 
 int mode_of(const Fp8QuantizeArgs& a) {
+  if (is_gated(a.activation)) return a.backward ? 4 : 3;
   if (a.backward) return 2;
   return a.activation == Activation::kNone ? 0 : 1;
 }
 
-template <typename F>
+// The modes of activation A: 0, 1, 2 for the plain activations, 3 and 4 for the gated ones.
+template <Activation A, typename F>
 void dispatch_mode(int mode, F&& f) {
-  switch (mode) {
-    case 0: f(std::integral_constant<int, 0>{}); return;
-    case 1: f(std::integral_constant<int, 1>{}); return;
-    default: f(std::integral_constant<int, 2>{}); return;
+  if constexpr (is_gated(A)) {
+    if (mode == 3) return f(std::integral_constant<int, 3>{});
+    return f(std::integral_constant<int, 4>{});
+  } else {
+    switch (mode) {
+      case 0: f(std::integral_constant<int, 0>{}); return;
+      case 1: f(std::integral_constant<int, 1>{}); return;
+      default: f(std::integral_constant<int, 2>{}); return;
+    }
   }
 }
 
@@ -279,8 +307,8 @@ void check_args(const Fp8QuantizeArgs& a) {
     msg << "every matrix pointer must be 16-byte aligned";
   if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
     msg << "backward needs pre_act and an activation";
-  if (a.activation == Activation::kSwiGLU || a.activation == Activation::kGeGLU)
-    msg << "gated activations are not quantized by this pass";
+  if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
+    msg << "the gated backward's cols (2 hidden) must be a multiple of " << 2 * kGatedInterleave << ", got " << a.cols;
   if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
 }
 
@@ -307,51 +335,52 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
   const int64_t elements = a.rows * a.cols;
   dispatch_dtype(a.dtype, [&](auto type_tag) {
     using T = typename decltype(type_tag)::type;
-    dispatch_act(a.activation, [&](auto act_tag) {
+    const auto body = [&](auto act_tag) {
       constexpr Activation A = decltype(act_tag)::value;
-      if constexpr (A == Activation::kSwiGLU || A == Activation::kGeGLU) {
-        throw Error("fused_dense: fp8_quantize: gated activations are not quantized by this pass");
-      } else {
-        dispatch_mode(mode_of(a), [&](auto mode_tag) {
-          constexpr int M = decltype(mode_tag)::value;
-          const T* x = static_cast<const T*>(a.input);
-          const T* pre = static_cast<const T*>(a.pre_act);
-          if (current && elements > 0) {
-            const int64_t vectors = elements / kVec;
-            const int64_t blocks =
-                std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
-            amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, pre, vectors, amax_bits);
-            FD_CHECK_LAUNCH();
-          }
-          CastParams p{};
-          p.rows = a.rows, p.cols = a.cols, p.ld_t = fp8_padded_rows(a.rows);
-          p.format = a.format;
-          p.scale = a.scale;
-          p.amax_bits = amax_bits;
-          p.data = a.data, p.data_t = a.data_t;
-          p.scale_out = a.scale_out, p.scale_inv_out = a.scale_inv_out;
-          p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);
-          const int64_t groups = row_groups(device, a);
-          const int64_t rows_cov = a.data_t != nullptr ? p.ld_t : a.rows;
-          const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTileRows - 1) / kTileRows);
-          p.rows_per_block = ((tiles + groups - 1) / groups) * kTileRows;
-          p.col_partials = (a.column_sums != nullptr && a.rows > 0) ? partials : nullptr;
-          const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTileCols - 1) / kTileCols);
-          dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
-          cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
+      dispatch_mode<A>(mode_of(a), [&](auto mode_tag) {
+        constexpr int M = decltype(mode_tag)::value;
+        const T* x = static_cast<const T*>(a.input);
+        const T* pre = static_cast<const T*>(a.pre_act);
+        if (current && elements > 0) {
+          const int64_t vectors = elements / kVec;
+          const int64_t blocks =
+              std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
+          amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, pre, vectors, amax_bits);
           FD_CHECK_LAUNCH();
-          if (current && a.amax_out != nullptr)
-            FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));
-          if (a.column_sums != nullptr) {
-            if (a.rows > 0) {
-              sum_partials(a.dtype, partials, a.cols, groups, a.cols, a.column_sums, stream);
-            } else if (a.cols > 0) {
-              FD_CUDA_CHECK(cudaMemsetAsync(a.column_sums, 0, a.cols * dtype_size(a.dtype), stream));
-            }
+        }
+        CastParams p{};
+        p.rows = a.rows, p.cols = a.cols, p.ld_t = fp8_padded_rows(a.rows);
+        p.format = a.format;
+        p.scale = a.scale;
+        p.amax_bits = amax_bits;
+        p.data = a.data, p.data_t = a.data_t;
+        p.scale_out = a.scale_out, p.scale_inv_out = a.scale_inv_out;
+        p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);
+        const int64_t groups = row_groups(device, a);
+        const int64_t rows_cov = a.data_t != nullptr ? p.ld_t : a.rows;
+        const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTileRows - 1) / kTileRows);
+        p.rows_per_block = ((tiles + groups - 1) / groups) * kTileRows;
+        p.col_partials = (a.column_sums != nullptr && a.rows > 0) ? partials : nullptr;
+        const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTileCols - 1) / kTileCols);
+        dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
+        cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
+        FD_CHECK_LAUNCH();
+        if (current && a.amax_out != nullptr)
+          FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+        if (a.column_sums != nullptr) {
+          if (a.rows > 0) {
+            sum_partials(a.dtype, partials, a.cols, groups, a.cols, a.column_sums, stream);
+          } else if (a.cols > 0) {
+            FD_CUDA_CHECK(cudaMemsetAsync(a.column_sums, 0, a.cols * dtype_size(a.dtype), stream));
           }
-        });
-      }
-    });
+        }
+      });
+    };
+    if (is_gated(a.activation)) {
+      dispatch_gated_act(a.activation, body);
+    } else {
+      dispatch_act(a.activation, body);
+    }
   });
 }
 

@@ -22,7 +22,7 @@ enum class DType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 // tanh approximation); they take a packed pre-activation of twice the output's width (below).
 enum class Activation : int { kNone = 0, kGeluTanh = 1, kRelu = 2, kSquaredRelu = 3, kSwiGLU = 4, kGeGLU = 5 };
 
-FD_HOST_DEVICE inline bool is_gated(Activation act) { return act == Activation::kSwiGLU || act == Activation::kGeGLU; }
+FD_HOST_DEVICE constexpr bool is_gated(Activation act) { return act == Activation::kSwiGLU || act == Activation::kGeGLU; }
 
 // The packed layout of a gated MLP's fc1, one definition: the weight [2h, d] holds the gate and
 // up rows of the h hidden units interleaved in blocks of kGatedInterleave units. Block b holds the

@@ -34,11 +34,12 @@ Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional
   const at::Tensor x = aligned16(input) ? input : input.clone();
   std::optional<at::Tensor> pre = pre_act;
   if (pre.has_value() && pre->defined() && !aligned16(*pre)) pre = pre->clone();
-  auto res = empty_fp8_quantize(x, fp8_format, rowwise, columnwise, column_sums);
+  const int64_t cols = fp8_quantized_cols(x, activation, backward);
+  auto res = empty_fp8_quantize(x, cols, fp8_format, rowwise, columnwise, column_sums);
   auto& [data, data_t, s, s_inv, amax, sums] = res;
   core::Fp8QuantizeArgs a;
   a.dtype = core_dtype(x.scalar_type());
-  a.rows = x.size(0), a.cols = x.size(1);
+  a.rows = x.size(0), a.cols = cols;
   a.input = x.data_ptr();
   a.pre_act = (pre.has_value() && pre->defined()) ? pre->data_ptr() : nullptr;
   a.activation = static_cast<core::Activation>(activation);

@@ -6,6 +6,9 @@
 //       -> (data [R, C] or [0], data_t [C, pad16(R)] or [0], scale [], scale_inv [], amax [],
 //           column_sums [C] or [0])
 //     v = input, act(input) (backward false, activation > 0) or input * act'(pre_act) (backward);
+//     gated activations (4 swiglu, 5 geglu; the packed layout of core/types.h): v = act(g) * u
+//     [R, C / 2] of the packed gu input [R, C], or in backward the packed (d_h * u * act'(g),
+//     d_h * act(g)) [R, 2 C] of d_h = input [R, C] and pre_act = gu [R, 2 C];
 //     q = saturate(v * scale) in e4m3 (fp8_format 0) or e5m2 (1); scale None: current scaling from
 //     amax = max |v|, else delayed scaling with the given scale and amax recorded.
 //   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
@@ -16,6 +19,7 @@
 
 #include "checks.h"
 #include "fp8_ops.h"
+#include "reference.h"
 
 namespace fused_dense {
 
@@ -53,17 +57,32 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
   TORCH_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, op,
                     ": input must be float16, bfloat16 or float32, got ", t);
   TORCH_CHECK_VALUE(input.is_contiguous(), op, ": input must be contiguous, got strides ", input.strides());
-  TORCH_CHECK_VALUE(input.size(1) % 8 == 0, op, ": input.size(1) (cols) must be a multiple of 8, got ", input.size(1));
-  TORCH_CHECK_VALUE(activation >= 0 && activation <= 3, op,
-                    ": activation must be 0 (none), 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
-                    activation_name(activation), ")");
+  TORCH_CHECK_VALUE(activation >= 0 && activation <= 5, op,
+                    ": activation must be 0 (none), 1 (gelu_approx), 2 (relu), 3 (sqrelu), 4 (swiglu) or 5 (geglu), "
+                    "got ", activation, " (", activation_name(activation), ")");
+  const bool gated = activation == static_cast<int64_t>(ActivationCode::kSwiGLU) ||
+                     activation == static_cast<int64_t>(ActivationCode::kGeGLU);
+  if (gated && !backward) {
+    TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": a gated forward's input is the packed gu [rows, 2 hidden]; "
+                      "input.size(1) must be a multiple of 16 (hidden a multiple of 8), got ", input.size(1));
+  } else {
+    TORCH_CHECK_VALUE(input.size(1) % 8 == 0, op, ": input.size(1) (cols) must be a multiple of 8, got ",
+                      input.size(1));
+  }
   fp8_format_of(fp8_format, op, "fp8_format");
   const bool has_pre = pre_act.has_value() && pre_act->defined();
   if (backward) {
-    TORCH_CHECK_VALUE(activation != 0, op, ": backward=True needs an activation (1, 2 or 3), got 0 (none)");
+    TORCH_CHECK_VALUE(activation != 0, op, ": backward=True needs an activation (1 to 5), got 0 (none)");
     TORCH_CHECK_VALUE(has_pre, op, ": backward=True needs pre_act (the activation's input), got None");
-    TORCH_CHECK_VALUE(pre_act->sizes() == input.sizes(), op, ": pre_act must have input's shape ", input.sizes(),
-                      ", got ", pre_act->sizes());
+    if (gated) {
+      TORCH_CHECK_VALUE(pre_act->dim() == 2 && pre_act->size(0) == input.size(0) &&
+                        pre_act->size(1) == 2 * input.size(1), op, ": a gated backward's pre_act must be the packed "
+                        "gu [", input.size(0), ", ", 2 * input.size(1), "] of input d_h ", input.sizes(), ", got ",
+                        pre_act->sizes());
+    } else {
+      TORCH_CHECK_VALUE(pre_act->sizes() == input.sizes(), op, ": pre_act must have input's shape ", input.sizes(),
+                        ", got ", pre_act->sizes());
+    }
     TORCH_CHECK_VALUE(pre_act->scalar_type() == t, op, ": pre_act must have input's dtype ", t, ", got ",
                       pre_act->scalar_type());
     TORCH_CHECK_VALUE(pre_act->device() == input.device(), op, ": pre_act must be on ", input.device(), ", got ",
@@ -114,9 +133,16 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
   }
 }
 
-Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t fp8_format, bool rowwise, bool columnwise,
-                                     bool column_sums) {
-  const int64_t R = input.size(0), C = input.size(1);
+int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward) {
+  const bool gated = activation == static_cast<int64_t>(ActivationCode::kSwiGLU) ||
+                     activation == static_cast<int64_t>(ActivationCode::kGeGLU);
+  if (!gated) return input.size(1);
+  return backward ? 2 * input.size(1) : input.size(1) / 2;
+}
+
+Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int64_t fp8_format, bool rowwise,
+                                     bool columnwise, bool column_sums) {
+  const int64_t R = input.size(0), C = cols;
   const auto fp8 = fp8_scalar_type(static_cast<core::Fp8Format>(fp8_format));
   const auto f8 = input.options().dtype(fp8);
   const auto f32 = input.options().dtype(at::kFloat);
@@ -135,6 +161,8 @@ at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tens
                            bool backward) {
   const at::Tensor x = input.to(at::kFloat);
   const auto act = static_cast<ActivationCode>(activation);
+  if (act == ActivationCode::kSwiGLU || act == ActivationCode::kGeGLU)
+    return backward ? gated_value_grad(x, pre_act->to(at::kFloat), act) : gated_value(x, act);
   if (backward) {
     const at::Tensor p = pre_act->to(at::kFloat);
     switch (act) {
@@ -169,7 +197,7 @@ Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::opt
     s = fmax / at::clamp(amax, core::kFp8MinAmax);
   }
   const at::Tensor q = at::clamp(v * s, -fmax, fmax).to(fp8_scalar_type(format));
-  const int64_t R = input.size(0), C = input.size(1);
+  const int64_t R = v.size(0), C = v.size(1);
   at::Tensor data = rowwise ? q : at::empty({0}, input.options().dtype(fp8_scalar_type(format)));
   at::Tensor data_t = at::empty({0}, data.options());
   if (columnwise) {
@@ -198,7 +226,8 @@ Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional
                                     const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
                                     bool column_sums) {
   check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
-  return empty_fp8_quantize(input, fp8_format, rowwise, columnwise, column_sums);
+  return empty_fp8_quantize(input, fp8_quantized_cols(input, activation, backward), fp8_format, rowwise, columnwise,
+                            column_sums);
 }
 
 at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,

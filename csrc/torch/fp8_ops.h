@@ -24,8 +24,11 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                       at::ScalarType out_dtype);
 
-// The outputs of fp8_quantize, allocated (Meta and CUDA share it).
-Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t fp8_format, bool rowwise, bool columnwise,
-                                     bool column_sums);
+// The width of fp8_quantize's output: input's, half of it (gated forward) or twice (gated backward).
+int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward);
+
+// The outputs of fp8_quantize [rows, cols], allocated (Meta and CUDA share it).
+Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int64_t fp8_format, bool rowwise,
+                                     bool columnwise, bool column_sums);
 
 }  // namespace fused_dense

@@ -2,7 +2,9 @@
 // FP8 ops (fp8_ops.cpp) through the dispatcher, so it serves CPU, CUDA and Meta alike. The MLP
 // follows the checkpoint rules of mlp_plan.h, the same plan as the bf16 MLP.
 //
-// Per step, with per-tensor scales (current: from each tensor's amax; delayed: `scales`):
+// Per step, with per-tensor scales (current: from each tensor's amax; delayed: `scales`); for the
+// gated activations (swiglu, geglu) pre is the packed gu [B, 2h] (core/types.h), act(pre) is
+// act(g) * u [B, h] and d_act * act'(pre) the packed (d_h * u * act'(g), d_h * act(g)) [B, 2h]:
 //   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient)
 //             pre = fp8_linear(xq, W1q) + b1                       (model dtype)
 //             aq = Q(act(pre)) (e4m3; + its transpose for fc2's weight gradient)
@@ -122,11 +124,16 @@ void check_mlp(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor&
                     weight1.sizes(), " and ", weight2.sizes());
   TORCH_CHECK_VALUE(weight1.size(1) == x.size(1), kMlpOp, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
                     ", got weight1 shape ", weight1.sizes());
-  TORCH_CHECK_VALUE(weight2.size(1) == weight1.size(0), kMlpOp, ": weight2.size(1) must equal weight1.size(0) = ",
-                    weight1.size(0), ", got weight2 shape ", weight2.sizes());
-  TORCH_CHECK_VALUE(activation >= 1 && activation <= 3, kMlpOp,
-                    ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu) in FP8, got ", activation, " (",
-                    activation_name(activation), ")");
+  check_mlp_codes(activation, 0, kMlpOp);
+  const bool gated = activation >= 4;
+  if (gated) {
+    TORCH_CHECK_VALUE(weight1.size(0) == 2 * weight2.size(1), kMlpOp, ": a gated MLP's weight1 is the packed gate / "
+                      "up weight [2 hidden, in_features] for weight2 [out_features, hidden = ", weight2.size(1),
+                      "], so weight1.size(0) must be ", 2 * weight2.size(1), ", got weight1 shape ", weight1.sizes());
+  } else {
+    TORCH_CHECK_VALUE(weight2.size(1) == weight1.size(0), kMlpOp, ": weight2.size(1) must equal weight1.size(0) = ",
+                      weight1.size(0), ", got weight2 shape ", weight2.sizes());
+  }
   fp8_format_of(grad_format, kMlpOp, "grad_format");
   check_vector(scales, 4, x, kMlpOp, "scales");
   check_vector(amax_out, 4, x, kMlpOp, "amax_out");
@@ -364,7 +371,8 @@ at::Tensor fp8_dense_autograd(const at::Tensor& x, const at::Tensor& weight, con
 }  // namespace fused_dense
 
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  // FP8 fc2(act(fc1(x))) with a C++ derivative; activation 1, 2 or 3; checkpoint_lvl 0 / 1 / 2;
+  // FP8 fc2(act(fc1(x))) with a C++ derivative; activation 1 to 5 (4, 5: gated, weight1 the packed
+  // gate / up weight); checkpoint_lvl 0 / 1 / 2;
   // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3);
   // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
   // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward).

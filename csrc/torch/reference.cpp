@@ -179,6 +179,21 @@ at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activa
   return (gate_act(gu.index_select(1, gate_cols), act) * gu.index_select(1, up_cols)).to(dtype).contiguous();
 }
 
+at::Tensor gated_value(const at::Tensor& gu, ActivationCode act) {
+  const auto [gate_cols, up_cols] = gated_columns(gu.size(1) / 2, gu.device());
+  return gate_act(gu.index_select(1, gate_cols), act) * gu.index_select(1, up_cols);
+}
+
+at::Tensor gated_value_grad(const at::Tensor& d_h, const at::Tensor& gu, ActivationCode act) {
+  const auto [gate_cols, up_cols] = gated_columns(d_h.size(1), gu.device());
+  const at::Tensor g = gu.index_select(1, gate_cols), u = gu.index_select(1, up_cols);
+  auto [a, d_g] = gate_act_and_grad(g, d_h * u, act);
+  auto d_pre = at::empty_like(gu);
+  d_pre.index_copy_(1, gate_cols, d_g);
+  d_pre.index_copy_(1, up_cols, d_h * a);
+  return d_pre;
+}
+
 }  // namespace fused_dense
 
 TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {

@@ -35,4 +35,9 @@ std::vector<at::Tensor> gated_linear_dgrad_reference(const at::Tensor& weight, c
                                                      bool return_act_out);
 at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activation);
 
+// The gating math in the inputs' own precision, unrounded (the FP8 quantize reference): act(g) * u
+// [R, h] of the packed gu [R, 2h], and the packed (d_h * u * act'(g), d_h * act(g)) [R, 2h].
+at::Tensor gated_value(const at::Tensor& gu, ActivationCode act);
+at::Tensor gated_value_grad(const at::Tensor& d_h, const at::Tensor& gu, ActivationCode act);
+
 }  // namespace fused_dense
