@@ -39,7 +39,8 @@ GATED_VARIANTS = ["fp8_floor", "bf16_floor", "eager", "fused_bf16", "fused_fp8_c
                   "fused_fp8_current_cached", "fused_fp8_delayed_cached", "torchao_tensorwise", "compile_bf16"]
 # the Llama-style stack (bench/gated.py's): bf16 eager and compiled, torchao float8 of every nn.Linear
 # compiled, and this library's FP8 (FusedGatedMLP MLPs, FusedDense attention projections) eager and compiled
-STACK_VARIANTS = ["eager", "compile_bf16", "torchao_tensorwise", "fused_fp8_eager", "fused_fp8_compile"]
+STACK_VARIANTS = ["eager", "compile_bf16", "torchao_tensorwise", "fused_fp8_eager", "fused_fp8_compile",
+                  "fused_fp8_delayed_compile"]
 # what --fp8-items picks: the GELU MLP shapes, the Linear block, the gated MLP shapes, the stack
 ITEMS = ("mlp", "dense", "gated", "stack")
 # torch._scaled_mm's use_fast_accum per GEMM kind: as torchao's Float8LinearConfig has it
@@ -336,14 +337,19 @@ def fused_dense_of(lin, recipe):
                                    dtype=w.dtype, fp8=recipe), lin)
 
 
-def fp8_stack(source, blocks):
-    """A copy of the stack source in this library's FP8 (current scaling, min_features=0): its MLPs
-    swapped for FusedGatedMLP by replace_llama_mlps(fp8=recipe), its attention projections (qkv,
+def stack_scaling(key):
+    """The FP8 stack variant's scaling: fused_fp8_delayed_compile's delayed, the others' current."""
+    return "delayed" if "delayed" in key else "current"
+
+
+def fp8_stack(source, blocks, scaling="current"):
+    """A copy of the stack source in this library's FP8 (Float8Recipe(scaling, min_features=0)): its
+    MLPs swapped for FusedGatedMLP by replace_llama_mlps(fp8=recipe), its attention projections (qkv,
     o_proj) for FusedDense(fp8=recipe). Unavailable where fused_dense cannot build it."""
     if replace_llama_mlps is None or FusedDense is None or Float8Recipe is None:
         raise Unavailable("fused_dense has no replace_llama_mlps / FusedDense / Float8Recipe")
     try:
-        recipe = Float8Recipe(scaling="current", min_features=0)
+        recipe = Float8Recipe(scaling=scaling, min_features=0)
         model = copy.deepcopy(source)
         replaced = replace_llama_mlps(model, fp8=recipe)
         if replaced != blocks:
@@ -363,14 +369,15 @@ def fp8_stack(source, blocks):
 
 def stack_settings(key):
     if key.startswith("fused_fp8"):
-        return {"scaling": "current", "min_features": 0, "is_first_microbatch": None,
+        return {"scaling": stack_scaling(key), "min_features": 0, "is_first_microbatch": None,
                 "fp8_layers": "MLPs: FusedGatedMLP (replace_llama_mlps); qkv, o_proj: FusedDense"}
     return settings(key)
 
 
 def run_fp8_stack(ctx, item_id, activation, variants):
     """bench/gated.py's Llama-style stack forward + backward: bf16 eager and compiled, torchao float8
-    tensorwise of every nn.Linear compiled, and this library's FP8 (fp8_stack) eager and compiled."""
+    tensorwise of every nn.Linear compiled, and this library's FP8 (fp8_stack) eager and compiled
+    (current scaling), and compiled with delayed scaling."""
     dtype = DTYPES["bf16"]
     s = STACK if ctx.cuda else STACK_CPU
     B, T, d, h = s["batch"], s["seq"], s["d"], s["h"]
@@ -385,7 +392,7 @@ def run_fp8_stack(ctx, item_id, activation, variants):
     def build_stack(key):
         if key in ("eager", "compile_bf16") or key.startswith("torchao"):
             return build(key, eager, None, x, dy)
-        model = fp8_stack(eager, s["blocks"])
+        model = fp8_stack(eager, s["blocks"], stack_scaling(key))
         return torch.compile(model, dynamic=False) if key.endswith("_compile") else model
 
     def ref():

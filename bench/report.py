@@ -29,13 +29,15 @@ FP8_LABELS = {"fp8_floor": "FP8 GEMMs (floor)", "bf16_floor": "bf16 GEMMs", "eag
               "fused_fp8_delayed": "fused FP8 delayed", "fused_fp8_current_cached": "fused FP8 current, cached",
               "fused_fp8_delayed_cached": "fused FP8 delayed, cached", "torchao_tensorwise": "torchao tensorwise",
               "torchao_rowwise": "torchao rowwise", "compile_bf16": "torch.compile bf16",
-              "fused_fp8_eager": "fused FP8, eager", "fused_fp8_compile": "fused FP8, torch.compile"}
+              "fused_fp8_eager": "fused FP8, eager", "fused_fp8_compile": "fused FP8, torch.compile",
+              "fused_fp8_delayed_compile": "fused FP8 delayed, torch.compile"}
 FP8_ORDER = list(FP8_LABELS)
 LABELS.update(FP8_LABELS)
 COLORS.update({"fp8_floor": "#616161", "bf16_floor": "#bdbdbd", "fused_bf16": "#1565c0",
                "fused_fp8_current": "#2e7d32", "fused_fp8_delayed": "#00838f", "fused_fp8_current_cached": "#81c784",
                "fused_fp8_delayed_cached": "#4dd0e1", "torchao_tensorwise": "#6a1b9a", "torchao_rowwise": "#ba68c8",
-               "compile_bf16": "#c62828", "fused_fp8_eager": "#2e7d32", "fused_fp8_compile": "#81c784"})
+               "compile_bf16": "#c62828", "fused_fp8_eager": "#2e7d32", "fused_fp8_compile": "#81c784",
+               "fused_fp8_delayed_compile": "#4dd0e1"})
 # the fp8 targets: torchao tensorwise's time / the fused FP8 variant's at least this
 FP8_TARGETS = {(8192, 4096): {"fused_fp8_current": 1.15, "fused_fp8_delayed": 1.20},
                (16384, 8192): {"fused_fp8_current": 1.10, "fused_fp8_delayed": 1.15}}
@@ -339,13 +341,14 @@ def fp8_targets(res):
                 "fused_dense FP8")
         rows.append(_vs_torchao(f"{what} eager ≥ {need:.2f}× torchao tensorwise + torch.compile of the "
                                 "whole stack (torchao / fused)", r["variants"], "fused_fp8_eager", need))
-        title, fig, met = _vs_torchao(f"{what} torch.compile'd ≥ {need:.2f}× torchao tensorwise + "
-                                      "torch.compile (torchao / fused)", r["variants"], "fused_fp8_compile",
-                                      need)
-        if _ok(r["variants"].get("fused_fp8_compile")):  # compiled where it works: no verdict where it did not run
-            rows.append((title, fig, met))
-        elif "fused_fp8_compile" in r["variants"]:
-            rows.append((title, _cell(r["variants"]["fused_fp8_compile"]), None))
+        for key, how in (("fused_fp8_compile", "torch.compile'd"), ("fused_fp8_delayed_compile",
+                                                                    "delayed scaling, torch.compile'd")):
+            title, fig, met = _vs_torchao(f"{what} {how} ≥ {need:.2f}× torchao tensorwise + torch.compile "
+                                          "(torchao / fused)", r["variants"], key, need)
+            if _ok(r["variants"].get(key)):  # compiled where it works: no verdict where it did not run
+                rows.append((title, fig, met))
+            elif key in r["variants"]:
+                rows.append((title, _cell(r["variants"][key]), None))
     return rows
 
 
@@ -436,7 +439,8 @@ def _fp8(res):
               "bench/gated.py's stack (RMSNorm, causal scaled_dot_product_attention, gated MLP). torchao = "
               "convert_to_float8_training (tensorwise) of every nn.Linear, torch.compile'd; fused FP8 = the MLPs "
               "swapped by replace_llama_mlps(fp8=recipe), qkv and o_proj by FusedDense(fp8=recipe), recipe "
-              "Float8Recipe(scaling='current', min_features=0), called as model(x). ÷ = that variant's time / "
+              "Float8Recipe(scaling='current', min_features=0) (the delayed variant: scaling='delayed'), called as "
+              "model(x). ÷ = that variant's time / "
               "this one's. TF/s counts the projections' GEMMs only.\n",
               "| variant | ms | p20–p80 | TF/s | eager bf16 ÷ | torch.compile bf16 ÷ | torchao ÷ |", "|---" * 7 + "|"]
         for k in _keys([r], FP8_ORDER):

@@ -195,7 +195,8 @@ def method(args, bench):
                "(bench/gated.py's, swiglu): bf16 eager and torch.compile, torchao tensorwise of every nn.Linear "
                "torch.compile'd, and fused_dense FP8 (Float8Recipe(scaling='current', min_features=0): MLPs by "
                "replace_llama_mlps(fp8=recipe), qkv and o_proj as FusedDense(fp8=recipe), called as model(x)) "
-               "eager and torch.compile'd; accuracy of out and dx; TF/s counts the projections' GEMMs only",
+               "eager and torch.compile'd, and with scaling='delayed' torch.compile'd; accuracy of out and dx; TF/s "
+               "counts the projections' GEMMs only",
         "sustained": f"floor, eager, compile and FusedMLP auto at the bf16 gelu_approx shapes in {args.rounds} "
                      f"interleaved rounds as in the mlp section, but each block after {args.sustained_warmup_ms:.0f} "
                      "ms of that variant's own steps, so it is timed at the steady state of sustained load (the "
