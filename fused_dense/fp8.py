@@ -157,7 +157,16 @@ def convert_to_fp8(model: torch.nn.Module, recipe: Optional[Float8Recipe] = None
     for module in model.modules():
         if isinstance(module, tuple(kinds)):
             module.fp8 = recipe
+            prepare_layer(module)
     return model
+
+
+def prepare_layer(module: torch.nn.Module) -> None:
+    """Make the buffers of a layer's own delayed recipe now (its ``fp8`` was set after it was
+    built), so that its first FP8 step may run under torch.compile."""
+    recipe = module.fp8 if isinstance(module.fp8, Float8Recipe) else None
+    if recipe is not None and recipe.scaling == "delayed":
+        ensure_delayed_buffers(module, recipe, module._fp8_state.slots, next(module.parameters()).device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,6 +209,14 @@ def ensure_delayed_buffers(module: torch.nn.Module, recipe: Float8Recipe, slots:
     key = (recipe.amax_history_len, recipe.grad_format, str(device))
     if getattr(module, "_fp8_buffer_key", None) == key:
         return
+    if torch.compiler.is_compiling():
+        # Buffers registered while torch.compile traces break its graph (inductor refuses the
+        # mutated state): they must exist before the first compiled step.
+        raise RuntimeError(
+            f"fused_dense: {type(module).__name__} runs delayed scaling, whose buffers are made on the layer's "
+            f"first FP8 step, here inside torch.compile. Make them before compiling: build the layer with "
+            f"fp8=Float8Recipe(scaling='delayed', ...), set the recipe with fused_dense.convert_to_fp8 or "
+            f"replace_llama_mlps(fp8=...), or run one step eagerly first")
     hist = getattr(module, "fp8_amax_history", None)
     if hist is None or tuple(hist.shape) != (recipe.amax_history_len, n) or hist.device != device:
         f32 = {"dtype": torch.float32, "device": device}

@@ -184,10 +184,7 @@ def _group_size(process_group) -> int:
 def _init_fp8_buffers(module: nn.Module, slots) -> None:
     """Delayed scaling's buffers, made now when the layer is built with a delayed recipe (else on its
     first FP8 step), and made on load when a state_dict carries them."""
-    recipe = module.fp8 if isinstance(module.fp8, _fp8.Float8Recipe) else None
-    if recipe is not None and recipe.scaling == "delayed":
-        _fp8.ensure_delayed_buffers(module, recipe, slots, next(module.parameters()).device)
-
+    _fp8.prepare_layer(module)
     module.register_load_state_dict_pre_hook(functools.partial(_load_scaling_state, slots=tuple(slots)))
 
 
@@ -376,7 +373,8 @@ def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Uni
                               activation=activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
                               device=w.device, dtype=w.dtype)
         fused.load_state_dict(mlp.state_dict())
-        fused.fp8 = fp8  # after the load: a delayed recipe's buffers are made at the first FP8 step
+        fused.fp8 = fp8  # after the load, which the delayed recipe's buffers would otherwise refuse
+        _fp8.prepare_layer(fused)
         fused.train(mlp.training)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, fused)

@@ -297,3 +297,25 @@ def test_gated_compile_fullgraph(scaling):
 def test_gated_cuda_graph_replays_fp8_step(scaling):
     recipe = Float8Recipe(scaling=scaling, min_features=0)
     graph_replay_matches_eager(lambda: make_gated("cuda", recipe=recipe, d=128, h=192), run_gated_step, 128)
+
+
+def test_delayed_recipe_set_after_build_compiles():
+    """A delayed recipe set on built layers (convert_to_fp8, replace_llama_mlps) makes their scaling
+    buffers at once, so the first step may be a torch.compile(fullgraph=True) one; set by hand on
+    the attribute, the buffers come on the first step, which fullgraph refuses with a message
+    naming the fix (and a plain torch.compile runs, that part eagerly)."""
+    recipe = Float8Recipe(scaling="delayed", min_features=0)
+
+    def make():
+        m = fused_dense.convert_to_fp8(FusedGatedMLP(64, 96, dtype=torch.bfloat16), recipe)
+        assert m.fp8_amax_history.shape == (recipe.amax_history_len, 4)
+        return m
+    compile_matches_eager(make, run_gated_step)
+    torch._dynamo.reset()
+    lazy = FusedGatedMLP(64, 96, dtype=torch.bfloat16)
+    lazy.fp8 = recipe
+    with pytest.raises(Exception, match="delayed scaling, whose buffers are made on the layer's first FP8 step"):
+        torch.compile(lazy, fullgraph=True)(randn(8, 64))
+    torch._dynamo.reset()
+    run_gated_step(torch.compile(lazy), randn(8, 64), randn(8, 64))
+    assert torch.all(lazy.fp8_amax > 0)
