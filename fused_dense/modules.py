@@ -132,14 +132,8 @@ class FusedMLP(nn.Module):
         _init_fp8_buffers(self, _fp8.MLP_SLOTS)
 
     def _fp8_recipe(self, process_group=None):
-        recipe = _fp8.resolve_recipe(self.fp8)
-        if recipe is None and (_fp8.torchao_converted(self.fc1) or _fp8.torchao_converted(self.fc2)):
-            _fp8.warn_torchao_once()
-            recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
         hidden = self.fc1.out_features * _group_size(process_group)
-        if recipe is None or not recipe.applies((self.fc1.in_features, hidden, self.fc2.out_features)):
-            return None
-        return recipe
+        return _mlp_recipe(self, (self.fc1, self.fc2), (self.fc1.in_features, hidden, self.fc2.out_features))
 
     def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
         recipe = self._fp8_recipe(process_group)
@@ -168,6 +162,19 @@ class FusedMLP(nn.Module):
     def extra_repr(self) -> str:
         return (f"activation={self.activation!r}, checkpoint_lvl={self.checkpoint_lvl}, "
                 f"heuristic={self.heuristic!r}, return_residual={self.return_residual}, fp8={self.fp8!r}")
+
+
+def _mlp_recipe(module: nn.Module, layers, widths):
+    """The recipe an MLP's forward runs under, or None (model dtype): its ``fp8`` (else
+    fp8_autocast's), or current scaling with a warning where torchao's converter replaced one of
+    its ``layers``; narrowed by the size rule on ``widths``."""
+    recipe = _fp8.resolve_recipe(module.fp8)
+    if recipe is None and any(_fp8.torchao_converted(layer) for layer in layers):
+        _fp8.warn_torchao_once()
+        recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
+    if recipe is None or not recipe.applies(widths):
+        return None
+    return recipe
 
 
 def _group_size(process_group) -> int:
@@ -305,14 +312,8 @@ class FusedGatedMLP(GatedStateDictNames, nn.Module):
         self._register_gated_state_dict_names()
 
     def _fp8_recipe(self):
-        recipe = _fp8.resolve_recipe(self.fp8)
-        if recipe is None and (_fp8.torchao_converted(self.gate_up_proj) or _fp8.torchao_converted(self.down_proj)):
-            _fp8.warn_torchao_once()
-            recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
-        widths = (self.gate_up_proj.in_features, self.hidden_features, self.down_proj.out_features)
-        if recipe is None or not recipe.applies(widths):
-            return None
-        return recipe
+        return _mlp_recipe(self, (self.gate_up_proj, self.down_proj),
+                           (self.gate_up_proj.in_features, self.hidden_features, self.down_proj.out_features))
 
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         recipe = self._fp8_recipe()

@@ -60,8 +60,7 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
   TORCH_CHECK_VALUE(activation >= 0 && activation <= 5, op,
                     ": activation must be 0 (none), 1 (gelu_approx), 2 (relu), 3 (sqrelu), 4 (swiglu) or 5 (geglu), "
                     "got ", activation, " (", activation_name(activation), ")");
-  const bool gated = activation == static_cast<int64_t>(ActivationCode::kSwiGLU) ||
-                     activation == static_cast<int64_t>(ActivationCode::kGeGLU);
+  const bool gated = is_gated_activation(activation);
   if (gated && !backward) {
     TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": a gated forward's input is the packed gu [rows, 2 hidden]; "
                       "input.size(1) must be a multiple of 16 (hidden a multiple of 8), got ", input.size(1));
@@ -134,9 +133,7 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
 }
 
 int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward) {
-  const bool gated = activation == static_cast<int64_t>(ActivationCode::kSwiGLU) ||
-                     activation == static_cast<int64_t>(ActivationCode::kGeGLU);
-  if (!gated) return input.size(1);
+  if (!is_gated_activation(activation)) return input.size(1);
   return backward ? 2 * input.size(1) : input.size(1) / 2;
 }
 
@@ -161,7 +158,7 @@ at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tens
                            bool backward) {
   const at::Tensor x = input.to(at::kFloat);
   const auto act = static_cast<ActivationCode>(activation);
-  if (act == ActivationCode::kSwiGLU || act == ActivationCode::kGeGLU)
+  if (is_gated_activation(activation))
     return backward ? gated_value_grad(x, pre_act->to(at::kFloat), act) : gated_value(x, act);
   if (backward) {
     const at::Tensor p = pre_act->to(at::kFloat);

@@ -125,8 +125,7 @@ void check_mlp(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor&
   TORCH_CHECK_VALUE(weight1.size(1) == x.size(1), kMlpOp, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
                     ", got weight1 shape ", weight1.sizes());
   check_mlp_codes(activation, 0, kMlpOp);
-  const bool gated = activation >= 4;
-  if (gated) {
+  if (is_gated_activation(activation)) {
     TORCH_CHECK_VALUE(weight1.size(0) == 2 * weight2.size(1), kMlpOp, ": a gated MLP's weight1 is the packed gate / "
                       "up weight [2 hidden, in_features] for weight2 [out_features, hidden = ", weight2.size(1),
                       "], so weight1.size(0) must be ", 2 * weight2.size(1), ", got weight1 shape ", weight1.sizes());

@@ -157,15 +157,8 @@ std::vector<at::Tensor> gated_linear_dgrad_reference(const at::Tensor& weight, c
   const ActivationCode act = check_gated_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
   const auto dtype = weight.scalar_type();
   const auto mt = math_type(dtype);
-  const int64_t H = weight.size(1);
   auto d_h = at::matmul(d_output.to(mt), weight.to(mt)).to(dtype).to(mt);  // rounded GEMM result
-  const auto [gate_cols, up_cols] = gated_columns(H, pre_act.device());
-  auto gu = pre_act.to(mt);
-  auto g = gu.index_select(1, gate_cols), u = gu.index_select(1, up_cols);
-  auto [a, d_g] = gate_act_and_grad(g, d_h * u, act);
-  auto d_pre = at::empty({d_output.size(0), 2 * H}, weight.options());
-  d_pre.index_copy_(1, gate_cols, d_g.to(dtype));
-  d_pre.index_copy_(1, up_cols, (d_h * a).to(dtype));
+  auto d_pre = gated_value_grad(d_h, pre_act.to(mt), act).to(dtype);
   if (!return_act_out) return {d_pre};
   return {d_pre, gated_act_forward_reference(pre_act, activation)};
 }
@@ -174,9 +167,7 @@ at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activa
   NoAutocast no_autocast;
   const ActivationCode act = check_gated_act_forward(pre_act, activation);
   const auto dtype = pre_act.scalar_type();
-  const auto [gate_cols, up_cols] = gated_columns(pre_act.size(1) / 2, pre_act.device());
-  auto gu = pre_act.to(math_type(dtype));
-  return (gate_act(gu.index_select(1, gate_cols), act) * gu.index_select(1, up_cols)).to(dtype).contiguous();
+  return gated_value(pre_act.to(math_type(dtype)), act).to(dtype).contiguous();
 }
 
 at::Tensor gated_value(const at::Tensor& gu, ActivationCode act) {
