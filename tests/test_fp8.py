@@ -1,4 +1,4 @@
-"""FP8: the ops fp8_quantize and fp8_linear, the FP8 autograd of FusedMLP and FusedDense, the
+"""FP8: the ops fp8_quantize, fp8_linear and fp8_linear_act, the FP8 autograd of FusedMLP and FusedDense, the
 recipes and the ways in (fused_dense/fp8.py).
 
 References are float64 computations of the same quantized computation: the same scale rule
@@ -276,6 +276,121 @@ def test_opcheck(device):
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     torch.ops.fused_dense.fp8_linear(*args)
     assert torch.equal(xi[0].view(torch.uint8), before)
+
+
+# ---- fp8_linear_act ----
+
+def linear_act_inputs(device, B, K, N, scale=2.0, bias=True, dtype=torch.bfloat16):
+    xi = torch.ops.fused_dense.fp8_quantize(randn(B, K, device=device), None, 0, False, 0, None, True, False, False)
+    wi = torch.ops.fused_dense.fp8_quantize(randn(N, K, device=device, scale=0.3), None, 0, False, 0, None, True,
+                                            False, False)
+    b = randn(N, dtype=dtype, device=device) if bias else None
+    return xi[0], wi[0], xi[3], wi[3], b, torch.tensor(scale, device=device)
+
+
+def assert_quantize_of_pre(res, act, scale, columnwise):
+    """fp8_linear_act's data, data_t, scale, scale_inv and amax are fp8_quantize's of its own pre."""
+    pre, data, data_t, s, s_inv, amax = res
+    q = torch.ops.fused_dense.fp8_quantize(pre, None, act, False, 0, scale, True, columnwise, False)
+    assert torch.equal(data.view(torch.uint8), q[0].view(torch.uint8))
+    if columnwise:
+        assert torch.equal(data_t.view(torch.uint8), q[1].view(torch.uint8))  # padding columns included
+    else:
+        assert data_t.numel() == 0
+    for got, want in zip((s, s_inv, amax), q[2:5]):
+        assert torch.equal(got, want) or (got.isnan().item() and want.isnan().item())
+
+
+# B, K, N: fits the one-GEMM kernel (multiples of 16), with partial tiles along every dimension
+# (272 tokens, 208 features, K 160 against 128 x 128 x 128 tiles), and B not a multiple of 16 (the
+# two kernels). On the CPU all are the reference.
+LINEAR_ACT_SHAPES = [(64, 64, 96), (272, 160, 208), (50, 64, 96)]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("shape", LINEAR_ACT_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_linear_act_matches_reference(device, act, shape, bias, columnwise):
+    B, K, N = shape
+    x, w, sx, sw, b, scale = linear_act_inputs(device, B, K, N, bias=bias)
+    if device == "cuda":
+        poison_cuda_cache()
+    res = torch.ops.fused_dense.fp8_linear_act(x, w, sx, sw, b, torch.bfloat16, ACTS[act], scale, columnwise)
+    pre = res[0]
+    assert pre.dtype == torch.bfloat16 and pre.shape == (B, N) and res[1].shape == (B, N)
+    assert res[2].shape == ((N, (B + 15) // 16 * 16) if columnwise else (0,))
+    ref = (x.double().cpu() * sx.item()) @ (w.double().cpu() * sw.item()).T
+    if bias:
+        ref = ref + b.double().cpu()
+    assert rel_err(pre.double().cpu(), ref) <= 1e-2
+    assert_quantize_of_pre(res, ACTS[act], scale, columnwise)
+    # the activation of the op's own pre, quantized in float64 with the given scale
+    want, _ = fake_quant(ref_act(pre.double().cpu(), act), 0, scale)
+    assert_fp8_close(res[1].double().cpu() / scale.item(), want, "act")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_linear_act_saturates_and_propagates_nan(device):
+    x, w, sx, sw, b, scale = linear_act_inputs(device, 64, 64, 96, scale=1.0)
+    b[5] = 1e4  # act(1e4) * 1 saturates to 448
+    b[7] = float("nan")
+    res = torch.ops.fused_dense.fp8_linear_act(x, w, sx, sw, b, torch.bfloat16, 1, scale, True)
+    data = res[1].float().cpu()
+    assert torch.all(data[:, 5] == 448.0)
+    assert torch.all(torch.isnan(data[:, 7])) and torch.isfinite(data).sum() == data.numel() - 64
+    assert math.isnan(res[5].item())  # the amax is NaN
+    assert_quantize_of_pre(res, 1, scale, True)
+
+
+@cuda
+@fp8_gpu
+def test_linear_act_runs_one_gemm_where_it_fits():
+    """On compute capability 9.0 with the cutlass_sm90 kernels built, a fitting problem is one
+    kernel (no quantize pass after the GEMM); a problem that does not fit runs both."""
+    if torch.cuda.get_device_capability() != (9, 0) or not fused_dense.has_cutlass_gemms():
+        pytest.skip("the one-GEMM kernel is for compute capability 9.0 with the cutlass_sm90 kernels")
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(B):
+        args = linear_act_inputs("cuda", B, 64, 96)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, 1, args[5], True)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    fused = kernels(64)
+    assert any("cutlass" in n for n in fused) and not any("cast_kernel" in n for n in fused), fused
+    assert any("cast_kernel" in n for n in kernels(50))
+
+
+def test_linear_act_errors():
+    op = torch.ops.fused_dense.fp8_linear_act
+    e4 = torch.zeros(16, 32).to(torch.float8_e4m3fn)
+    e5 = torch.zeros(16, 32).to(torch.float8_e5m2)
+    one = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="fp8_linear_act: input and weight must be float8_e4m3fn"):
+        op(e5, e4, one, one, None, torch.bfloat16, 1, one, True)
+    with pytest.raises(ValueError, match="activation must be 1 .* got 4"):
+        op(e4, e4, one, one, None, torch.bfloat16, 4, one, True)
+    with pytest.raises(ValueError, match="fp8_linear_act: scale must be float32"):
+        op(e4, e4, one, one, None, torch.bfloat16, 1, one.double(), True)
+    with pytest.raises(ValueError, match="fp8_linear_act: in_features must be a positive multiple of 16, got 24"):
+        op(torch.zeros(4, 24).to(torch.float8_e4m3fn), torch.zeros(16, 24).to(torch.float8_e4m3fn), one, one, None,
+           torch.bfloat16, 1, one, True)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_linear_act_opcheck(device):
+    args = (*linear_act_inputs(device, 32, 32, 48)[:5], torch.bfloat16, 1,
+            torch.tensor(2.0, device=device), True)
+    before = args[0].view(torch.uint8).clone()
+    # As for fp8_linear: opcheck's test_schema cannot multiply float8 inputs.
+    torch.library.opcheck(torch.ops.fused_dense.fp8_linear_act.default, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert torch.equal(args[0].view(torch.uint8), before)
 
 
 # ---- the FP8 MLP and linear layer ----

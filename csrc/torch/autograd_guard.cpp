@@ -32,7 +32,8 @@ void autograd_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
 
 TORCH_LIBRARY_IMPL(fused_dense, Autograd, m) {
   for (const char* name : {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "gated_linear",
-                           "gated_linear_dgrad", "gated_act_forward", "fp8_quantize", "fp8_linear"}) {
+                           "gated_linear_dgrad", "gated_act_forward", "fp8_quantize", "fp8_linear",
+                           "fp8_linear_act"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fused_dense::autograd_guard>());
   }
 }

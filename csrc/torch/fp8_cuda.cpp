@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "../core/cutlass_sm90_fp8.h"
 #include "../core/device_info.h"
 #include "../core/fp8.h"
 #include "checks.h"
@@ -102,10 +103,65 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
   return out;
 }
 
+// One GEMM with the quantize in its epilogue where the cutlass_sm90 kernel takes the problem,
+// else fp8_linear's GEMM and fp8_quantize's pass. The choice is a function of the device, the
+// shapes, the dtype and the activation only (cutlass_sm90_fp8_forward_fits), so a recomputation
+// (checkpoint level 2) takes the forward's path and gives its bits.
+Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                       const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
+                                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                       int64_t activation, const at::Tensor& scale, bool columnwise) {
+  constexpr const char* op = "fused_dense::fp8_linear_act";
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+  c10::cuda::CUDAGuard guard(input.device());
+  check_fp8_device(input, op);
+  const at::Tensor x = aligned16(input) ? input : input.clone();
+  const at::Tensor w = aligned16(weight) ? weight : weight.clone();
+  std::optional<at::Tensor> b = bias;
+  if (b.has_value() && b->defined() && !aligned16(*b)) b = b->clone();
+  const bool has_bias = b.has_value() && b->defined();
+  const int device = x.get_device();
+  core::CutlassSm90Fp8ForwardArgs a;
+  a.device = device;
+  a.batch = x.size(0), a.in_features = x.size(1), a.out_features = w.size(0);
+  a.dtype = core_dtype(out_dtype);
+  a.activation = static_cast<core::Activation>(activation);
+  // The fit is decided on the shapes and the dtype (every fresh allocation is 16-byte aligned).
+  a.input = x.data_ptr(), a.weight = w.data_ptr(), a.bias = has_bias ? b->data_ptr() : nullptr;
+  a.input_scale_inv = input_scale_inv.data_ptr<float>(), a.weight_scale_inv = weight_scale_inv.data_ptr<float>();
+  a.scale = scale.data_ptr<float>();
+  Fp8LinearActResult res = empty_fp8_linear_act(x, w, out_dtype, columnwise);
+  auto& [pre, data, data_t, s, s_inv, amax] = res;
+  a.pre = pre.data_ptr(), a.data = static_cast<uint8_t*>(data.data_ptr());
+  a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+  a.amax = amax.data_ptr<float>();
+  if (core::cutlass_sm90_fp8_forward_fits(a)) {
+    bool ran = false;
+    run_core([&] {
+      const std::size_t bytes = core::gemm_workspace_bytes(device);
+      auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+      ran = core::cutlass_sm90_fp8_forward(a, core::Workspace{ws.data_ptr(), bytes},
+                                           at::cuda::getCurrentCUDAStream(device).stream());
+    });
+    // A refusal here would make the recomputation's path differ from the forward's.
+    TORCH_CHECK(ran, op, ": the cutlass_sm90 FP8 forward kernel refused a problem it fits (batch ", a.batch,
+                ", in_features ", a.in_features, ", out_features ", a.out_features, ")");
+    s.copy_(scale.reshape({}));
+    at::reciprocal_out(s_inv, s);
+    return res;
+  }
+  const at::Tensor p = fp8_linear_cuda(x, w, input_scale_inv, weight_scale_inv, b, out_dtype, true, -2);
+  auto [qd, qt, qs, qsi, qa, qc] = fp8_quantize_cuda(p, std::nullopt, activation, false, 0, scale, true, columnwise,
+                                                     false);
+  (void)qc;
+  return {p, qd, qt, qs, qsi, qa};
+}
+
 }  // namespace
 }  // namespace fused_dense
 
 TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_cuda);
   m.impl("fp8_linear", &fused_dense::fp8_linear_cuda);
+  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_cuda);
 }

@@ -15,6 +15,14 @@
 //              out_dtype, fast_accum, heuristic) -> out [B, N]
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
 //     e5m2), K and N multiples of 16.
+//   fp8_linear_act(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
+//                  out_dtype, activation, scale [], columnwise)
+//       -> (pre [B, N], data [B, N], data_t [N, pad16(B)] or [0], scale [], scale_inv [], amax [])
+//     an MLP's fc1 forward with a known (delayed) scale: pre = fp8_linear(..., fast_accum) and
+//     fp8_quantize(pre, activation 1-3, e4m3, scale, rowwise, columnwise) of it, in one op; input
+//     and weight e4m3. The CUDA kernel runs both in one GEMM where it can (core/cutlass_sm90_fp8.h),
+//     else the two ops' kernels; the bytes of data / data_t and the amax are fp8_quantize's of pre
+//     either way.
 #include <torch/library.h>
 
 #include "checks.h"
@@ -96,8 +104,7 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
 
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                      at::ScalarType out_dtype) {
-  constexpr const char* op = "fused_dense::fp8_linear";
+                      at::ScalarType out_dtype, const char* op) {
   TORCH_CHECK_VALUE(input.dim() == 2 && weight.dim() == 2, op,
                     ": input and weight must be 2-D ([batch, in_features], [out_features, in_features]), got shapes ",
                     input.sizes(), " and ", weight.sizes());
@@ -130,6 +137,33 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
     TORCH_CHECK_VALUE(bias->device() == input.device() && bias->is_contiguous(), op, ": bias must be contiguous on ",
                       input.device());
   }
+}
+
+void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                          const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype, int64_t activation, const at::Tensor& scale) {
+  constexpr const char* op = "fused_dense::fp8_linear_act";
+  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, op);
+  TORCH_CHECK_VALUE(input.scalar_type() == at::kFloat8_e4m3fn && weight.scalar_type() == at::kFloat8_e4m3fn, op,
+                    ": input and weight must be float8_e4m3fn (the forward's format), got ", input.scalar_type(),
+                    " and ", weight.scalar_type());
+  TORCH_CHECK_VALUE(activation >= 1 && activation <= 3, op,
+                    ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
+                    activation_name(activation), "); the gated MLPs use fp8_linear and fp8_quantize");
+  check_scalar_float(scale, input, op, "scale");
+}
+
+Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,
+                                        bool columnwise) {
+  const int64_t B = input.size(0), N = weight.size(0);
+  const auto f8 = input.options().dtype(at::kFloat8_e4m3fn);
+  const auto f32 = input.options().dtype(at::kFloat);
+  return {at::empty({B, N}, input.options().dtype(out_dtype)),
+          at::empty({B, N}, f8),
+          columnwise ? at::empty({N, core::fp8_padded_rows(B)}, f8) : at::empty({0}, f8),
+          at::empty({}, f32),
+          at::empty({}, f32),
+          at::empty({}, f32)};
 }
 
 int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward) {
@@ -218,6 +252,18 @@ at::Tensor fp8_linear_reference(const at::Tensor& input, const at::Tensor& weigh
   return out.to(out_dtype);
 }
 
+Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::Tensor& weight,
+                                            const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
+                                            const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                            int64_t activation, const at::Tensor& scale, bool columnwise) {
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+  const at::Tensor pre = fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
+  auto [data, data_t, s, s_inv, amax, sums] =
+      fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false);
+  (void)sums;
+  return {pre, data, data_t, s, s_inv, amax};
+}
+
 Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                     int64_t activation, bool backward, int64_t fp8_format,
                                     const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
@@ -236,6 +282,14 @@ at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, co
   return at::empty({input.size(0), weight.size(0)}, input.options().dtype(out_dtype));
 }
 
+Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor& weight,
+                                       const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
+                                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                       int64_t activation, const at::Tensor& scale, bool columnwise) {
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+  return empty_fp8_linear_act(input, weight, out_dtype, columnwise);
+}
+
 }  // namespace
 }  // namespace fused_dense
 
@@ -244,14 +298,19 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
         "bool rowwise, bool columnwise, bool column_sums) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
         "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
+  m.def("fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
+        "ScalarType out_dtype, int activation, Tensor scale, bool columnwise) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_reference);
   m.impl("fp8_linear", &fused_dense::fp8_linear_reference);
+  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_reference);
 }
 
 TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_meta);
   m.impl("fp8_linear", &fused_dense::fp8_linear_meta);
+  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_meta);
 }

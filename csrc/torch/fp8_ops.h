@@ -1,5 +1,5 @@
 // The FP8 ops' shared pieces (fp8_ops.cpp: schemas, checks, CPU and Meta kernels; fp8_cuda.cpp:
-// CUDA kernels; fused_mlp.cpp and fp8_dense.cpp: the FP8 autograd of the MLP and of one linear).
+// CUDA kernels; fused_mlp_fp8.cpp: the FP8 autograd of the MLP and of one linear).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,7 +22,18 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
                         bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale);
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                      at::ScalarType out_dtype);
+                      at::ScalarType out_dtype, const char* op = "fused_dense::fp8_linear");
+
+// (pre, data, data_t, scale, scale_inv, amax) of fp8_linear_act: fp8_ops.cpp's header comment.
+using Fp8LinearActResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                          const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                          at::ScalarType out_dtype, int64_t activation, const at::Tensor& scale);
+
+// The outputs of fp8_linear_act, allocated (Meta and CUDA share it).
+Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,
+                                        bool columnwise);
 
 // The width of fp8_quantize's output: input's, half of it (gated forward) or twice (gated backward).
 int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward);

@@ -1,0 +1,157 @@
+// The amax is reset by the launch below (cudaMemsetAsync), not by CUTLASS's workspace fill,
+// which calls the driver API (cuMemsetD32Async) the extension does not link.
+#define CUTLASS_SKIP_REDUCTION_INIT
+#include "cutlass_sm90_common.cuh"  // first: it turns CUTLASS's device asserts off
+#include "cutlass_sm90_fp8.h"
+
+#if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
+
+#include <cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp>
+#include <cutlass/epilogue/thread/activation.h>
+
+#include "cutlass_sm90_fp8_common.cuh"
+
+namespace fused_dense::core {
+namespace {
+
+using namespace cutlass_sm90;
+namespace fusion = cutlass::epilogue::fusion;
+using cute::_0;
+using cute::_1;
+using cute::_2;
+using cute::_32;
+using cute::_64;
+using cute::_128;
+using cute::Shape;
+using cute::Stride;
+
+// cutlass_sm90_fp8.h has the contract and the layout. The visitor tree, from the accumulator:
+//   Z = (s_x * s_w) * acc + bias           (fp32)
+//   P = round(Z) in Element                -> stored as pre
+//   V = act(P)                             (fp32 from the rounded P), its amax reduced
+//   Q = V * scale                          -> stored as data_t (e4m3, row-major [N, B]) and
+//                                             returned for D (data, e4m3, the collective's store)
+// The FP8 conversions are CUTLASS's (cvt.rn.satfinite on sm_90), the quantize pass's rounding.
+template <class Element, Activation A, class Config>
+struct Fp8ForwardKernel {
+  using E4M3 = cutlass::float_e4m3_t;
+  using TileShape = typename Config::TileShape;
+  using ClusterShape = typename Config::ClusterShape;
+  using EpilogueTile = typename Config::EpilogueTile;
+  static constexpr int kStagesD = Config::kStagesD;
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  using StrideD = StrideFeatures;
+  using StrideT = StrideTokens;
+  template <class Stride_, class E>
+  using SmemAtom = AuxSmemAtom<Stride_, E, EpilogueTile>;
+  template <class Stride_, class E>
+  using StoreOp = AuxStoreOp<Stride_, E, EpilogueTile>;
+
+  using Z = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,
+                            fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>, 2>, fusion::Sm90AccFetch,
+                            fusion::Sm90ColBroadcast<0, TileShape, Element, float, Stride<_1, _0, int64_t>, 8>>;
+  using Rounded = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>, Z>;
+  using PreStore = fusion::Sm90AuxStore<kStagesD, EpilogueTile, Element, kRound, StrideD, SmemAtom<StrideD, Element>,
+                                        StoreOp<StrideD, Element>, 8>;
+  using Stored = fusion::Sm90EVT<PreStore, Rounded>;
+  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, Stored>;
+  using Amax = fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>;
+  using Reduced = fusion::Sm90EVT<Amax, Activated>;
+  using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, Reduced,
+                                 fusion::Sm90ScalarBroadcast<float>>;
+  using TStore = fusion::Sm90AuxStore<kStagesD, EpilogueTile, E4M3, kRound, StrideT, SmemAtom<StrideT, E4M3>,
+                                      StoreOp<StrideT, E4M3>, 16>;
+  using Root = fusion::Sm90EVT<TStore, Scaled>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float, void,
+      cutlass::layout::ColumnMajor, 16, E4M3, cutlass::layout::ColumnMajor, 16,
+      typename Config::EpilogueSchedule, Root>::CollectiveOp;
+  static_assert(Epilogue::DispatchPolicy::StagesD == kStagesD, "the aux stores' stages are the epilogue's");
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E4M3, cutlass::layout::RowMajor, 16, E4M3,
+      cutlass::layout::ColumnMajor, 16, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Schedule>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+
+template <class Element, Activation A, class Config>
+bool run(int order, const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
+  using K = Fp8ForwardKernel<Element, A, Config>;
+  using Gemm = typename K::Gemm;
+  using E4M3 = typename K::E4M3;
+  const int m = static_cast<int>(a.out_features), n = static_cast<int>(a.batch), k = static_cast<int>(a.in_features);
+  using StrideA = typename Gemm::GemmKernel::StrideA;
+  using StrideB = typename Gemm::GemmKernel::StrideB;
+  const auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1));
+  const auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1));
+  const auto stride_d = cutlass::make_cute_packed_stride(typename K::StrideD{}, cute::make_shape(m, n, 1));
+  const auto stride_t = cutlass::make_cute_packed_stride(typename K::StrideT{}, cute::make_shape(m, n, 1));
+
+  typename K::Root::Arguments fusion{
+      {                       // Q = V * scale
+       {                      // V = act(P), amax
+        {                     // act
+         {                    // P stored as pre
+          {                   // P = round(Z)
+           {                  // Z = (s_x * s_w) * acc + bias
+            {{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},
+            {},
+            {static_cast<const Element*>(a.bias), Element(0), {}},
+            {}},
+           {}},
+          {static_cast<Element*>(a.pre), stride_d}},
+         {}},
+        {a.amax, 0.f, {}}},
+       {{1.f}, {a.scale}},
+       {}},
+      {reinterpret_cast<E4M3*>(a.data_t), stride_t}};
+
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {m, n, k, 1},
+                                {static_cast<const E4M3*>(a.weight), stride_a, static_cast<const E4M3*>(a.input),
+                                 stride_b},
+                                {fusion, nullptr, stride_d, reinterpret_cast<E4M3*>(a.data), stride_d}};
+  set_scheduler(args, order, a.device);
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) > ws.bytes) return false;
+  FD_CUDA_CHECK(cudaMemsetAsync(a.amax, 0, sizeof(float), stream));
+  return launch<Gemm>(args, ws.ptr, ws.bytes, stream);
+}
+
+bool fits_shape(const CutlassSm90Fp8ForwardArgs& a) {
+  const auto mult16 = [](int64_t v) { return v > 0 && v <= INT32_MAX && v % 16 == 0; };
+  const auto ok = [](const void* p) { return p != nullptr && aligned16(p); };
+  return a.activation == Activation::kGeluTanh && a.dtype != DType::kFloat32 && mult16(a.batch) &&
+         mult16(a.in_features) && mult16(a.out_features) && ok(a.input) && ok(a.weight) && ok(a.pre) && ok(a.data) &&
+         (a.bias == nullptr || aligned16(a.bias)) && (a.data_t == nullptr || aligned16(a.data_t)) &&
+         a.input_scale_inv != nullptr && a.weight_scale_inv != nullptr && a.scale != nullptr && a.amax != nullptr;
+}
+
+}  // namespace
+
+bool cutlass_sm90_fp8_forward_fits(const CutlassSm90Fp8ForwardArgs& a) { return fits_shape(a) && is_sm90(a.device); }
+
+bool cutlass_sm90_fp8_forward(const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
+  if (!cutlass_sm90_fp8_forward_fits(a)) return false;
+  using Config = Fp8GemmConfig<cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>;
+  if (a.dtype == DType::kBFloat16)
+    return run<cutlass::bfloat16_t, Activation::kGeluTanh, Config>(Config::kOrder, a, ws, stream);
+  return run<cutlass::half_t, Activation::kGeluTanh, Config>(Config::kOrder, a, ws, stream);
+}
+
+}  // namespace fused_dense::core
+
+#else  // built without CUTLASS or without sm_90a
+
+namespace fused_dense::core {
+
+bool cutlass_sm90_fp8_forward_fits(const CutlassSm90Fp8ForwardArgs&) { return false; }
+
+bool cutlass_sm90_fp8_forward(const CutlassSm90Fp8ForwardArgs&, const Workspace&, cudaStream_t) { return false; }
+
+}  // namespace fused_dense::core
+
+#endif
