@@ -257,7 +257,8 @@ Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::T
                                             const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                                             int64_t activation, const at::Tensor& scale, bool columnwise) {
   check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
-  const at::Tensor pre = fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
+  const at::Tensor pre =
+      fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
   auto [data, data_t, s, s_inv, amax, sums] =
       fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false);
   (void)sums;
