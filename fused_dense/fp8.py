@@ -15,7 +15,11 @@ recipe:
   (``amax_history_len`` steps, their max or the most recent), as TransformerEngine's delayed
   scaling; the amax of this step is recorded while quantizing. The history, the scales and the
   latest amaxes are buffers of the layer (``fp8_amax_history``, ``fp8_scales``, ``fp8_amax``),
-  so ``state_dict`` saves and restores them. Before any amax is recorded the scale is 1.
+  so ``state_dict`` saves and restores them. Before any amax is recorded the scale is 1. Each
+  rank records the amaxes of what it quantized; with ``amax_reduction_group`` the ranks of that
+  group take their max before it enters the history, so they all hold the same history and
+  scales (data-parallel and FSDP2 ranks quantize different tokens, tensor-parallel ranks hold
+  different shards).
 
 Activations and weights are e4m3; gradients e5m2 (``grad_format='e5m2'``, the default) or e4m3.
 Values beyond the format's range saturate to its largest finite value; a NaN makes the
@@ -41,6 +45,7 @@ import warnings
 from typing import List, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
@@ -66,6 +71,11 @@ class Float8Recipe:
         amax_history_len: steps of amax history (delayed scaling).
         amax_compute: ``'max'`` (the history's max) or ``'most_recent'`` (delayed scaling).
         min_features: the size rule: FP8 only where every width of the layer is at least this.
+        amax_reduction_group: delayed scaling: a ``torch.distributed`` process group whose ranks
+            share their amaxes (their max, one all-reduce of a few floats per layer and step,
+            when the next step derives its scales), or None (each rank its own). Every rank of
+            the group must run the same FP8 layers in the same order. A NaN amax enters the
+            history as inf (the scale is then kept, as for a NaN).
     """
 
     scaling: str = "current"
@@ -73,6 +83,7 @@ class Float8Recipe:
     amax_history_len: int = 16
     amax_compute: str = "max"
     min_features: int = DEFAULT_MIN_FEATURES
+    amax_reduction_group: Optional[object] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if self.scaling not in ("current", "delayed"):
@@ -85,6 +96,13 @@ class Float8Recipe:
             raise ValueError(f"Float8Recipe: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
         if not isinstance(self.min_features, int) or self.min_features < 0:
             raise ValueError(f"Float8Recipe: min_features must be an int >= 0, got {self.min_features!r}")
+        if self.amax_reduction_group is not None:
+            if self.scaling != "delayed":
+                raise ValueError("Float8Recipe: amax_reduction_group applies to scaling='delayed' (current scaling "
+                                 "takes each tensor's own amax), got scaling='current'")
+            if not (dist.is_available() and isinstance(self.amax_reduction_group, dist.ProcessGroup)):
+                raise TypeError("Float8Recipe: amax_reduction_group must be a torch.distributed.ProcessGroup, got "
+                                f"{type(self.amax_reduction_group).__name__}")
 
     @property
     def grad_format_code(self) -> int:
@@ -233,10 +251,16 @@ def fp8_max_of_slots(recipe: Float8Recipe, slots: Sequence[str], device) -> Tens
 
 
 def delayed_scales(module: torch.nn.Module, recipe: Float8Recipe, slots: Sequence[str]) -> Tensor:
-    """Push the latest amaxes into the history, derive this step's scales (kept where no amax has
-    been recorded, or the amax is not finite), and return a copy of them for the op."""
+    """Push the latest amaxes into the history (max-reduced over the recipe's amax_reduction_group),
+    derive this step's scales (kept where no amax has been recorded, or the amax is not finite),
+    and return a copy of them for the op."""
     hist, amax, scales = module.fp8_amax_history, module.fp8_amax, module.fp8_scales
     with torch.no_grad():
+        if recipe.amax_reduction_group is not None:
+            # NaN as inf: a MAX reduction need not propagate NaN on every backend; inf keeps the
+            # scale as a NaN would.
+            amax = torch.nan_to_num(amax, nan=float("inf"))
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=recipe.amax_reduction_group)
         hist.copy_(torch.roll(hist, 1, 0))
         hist[0].copy_(amax)
         ref = hist.amax(0) if recipe.amax_compute == "max" else hist[0]

@@ -1072,11 +1072,11 @@ def test_parallel_fp8_options(backend, world_size):
 
 
 class _FP8Net(nn.Module):
-    def __init__(self):
+    def __init__(self, recipe=None):
         super().__init__()
         from fused_dense import Float8Recipe, FusedMLP
 
-        recipe = Float8Recipe(min_features=0)
+        recipe = recipe or Float8Recipe(min_features=0)
         self.mlp1, self.norm, self.mlp2 = FusedMLP(32, 64, fp8=recipe), nn.LayerNorm(32), FusedMLP(32, 64, fp8=recipe)
 
     def forward(self, x, is_first_microbatch=None):
@@ -1153,6 +1153,127 @@ def test_fsdp2_fp8_matches_single_process(microbatches):
     except ImportError:
         pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
     run_distributed("gloo", 2, "_w_fsdp2_fp8", microbatches=microbatches)
+
+
+# ---- delayed scaling's amaxes shared over a process group
+
+
+def _gather(t):
+    out = [torch.empty_like(t) for _ in range(_WORLD)]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _w_fp8_amax_group():
+    """With amax_reduction_group, each step's amaxes enter every rank's history as their max over
+    the ranks (without it, each rank's own), so the ranks derive the same scales; a NaN amax on one
+    rank enters every rank's history as inf and keeps the scale."""
+    from fused_dense import Float8Recipe, FusedDense, FusedMLP
+
+    grouped = Float8Recipe(scaling="delayed", min_features=0, amax_reduction_group=dist.group.WORLD)
+    local = Float8Recipe(scaling="delayed", min_features=0)
+    for make in (lambda r: FusedMLP(32, 64, fp8=r), lambda r: FusedDense(32, 48, fp8=r)):
+        torch.manual_seed(0)
+        g = make(grouped).to(_DEVICE)
+        torch.manual_seed(0)
+        u = make(local).to(_DEVICE)
+        width = 48 if isinstance(g, FusedDense) else 32
+        for step in range(3):
+            x = _rank_tensor((16, 32), 10 * step + _RANK, torch.float32, scale=1.0 + _RANK + step)
+            if step == 2 and _RANK == 1:
+                x[3, 5] = float("nan")
+            target = _rank_tensor((16, width), 100 + _RANK, torch.float32)
+            for m in (g, u):
+                (m(x) * target).sum().backward()
+            rec_g, rec_u = g.fp8_amax.clone(), u.fp8_amax.clone()  # this step's records
+            if step == 0:
+                assert torch.equal(rec_g, rec_u)  # both started from scale 1
+            ranks = torch.stack(_gather(rec_g))
+            expect = torch.where(torch.isnan(ranks).any(0), torch.inf, ranks.amax(0))
+            with torch.no_grad():  # the next forward pushes the records and derives the scales
+                g(x.nan_to_num())
+                u(x.nan_to_num())
+            assert torch.equal(g.fp8_amax_history[0], expect), f"step {step}: {g.fp8_amax_history[0]} != {expect}"
+            assert torch.equal(u.fp8_amax_history[0].nan_to_num(nan=-1.0), rec_u.nan_to_num(nan=-1.0))
+            for name in ("fp8_amax_history", "fp8_scales"):
+                copies = _gather(getattr(g, name))
+                assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks"
+            assert torch.isfinite(g.fp8_scales).all()
+        theirs = _gather(u.fp8_scales)
+        assert not all(torch.equal(c, theirs[0]) for c in theirs), "without the group the ranks' scales differ"
+    with pytest.raises(ValueError, match="amax_reduction_group applies to scaling='delayed'"):
+        Float8Recipe(amax_reduction_group=dist.group.WORLD)
+    with pytest.raises(TypeError, match="amax_reduction_group must be a torch.distributed.ProcessGroup, got int"):
+        Float8Recipe(scaling="delayed", amax_reduction_group=0)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_fp8_amax_reduction_group(backend, world_size):
+    run_distributed(backend, world_size, "_w_fp8_amax_group")
+
+
+def _w_fsdp2_fp8_delayed(steps=3):
+    """fully_shard over FusedMLP layers with delayed scaling and the amaxes shared over the ranks,
+    against one process training on every rank's batch at once: the union's amax is the max of
+    the ranks', so both keep the same scaling state, quantize alike and take the same steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fused_dense import Float8Recipe
+
+    mesh = init_device_mesh(_DEVICE.type, (_WORLD,))
+    recipe = Float8Recipe(scaling="delayed", min_features=0, amax_reduction_group=dist.group.WORLD)
+    torch.manual_seed(0)
+    ref = _FP8Net(Float8Recipe(scaling="delayed", min_features=0)).to(_DEVICE)
+    torch.manual_seed(0)
+    model = _FP8Net(recipe).to(_DEVICE)
+    fully_shard(model.mlp1, mesh=mesh)
+    fully_shard(model.mlp2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    # FSDP2's gradients are the ranks' average, the reference's their sum
+    opt = torch.optim.SGD(model.parameters(), lr=0.005 * _WORLD)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.005)
+
+    def batch(step, rank):
+        g = torch.Generator().manual_seed(100 * step + 10 * rank)
+        return (torch.randn(16, 32, generator=g).to(_DEVICE), torch.randn(16, 32, generator=g).to(_DEVICE))
+
+    for step in range(steps):
+        xs, ts = zip(*(batch(step, r) for r in range(_WORLD)))
+        # summed losses: each row's output gradient is the same in both (so are the amaxes)
+        ref_loss = (ref(torch.cat(xs)) - torch.cat(ts)).square().sum()
+        ref_loss.backward()
+        x, target = batch(step, _RANK)
+        loss = (model(x) - target).square().sum()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        err = rel_err(total, ref_loss.detach())
+        assert err <= FSDP_FP8_TOL, f"rank {_RANK}: step {step}: loss error {err:.3e}"
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():  # FSDP2 averages the gradients over the ranks
+            err = rel_err(p.grad.full_tensor() * _WORLD, ref_params[name].grad)
+            assert err <= FSDP_FP8_TOL, f"rank {_RANK}: step {step}: grad of {name}: relative error {err:.3e}"
+        for sub in ("mlp1", "mlp2"):
+            mine, theirs = getattr(model, sub), getattr(ref, sub)
+            union = torch.stack(_gather(mine.fp8_amax)).amax(0)  # what the next step pushes
+            err = rel_err(union, theirs.fp8_amax)
+            assert err <= FSDP_FP8_TOL, f"rank {_RANK}: step {step}: {sub} amaxes {union} vs {theirs.fp8_amax}"
+            err = rel_err(mine.fp8_amax_history, theirs.fp8_amax_history)
+            assert err <= FSDP_FP8_TOL, f"rank {_RANK}: step {step}: {sub} amax history: relative error {err:.3e}"
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+
+
+def test_fsdp2_fp8_delayed_shares_amaxes():
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    run_distributed("gloo", 2, "_w_fsdp2_fp8_delayed")
 
 
 def test_constructor_errors():
