@@ -312,14 +312,15 @@ LINEAR_ACT_SHAPES = [(64, 64, 96), (272, 160, 208), (50, 64, 96)]
 @pytest.mark.parametrize("shape", LINEAR_ACT_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("columnwise", [False, True])
-def test_linear_act_matches_reference(device, act, shape, bias, columnwise):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_act_matches_reference(device, act, shape, bias, columnwise, dtype):
     B, K, N = shape
-    x, w, sx, sw, b, scale = linear_act_inputs(device, B, K, N, bias=bias)
+    x, w, sx, sw, b, scale = linear_act_inputs(device, B, K, N, bias=bias, dtype=dtype)
     if device == "cuda":
         poison_cuda_cache()
-    res = torch.ops.fused_dense.fp8_linear_act(x, w, sx, sw, b, torch.bfloat16, ACTS[act], scale, columnwise)
+    res = torch.ops.fused_dense.fp8_linear_act(x, w, sx, sw, b, dtype, ACTS[act], scale, columnwise)
     pre = res[0]
-    assert pre.dtype == torch.bfloat16 and pre.shape == (B, N) and res[1].shape == (B, N)
+    assert pre.dtype == dtype and pre.shape == (B, N) and res[1].shape == (B, N)
     assert res[2].shape == ((N, (B + 15) // 16 * 16) if columnwise else (0,))
     ref = (x.double().cpu() * sx.item()) @ (w.double().cpu() * sw.item()).T
     if bias:
@@ -348,22 +349,24 @@ def test_linear_act_saturates_and_propagates_nan(device):
 @fp8_gpu
 def test_linear_act_runs_one_gemm_where_it_fits():
     """On compute capability 9.0 with the cutlass_sm90 kernels built, a fitting problem is one
-    kernel (no quantize pass after the GEMM); a problem that does not fit runs both."""
+    kernel (no quantize pass after the GEMM); a problem that does not fit (B not a multiple of
+    16, float16) runs both."""
     if torch.cuda.get_device_capability() != (9, 0) or not fused_dense.has_cutlass_gemms():
         pytest.skip("the one-GEMM kernel is for compute capability 9.0 with the cutlass_sm90 kernels")
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(B):
-        args = linear_act_inputs("cuda", B, 64, 96)
+    def kernels(B, dtype=torch.bfloat16):
+        args = linear_act_inputs("cuda", B, 64, 96, dtype=dtype)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, 1, args[5], True)
+            torch.ops.fused_dense.fp8_linear_act(*args[:5], dtype, 1, args[5], True)
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
     fused = kernels(64)
     assert any("cutlass" in n for n in fused) and not any("cast_kernel" in n for n in fused), fused
     assert any("cast_kernel" in n for n in kernels(50))
+    assert any("cast_kernel" in n for n in kernels(64, torch.float16))
 
 
 def test_linear_act_errors():

@@ -124,7 +124,7 @@ bool run(int order, const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cud
 bool fits_shape(const CutlassSm90Fp8ForwardArgs& a) {
   const auto mult16 = [](int64_t v) { return v > 0 && v <= INT32_MAX && v % 16 == 0; };
   const auto ok = [](const void* p) { return p != nullptr && aligned16(p); };
-  return a.activation == Activation::kGeluTanh && a.dtype != DType::kFloat32 && mult16(a.batch) &&
+  return a.activation == Activation::kGeluTanh && a.dtype == DType::kBFloat16 && mult16(a.batch) &&
          mult16(a.in_features) && mult16(a.out_features) && ok(a.input) && ok(a.weight) && ok(a.pre) && ok(a.data) &&
          (a.bias == nullptr || aligned16(a.bias)) && (a.data_t == nullptr || aligned16(a.data_t)) &&
          a.input_scale_inv != nullptr && a.weight_scale_inv != nullptr && a.scale != nullptr && a.amax != nullptr;
@@ -137,9 +137,7 @@ bool cutlass_sm90_fp8_forward_fits(const CutlassSm90Fp8ForwardArgs& a) { return 
 bool cutlass_sm90_fp8_forward(const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
   if (!cutlass_sm90_fp8_forward_fits(a)) return false;
   using Config = Fp8GemmConfig<cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>;
-  if (a.dtype == DType::kBFloat16)
-    return run<cutlass::bfloat16_t, Activation::kGeluTanh, Config>(Config::kOrder, a, ws, stream);
-  return run<cutlass::half_t, Activation::kGeluTanh, Config>(Config::kOrder, a, ws, stream);
+  return run<cutlass::bfloat16_t, Activation::kGeluTanh, Config>(Config::kOrder, a, ws, stream);
 }
 
 }  // namespace fused_dense::core

@@ -50,8 +50,8 @@ struct CutlassSm90Fp8ForwardArgs {
 };
 
 // Whether the kernel takes the problem: compiled in, compute capability 9.0, activation
-// gelu_approx (the MLP's default; the others run as fp8_linear + fp8_quantize), dtype bf16 /
-// fp16, B, K and N multiples of 16 (B for the transposed store's rows, unpadded), every pointer
+// gelu_approx (the MLP's default; the others run as fp8_linear + fp8_quantize), dtype bf16 (the
+// FP8 recipes' model dtype; fp16 runs as the two kernels), B, K and N multiples of 16 (B for the transposed store's rows, unpadded), every pointer
 // 16-byte aligned. A pure function of these, so a recomputation of the same problem takes the
 // same path.
 bool cutlass_sm90_fp8_forward_fits(const CutlassSm90Fp8ForwardArgs& a);
