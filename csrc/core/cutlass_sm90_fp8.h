@@ -51,13 +51,14 @@ struct CutlassSm90Fp8ForwardArgs {
 
 // Whether the kernel takes the problem: compiled in, compute capability 9.0, activation
 // gelu_approx (the MLP's default; the others run as fp8_linear + fp8_quantize), dtype bf16 (the
-// FP8 recipes' model dtype; fp16 runs as the two kernels), B, K and N multiples of 16 (B for the transposed store's rows, unpadded), every pointer
-// 16-byte aligned. A pure function of these, so a recomputation of the same problem takes the
-// same path.
+// FP8 recipes' model dtype; fp16 runs as the two kernels), B, K and N multiples of 16 (B for the
+// transposed store's rows, unpadded), the input pointers 16-byte aligned. The outputs are not
+// looked at, so a caller can ask before it allocates them. A pure function of these, so a
+// recomputation of the same problem takes the same path.
 bool cutlass_sm90_fp8_forward_fits(const CutlassSm90Fp8ForwardArgs& a);
 
-// Enqueues the kernel. False, with nothing launched, when it does not fit or CUTLASS refuses the
-// problem or the workspace is too small.
+// Enqueues the kernel. False, with no GEMM launched, when it does not fit, an output pointer is
+// null or misaligned, CUTLASS refuses the problem or the workspace is too small.
 bool cutlass_sm90_fp8_forward(const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cudaStream_t stream);
 
 }  // namespace fused_dense::core

@@ -126,16 +126,15 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
   a.batch = x.size(0), a.in_features = x.size(1), a.out_features = w.size(0);
   a.dtype = core_dtype(out_dtype);
   a.activation = static_cast<core::Activation>(activation);
-  // The fit is decided on the shapes and the dtype (every fresh allocation is 16-byte aligned).
   a.input = x.data_ptr(), a.weight = w.data_ptr(), a.bias = has_bias ? b->data_ptr() : nullptr;
   a.input_scale_inv = input_scale_inv.data_ptr<float>(), a.weight_scale_inv = weight_scale_inv.data_ptr<float>();
   a.scale = scale.data_ptr<float>();
-  Fp8LinearActResult res = empty_fp8_linear_act(x, w, out_dtype, columnwise);
-  auto& [pre, data, data_t, s, s_inv, amax] = res;
-  a.pre = pre.data_ptr(), a.data = static_cast<uint8_t*>(data.data_ptr());
-  a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
-  a.amax = amax.data_ptr<float>();
-  if (core::cutlass_sm90_fp8_forward_fits(a)) {
+  if (core::cutlass_sm90_fp8_forward_fits(a)) {  // the outputs are allocated for the path taken
+    Fp8LinearActResult res = empty_fp8_linear_act(x, w, out_dtype, columnwise);
+    auto& [pre, data, data_t, s, s_inv, amax] = res;
+    a.pre = pre.data_ptr(), a.data = static_cast<uint8_t*>(data.data_ptr());
+    a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+    a.amax = amax.data_ptr<float>();
     bool ran = false;
     run_core([&] {
       const std::size_t bytes = core::gemm_workspace_bytes(device);
