@@ -281,15 +281,17 @@ def test_opcheck(device):
 # ---- fp8_linear_act ----
 
 def linear_act_inputs(device, B, K, N, scale=2.0, bias=True, dtype=torch.bfloat16):
+    """fp8_linear_act's inputs; scale None: current scaling."""
     xi = torch.ops.fused_dense.fp8_quantize(randn(B, K, device=device), None, 0, False, 0, None, True, False, False)
     wi = torch.ops.fused_dense.fp8_quantize(randn(N, K, device=device, scale=0.3), None, 0, False, 0, None, True,
                                             False, False)
     b = randn(N, dtype=dtype, device=device) if bias else None
-    return xi[0], wi[0], xi[3], wi[3], b, torch.tensor(scale, device=device)
+    return xi[0], wi[0], xi[3], wi[3], b, None if scale is None else torch.tensor(scale, device=device)
 
 
 def assert_quantize_of_pre(res, act, scale, columnwise):
-    """fp8_linear_act's data, data_t, scale, scale_inv and amax are fp8_quantize's of its own pre."""
+    """fp8_linear_act's data, data_t, scale, scale_inv and amax are fp8_quantize's of its own pre
+    (with the same scale, or both current scaling: scale None)."""
     pre, data, data_t, s, s_inv, amax = res
     q = torch.ops.fused_dense.fp8_quantize(pre, None, act, False, 0, scale, True, columnwise, False)
     assert torch.equal(data.view(torch.uint8), q[0].view(torch.uint8))
@@ -313,9 +315,11 @@ LINEAR_ACT_SHAPES = [(64, 64, 96), (272, 160, 208), (50, 64, 96)]
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("columnwise", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_linear_act_matches_reference(device, act, shape, bias, columnwise, dtype):
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_linear_act_matches_reference(device, act, shape, bias, columnwise, dtype, scaling):
     B, K, N = shape
-    x, w, sx, sw, b, scale = linear_act_inputs(device, B, K, N, bias=bias, dtype=dtype)
+    x, w, sx, sw, b, scale = linear_act_inputs(device, B, K, N, scale=2.0 if scaling == "delayed" else None,
+                                               bias=bias, dtype=dtype)
     if device == "cuda":
         poison_cuda_cache()
     res = torch.ops.fused_dense.fp8_linear_act(x, w, sx, sw, b, dtype, ACTS[act], scale, columnwise)
@@ -327,9 +331,14 @@ def test_linear_act_matches_reference(device, act, shape, bias, columnwise, dtyp
         ref = ref + b.double().cpu()
     assert rel_err(pre.double().cpu(), ref) <= 1e-2
     assert_quantize_of_pre(res, ACTS[act], scale, columnwise)
-    # the activation of the op's own pre, quantized in float64 with the given scale
-    want, _ = fake_quant(ref_act(pre.double().cpu(), act), 0, scale)
-    assert_fp8_close(res[1].double().cpu() / scale.item(), want, "act")
+    # the activation of the op's own pre, quantized in float64 with the given scale, or (current
+    # scaling) with the scale of its amax
+    v = ref_act(pre.double().cpu(), act)
+    want, want_scale = fake_quant(v, 0, scale)
+    if scale is None:  # the amax and scale within the fast activation's error (ex2 / rcp approximations)
+        assert torch.allclose(res[5].cpu().double(), v.abs().max(), rtol=5e-3, atol=0)
+        assert torch.allclose(res[3].cpu().double(), want_scale.double(), rtol=5e-3, atol=0)
+    assert_fp8_close(res[1].double().cpu() / res[3].item(), want, "act")
 
 
 @pytest.mark.parametrize("device", devices())
@@ -343,6 +352,11 @@ def test_linear_act_saturates_and_propagates_nan(device):
     assert torch.all(torch.isnan(data[:, 7])) and torch.isfinite(data).sum() == data.numel() - 64
     assert math.isnan(res[5].item())  # the amax is NaN
     assert_quantize_of_pre(res, 1, scale, True)
+    # current scaling: a NaN amax gives a NaN scale, so every element is NaN, as fp8_quantize's
+    res = torch.ops.fused_dense.fp8_linear_act(x, w, sx, sw, b, torch.bfloat16, 1, None, True)
+    assert math.isnan(res[5].item()) and math.isnan(res[3].item())
+    assert torch.isnan(res[1].float()).all()
+    assert_quantize_of_pre(res, 1, None, True)
 
 
 @cuda
@@ -355,18 +369,25 @@ def test_linear_act_runs_one_gemm_where_it_fits():
         pytest.skip("the one-GEMM kernel is for compute capability 9.0 with the cutlass_sm90 kernels")
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(B, dtype=torch.bfloat16):
-        args = linear_act_inputs("cuda", B, 64, 96, dtype=dtype)
+    def kernels(B, dtype=torch.bfloat16, scale=2.0):
+        args = linear_act_inputs("cuda", B, 64, 96, scale=scale, dtype=dtype)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             torch.ops.fused_dense.fp8_linear_act(*args[:5], dtype, 1, args[5], True)
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
+    def has(names, part):
+        return any(part in n for n in names)
+
     fused = kernels(64)
-    assert any("cutlass" in n for n in fused) and not any("cast_kernel" in n for n in fused), fused
-    assert any("cast_kernel" in n for n in kernels(50))
-    assert any("cast_kernel" in n for n in kernels(64, torch.float16))
+    assert has(fused, "cutlass") and not has(fused, "cast_kernel"), fused
+    assert has(kernels(50), "cast_kernel")
+    assert has(kernels(64, torch.float16), "cast_kernel")
+    # current scaling: the GEMM records the amax, so the cast pass runs without the amax pass
+    current = kernels(64, scale=None)
+    assert has(current, "cutlass") and has(current, "cast_kernel") and not has(current, "amax_kernel"), current
+    assert has(kernels(50, scale=None), "amax_kernel")
 
 
 def test_linear_act_errors():
@@ -386,9 +407,10 @@ def test_linear_act_errors():
 
 
 @pytest.mark.parametrize("device", devices())
-def test_linear_act_opcheck(device):
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_linear_act_opcheck(device, scaling):
     args = (*linear_act_inputs(device, 32, 32, 48)[:5], torch.bfloat16, 1,
-            torch.tensor(2.0, device=device), True)
+            torch.tensor(2.0, device=device) if scaling == "delayed" else None, True)
     before = args[0].view(torch.uint8).clone()
     # As for fp8_linear: opcheck's test_schema cannot multiply float8 inputs.
     torch.library.opcheck(torch.ops.fused_dense.fp8_linear_act.default, args,

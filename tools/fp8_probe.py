@@ -1,7 +1,8 @@
 """Every FP8 kernel once at small shapes, for compute-sanitizer (tools/README.md): fp8_quantize in
 each mode (plain, forward activations, backward activation derivatives, the gated forward and
 backward; current and delayed scaling; row-major, transposed and column sums), fp8_linear with
-each format pair, fp8_linear_act (its one-GEMM kernel and the two-kernel path), and an FP8 MLP, gated MLP and linear layer step under both recipes.
+each format pair, fp8_linear_act (its one-GEMM kernels and the two-kernel path), and an FP8 MLP,
+gated MLP and linear layer step under both recipes.
 ``--quantize-only``: the quantize calls alone, on inputs that PyTorch's own kernels wrote (for
 initcheck, which does not see the stores of cuBLAS's GEMMs: docs/reliability.md)."""
 import sys
@@ -41,15 +42,15 @@ for a, w in [(xi, wi), (gi, wi), (wi, gi)]:
     bias = torch.randn(w[0].shape[0], device=dev)
     for dt in (torch.bfloat16, torch.float16, torch.float32):
         torch.ops.fused_dense.fp8_linear(a[0], w[0], a[3], w[3], bias.to(dt), dt, False, -2)
-# fp8_linear_act: the one-GEMM kernel (B, K, N multiples of 16, with partial tiles) and the
-# two-kernel path (B = 50), with and without the transposed copy
+# fp8_linear_act: the one-GEMM kernels (B, K, N multiples of 16, with partial tiles; delayed and
+# current scaling) and the two-kernel path (B = 50), with and without the transposed copy
 for B, K, N in [(64, 64, 96), (272, 160, 208), (50, 64, 96)]:
     xa = q(torch.randn(B, K, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)
     wa = q(torch.randn(N, K, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)
     bias = torch.randn(N, device=dev, dtype=torch.bfloat16)
-    scale = torch.tensor(3.0, device=dev)
-    for cw in (False, True):
-        torch.ops.fused_dense.fp8_linear_act(xa[0], wa[0], xa[3], wa[3], bias, torch.bfloat16, 1, scale, cw)
+    for scale in (torch.tensor(3.0, device=dev), None):
+        for cw in (False, True):
+            torch.ops.fused_dense.fp8_linear_act(xa[0], wa[0], xa[3], wa[3], bias, torch.bfloat16, 1, scale, cw)
 for scaling in ("current", "delayed"):
     recipe = fused_dense.Float8Recipe(scaling=scaling, min_features=0)
     for lvl in (0, 1, 2):

@@ -25,9 +25,51 @@ using cute::_128;
 using cute::Shape;
 using cute::Stride;
 
-// cutlass_sm90_fp8.h has the contract and the layout. The visitor tree, from the accumulator:
+// cutlass_sm90_fp8.h has the contract and the layout. Both kernels' trees start from the
+// accumulator with
 //   Z = (s_x * s_w) * acc + bias           (fp32)
-//   P = round(Z) in Element                -> stored as pre
+//   P = round(Z) in Element
+// and use the same mainloop (Config), so their P are the same bits for the same problem.
+template <class Element, class TileShape>
+using ZOf = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float,
+                                                cutlass::FloatRoundStyle::round_to_nearest>,
+                            fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>, 2>, fusion::Sm90AccFetch,
+                            fusion::Sm90ColBroadcast<0, TileShape, Element, float, Stride<_1, _0, int64_t>, 8>>;
+template <class Element, class TileShape>
+using RoundedOf = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+                                                      cutlass::FloatRoundStyle::round_to_nearest>,
+                                  ZOf<Element, TileShape>>;
+
+// The arguments of RoundedOf's nodes.
+template <class Element, class Tree>
+typename Tree::Arguments rounded_args(const CutlassSm90Fp8ForwardArgs& a) {
+  return {{{{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},
+           {},
+           {static_cast<const Element*>(a.bias), Element(0), {}},
+           {}},
+          {}};
+}
+
+// The GEMM of a visitor tree Root whose D has element ElementD (the mainloop: Config's, e4m3 x e4m3).
+template <class Root, class ElementD, class Config>
+struct Fp8Gemm {
+  using E4M3 = cutlass::float_e4m3_t;
+  static constexpr int kAlignD = cute::is_void_v<ElementD> ? 8 : 16 / static_cast<int>(sizeof(ElementD));
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape, typename Config::ClusterShape,
+      typename Config::EpilogueTile, float, float, void, cutlass::layout::ColumnMajor, kAlignD, ElementD,
+      cutlass::layout::ColumnMajor, kAlignD, typename Config::EpilogueSchedule, Root>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E4M3, cutlass::layout::RowMajor, 16, E4M3,
+      cutlass::layout::ColumnMajor, 16, float, typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Config::Schedule>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+};
+
+// Delayed scaling (a.scale set). From P:
+//   P                                      -> stored as pre
 //   V = act(P)                             (fp32 from the rounded P), its amax reduced
 //   Q = V * scale                          -> stored as data_t (e4m3, row-major [N, B]) and
 //                                             returned for D (data, e4m3, the collective's store)
@@ -36,7 +78,6 @@ template <class Element, Activation A, class Config>
 struct Fp8ForwardKernel {
   using E4M3 = cutlass::float_e4m3_t;
   using TileShape = typename Config::TileShape;
-  using ClusterShape = typename Config::ClusterShape;
   using EpilogueTile = typename Config::EpilogueTile;
   static constexpr int kStagesD = Config::kStagesD;
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
@@ -47,10 +88,7 @@ struct Fp8ForwardKernel {
   template <class Stride_, class E>
   using StoreOp = AuxStoreOp<Stride_, E, EpilogueTile>;
 
-  using Z = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,
-                            fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>, 2>, fusion::Sm90AccFetch,
-                            fusion::Sm90ColBroadcast<0, TileShape, Element, float, Stride<_1, _0, int64_t>, 8>>;
-  using Rounded = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>, Z>;
+  using Rounded = RoundedOf<Element, TileShape>;
   using PreStore = fusion::Sm90AuxStore<kStagesD, EpilogueTile, Element, kRound, StrideD, SmemAtom<StrideD, Element>,
                                         StoreOp<StrideD, Element>, 8>;
   using Stored = fusion::Sm90EVT<PreStore, Rounded>;
@@ -62,58 +100,76 @@ struct Fp8ForwardKernel {
   using TStore = fusion::Sm90AuxStore<kStagesD, EpilogueTile, E4M3, kRound, StrideT, SmemAtom<StrideT, E4M3>,
                                       StoreOp<StrideT, E4M3>, 16>;
   using Root = fusion::Sm90EVT<TStore, Scaled>;
+  using ElementOut = E4M3;
+  using G = Fp8Gemm<Root, E4M3, Config>;
+  using Gemm = typename G::Gemm;
+  static_assert(G::Epilogue::DispatchPolicy::StagesD == kStagesD, "the aux stores' stages are the epilogue's");
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile, float, float, void,
-      cutlass::layout::ColumnMajor, 16, E4M3, cutlass::layout::ColumnMajor, 16,
-      typename Config::EpilogueSchedule, Root>::CollectiveOp;
-  static_assert(Epilogue::DispatchPolicy::StagesD == kStagesD, "the aux stores' stages are the epilogue's");
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E4M3, cutlass::layout::RowMajor, 16, E4M3,
-      cutlass::layout::ColumnMajor, 16, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Config::Schedule>::CollectiveOp;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  static typename Root::Arguments fusion_args(const CutlassSm90Fp8ForwardArgs& a, int m, int n) {
+    const auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+    const auto stride_t = cutlass::make_cute_packed_stride(StrideT{}, cute::make_shape(m, n, 1));
+    return {{                                                                    // Q = V * scale
+             {{{rounded_args<Element, Rounded>(a),                               // P
+                {static_cast<Element*>(a.pre), stride_d}},                       // stored as pre
+               {}},                                                              // V = act(P)
+              {a.amax, 0.f, {}}},                                                // its amax
+             {{1.f}, {a.scale}},
+             {}},
+            {reinterpret_cast<E4M3*>(a.data_t), stride_t}};                      // data_t
+  }
+  static void* d_ptr(const CutlassSm90Fp8ForwardArgs& a) { return a.data; }
 };
 
+// A visitor node that names Element as the tree's auxiliary element: with no D, the epilogue's
+// builder takes its element from the root (cutlass::epilogue::fusion::get_element_aux_t).
+template <class Node, class Element>
+struct NamingAux : Node {
+  using Node::Node;
+  using ElementAux = Element;
+};
+
+// Current scaling (a.scale null): the delayed tree's first nodes, P stored as pre, V = act(P) and
+// its amax, and no D (the collective stores nothing).
 template <class Element, Activation A, class Config>
+struct Fp8ForwardAmaxKernel {
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  using StrideD = StrideFeatures;
+  using EpilogueTile = typename Config::EpilogueTile;
+  using Rounded = RoundedOf<Element, typename Config::TileShape>;
+  using PreStore = fusion::Sm90AuxStore<Config::kStagesD, EpilogueTile, Element, kRound, StrideD,
+                                        AuxSmemAtom<StrideD, Element, EpilogueTile>,
+                                        AuxStoreOp<StrideD, Element, EpilogueTile>, 8>;
+  using Stored = fusion::Sm90EVT<PreStore, Rounded>;
+  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, Stored>;
+  using Amax = NamingAux<fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>, Element>;
+  using Root = fusion::Sm90EVT<Amax, Activated>;
+  using ElementOut = Element;  // no D: its pointer is null
+  using Gemm = typename Fp8Gemm<Root, void, Config>::Gemm;
+
+  static typename Root::Arguments fusion_args(const CutlassSm90Fp8ForwardArgs& a, int m, int n) {
+    const auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
+    return {{{rounded_args<Element, Rounded>(a), {static_cast<Element*>(a.pre), stride_d}}, {}}, {a.amax, 0.f, {}}};
+  }
+  static void* d_ptr(const CutlassSm90Fp8ForwardArgs&) { return nullptr; }
+};
+
+template <class K>
 bool run(int order, const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
-  using K = Fp8ForwardKernel<Element, A, Config>;
   using Gemm = typename K::Gemm;
-  using E4M3 = typename K::E4M3;
+  using E4M3 = cutlass::float_e4m3_t;
+  using ElementD = typename K::ElementOut;  // of D's pointer
   const int m = static_cast<int>(a.out_features), n = static_cast<int>(a.batch), k = static_cast<int>(a.in_features);
   using StrideA = typename Gemm::GemmKernel::StrideA;
   using StrideB = typename Gemm::GemmKernel::StrideB;
   const auto stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1));
   const auto stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1));
-  const auto stride_d = cutlass::make_cute_packed_stride(typename K::StrideD{}, cute::make_shape(m, n, 1));
-  const auto stride_t = cutlass::make_cute_packed_stride(typename K::StrideT{}, cute::make_shape(m, n, 1));
-
-  typename K::Root::Arguments fusion{
-      {                       // Q = V * scale
-       {                      // V = act(P), amax
-        {                     // act
-         {                    // P stored as pre
-          {                   // P = round(Z)
-           {                  // Z = (s_x * s_w) * acc + bias
-            {{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},
-            {},
-            {static_cast<const Element*>(a.bias), Element(0), {}},
-            {}},
-           {}},
-          {static_cast<Element*>(a.pre), stride_d}},
-         {}},
-        {a.amax, 0.f, {}}},
-       {{1.f}, {a.scale}},
-       {}},
-      {reinterpret_cast<E4M3*>(a.data_t), stride_t}};
-
+  const auto stride_d = cutlass::make_cute_packed_stride(StrideFeatures{}, cute::make_shape(m, n, 1));
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {m, n, k, 1},
                                 {static_cast<const E4M3*>(a.weight), stride_a, static_cast<const E4M3*>(a.input),
                                  stride_b},
-                                {fusion, nullptr, stride_d, reinterpret_cast<E4M3*>(a.data), stride_d}};
+                                {K::fusion_args(a, m, n), nullptr, stride_d, static_cast<ElementD*>(K::d_ptr(a)),
+                                 stride_d}};
   set_scheduler(args, order, a.device);
   // Reset before the launch; should launch refuse the problem, the caller raises.
   FD_CUDA_CHECK(cudaMemsetAsync(a.amax, 0, sizeof(float), stream));
@@ -131,8 +187,9 @@ bool fits_shape(const CutlassSm90Fp8ForwardArgs& a) {
 // The outputs and scalars, checked at the launch (the caller allocates them once the inputs fit).
 bool outputs_ok(const CutlassSm90Fp8ForwardArgs& a) {
   const auto ok = [](const void* p) { return p != nullptr && aligned16(p); };
-  return ok(a.pre) && ok(a.data) && (a.data_t == nullptr || aligned16(a.data_t)) && a.input_scale_inv != nullptr &&
-         a.weight_scale_inv != nullptr && a.scale != nullptr && a.amax != nullptr;
+  const bool quantized = a.scale == nullptr || (ok(a.data) && (a.data_t == nullptr || aligned16(a.data_t)));
+  return ok(a.pre) && quantized && a.input_scale_inv != nullptr && a.weight_scale_inv != nullptr &&
+         a.amax != nullptr;
 }
 
 }  // namespace
@@ -142,7 +199,10 @@ bool cutlass_sm90_fp8_forward_fits(const CutlassSm90Fp8ForwardArgs& a) { return 
 bool cutlass_sm90_fp8_forward(const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cudaStream_t stream) {
   if (!cutlass_sm90_fp8_forward_fits(a) || !outputs_ok(a)) return false;
   using Config = Fp8GemmConfig<cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>;
-  return run<cutlass::bfloat16_t, Activation::kGeluTanh, Config>(Config::kOrder, a, ws, stream);
+  using Bf16 = cutlass::bfloat16_t;
+  if (a.scale == nullptr)
+    return run<Fp8ForwardAmaxKernel<Bf16, Activation::kGeluTanh, Config>>(Config::kOrder, a, ws, stream);
+  return run<Fp8ForwardKernel<Bf16, Activation::kGeluTanh, Config>>(Config::kOrder, a, ws, stream);
 }
 
 }  // namespace fused_dense::core

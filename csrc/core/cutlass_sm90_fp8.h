@@ -1,21 +1,23 @@
-// The library's cutlass_sm90 FP8 forward kernel of an MLP's fc1 for Hopper (CUTLASS 3, sm_90a),
-// for delayed scaling, where the scale of fc1's FP8 output is known before the GEMM runs:
+// The library's cutlass_sm90 FP8 forward kernels of an MLP's fc1 for Hopper (CUTLASS 3, sm_90a).
+// With delayed scaling (scale set), where the scale of fc1's FP8 output is known before the GEMM:
 //   pre    = round(input_q . weight_q^T * input_scale_inv * weight_scale_inv + bias)  (model dtype)
 //   v      = act(pre)                      (fp32, from the rounded pre: activation_math.cuh's fast form)
 //   data   = saturate(v * scale)           e4m3, [B, N] row-major
 //   data_t = the same bytes transposed     [N, B], when set
 //   amax   = max |v|                       (NaN if any v is NaN; atomically maxed into *amax)
-// all from the epilogue of the one GEMM (input_q [B, K], weight_q [N, K], both e4m3, K-major;
+// With current scaling (scale null), where the scale follows from this amax: pre and amax only
+// (data and data_t are not written); fp8_quantize then casts act(pre) with the amax given.
+// All from the epilogue of the one GEMM (input_q [B, K], weight_q [N, K], both e4m3, K-major;
 // Hopper's fast FP8 accumulation, as the library's other forward FP8 GEMMs). This is fp8.h's
-// fp8_linear followed by fp8_quantize (v = act(pre), delayed scaling) in one kernel: the same
-// values, written without reading pre back. The bytes of data / data_t and the amax are those
-// fp8_quantize gives for this pre (the same math in the same order); pre itself is this GEMM's
-// rounding of the accumulator, which can differ from cuBLASLt's in the last bit.
+// fp8_linear followed by fp8_quantize (v = act(pre)) with fewer passes: the same values, and the
+// bytes of data / data_t and the amax are those fp8_quantize gives for this pre (the same math in
+// the same order); pre itself is this GEMM's rounding of the accumulator, which can differ from
+// cuBLASLt's in the last bit, and is the same bits in both forms (the same mainloop and Z).
 //
-// The epilogue is a CUTLASS visitor tree over TMA stores (pre and data_t are auxiliary stores of
-// the tile; data is D): in CUTLASS's column-major terms the GEMM is D[N, B] = W[N, K] * x^T[K, B]
-// as the library's bf16 forward (cutlass_sm90_forward.h), so D is data and data_t is a row-major
-// store of the same tile. 128 x 128 x 128 tiles, 1 x 2 clusters, ping-pong, 64 x 32 epilogue
+// The epilogue is a CUTLASS visitor tree over TMA stores: in CUTLASS's column-major terms the GEMM
+// is D[N, B] = W[N, K] * x^T[K, B] as the library's bf16 forward (cutlass_sm90_forward.h). With
+// delayed scaling D is data, and pre and data_t (a row-major store of the same tile) are auxiliary
+// stores; with current scaling D is pre. 128 x 128 x 128 tiles, 1 x 2 clusters, ping-pong, 64 x 32 epilogue
 // sub-tiles (cutlass_sm90_fp8_common.cuh has the measurements). The amax is reduced across each
 // warp before its atomic.
 //
@@ -42,10 +44,10 @@ struct CutlassSm90Fp8ForwardArgs {
   const float* input_scale_inv = nullptr;    // one float each
   const float* weight_scale_inv = nullptr;
   const void* bias = nullptr;                // [N] or null
-  const float* scale = nullptr;              // the scale of data / data_t
+  const float* scale = nullptr;              // the scale of data / data_t; null: current scaling
   void* pre = nullptr;                       // [B, N]
-  uint8_t* data = nullptr;                   // [B, N]
-  uint8_t* data_t = nullptr;                 // [N, B] or null
+  uint8_t* data = nullptr;                   // [B, N] (delayed scaling)
+  uint8_t* data_t = nullptr;                 // [N, B] or null (delayed scaling)
   float* amax = nullptr;                     // one float, reset to 0 by the call
 };
 

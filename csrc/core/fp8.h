@@ -33,8 +33,9 @@ namespace fused_dense::core {
 //   columns are zeros): q = saturate(v * scale) in `format`, round to nearest even; NaN stays NaN;
 //   scale_out, scale_inv_out, amax_out: one float each (amax = max |v|, NaN if any v is NaN);
 //   column_sums [cols] in dtype: sum over rows of v (fp32 accumulation, in a fixed order).
-// scale null: current scaling (a first pass computes the amax, the scale follows from it); else
-// delayed scaling with *scale, the amax recorded in the same single pass.
+// scale null: current scaling (a first pass computes the amax, the scale follows from it; with
+// known_amax set, that amax of v, recorded by the GEMM that wrote the input, and no first pass);
+// else delayed scaling with *scale, the amax recorded in the same single pass.
 struct Fp8QuantizeArgs {
   DType dtype = DType::kBFloat16;
   int64_t rows = 0, cols = 0;  // of the quantized tensor
@@ -44,6 +45,7 @@ struct Fp8QuantizeArgs {
   bool backward = false;
   Fp8Format format = Fp8Format::kE4M3;
   const float* scale = nullptr;
+  const float* known_amax = nullptr;  // current scaling only
   uint8_t* data = nullptr;
   uint8_t* data_t = nullptr;
   float* scale_out = nullptr;

@@ -1,5 +1,6 @@
-// The FP8 quantize pass (fp8.h): an amax pass (current scaling only), then one pass that writes
-// the row-major and the transposed FP8 copies, the column sums and (delayed scaling) the amax.
+// The FP8 quantize pass (fp8.h): an amax pass (current scaling, unless the amax is known), then
+// one pass that writes the row-major and the transposed FP8 copies, the column sums and (delayed
+// scaling) the amax.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -167,7 +168,7 @@ struct CastParams {
   int64_t rows, cols, ld_t, rows_per_block;
   Fp8Format format;
   const float* scale;         // delayed scaling, else null
-  const unsigned* amax_bits;  // current scaling: the amax pass's result
+  const unsigned* amax_bits;  // current scaling: the amax pass's result or the known amax
   uint8_t* data;
   uint8_t* data_t;
   float* scale_out;
@@ -305,6 +306,7 @@ void check_args(const Fp8QuantizeArgs& a) {
   const auto misaligned = [](const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0; };
   if (misaligned(a.input) || misaligned(a.pre_act) || misaligned(a.data) || misaligned(a.data_t))
     msg << "every matrix pointer must be 16-byte aligned";
+  if (a.known_amax != nullptr && a.scale != nullptr) msg << "known_amax is for current scaling (scale null)";
   if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
     msg << "backward needs pre_act and an activation";
   if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
@@ -326,11 +328,13 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
   check_args(a);
   if (workspace_bytes < fp8_quantize_workspace_bytes(device, a))
     throw Error("fused_dense: fp8_quantize: workspace too small");
-  auto* amax_bits = static_cast<unsigned*>(workspace);
   auto* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + 256);
   const bool current = a.scale == nullptr;
+  const bool measure = current && a.known_amax == nullptr;  // the amax pass runs
+  const unsigned* amax_bits =
+      measure ? static_cast<const unsigned*>(workspace) : reinterpret_cast<const unsigned*>(a.known_amax);
   // The amax starts at 0 (all-zero or empty tensors keep it), accumulated by atomicMax.
-  if (current) FD_CUDA_CHECK(cudaMemsetAsync(amax_bits, 0, sizeof(unsigned), stream));
+  if (measure) FD_CUDA_CHECK(cudaMemsetAsync(workspace, 0, sizeof(unsigned), stream));
   if (a.amax_out != nullptr && !current) FD_CUDA_CHECK(cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream));
   const int64_t elements = a.rows * a.cols;
   dispatch_dtype(a.dtype, [&](auto type_tag) {
@@ -341,11 +345,12 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         constexpr int M = decltype(mode_tag)::value;
         const T* x = static_cast<const T*>(a.input);
         const T* pre = static_cast<const T*>(a.pre_act);
-        if (current && elements > 0) {
+        if (measure && elements > 0) {
           const int64_t vectors = elements / kVec;
           const int64_t blocks =
               std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
-          amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(x, pre, vectors, amax_bits);
+          amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              x, pre, vectors, static_cast<unsigned*>(workspace));
           FD_CHECK_LAUNCH();
         }
         CastParams p{};
@@ -365,7 +370,7 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
         cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
         FD_CHECK_LAUNCH();
-        if (current && a.amax_out != nullptr)
+        if (current && a.amax_out != nullptr && a.amax_out != a.known_amax)
           FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));
         if (a.column_sums != nullptr) {
           if (a.rows > 0) {

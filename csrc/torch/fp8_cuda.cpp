@@ -25,28 +25,22 @@ void check_fp8_device(const at::Tensor& t, const char* op) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
-                                    int64_t activation, bool backward, int64_t fp8_format,
-                                    const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                    bool column_sums) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
-  c10::cuda::CUDAGuard guard(input.device());
-  // The kernels load 16 bytes at a time: a view at an odd offset is copied first.
-  const at::Tensor x = aligned16(input) ? input : input.clone();
-  std::optional<at::Tensor> pre = pre_act;
-  if (pre.has_value() && pre->defined() && !aligned16(*pre)) pre = pre->clone();
-  const int64_t cols = fp8_quantized_cols(x, activation, backward);
-  auto res = empty_fp8_quantize(x, cols, fp8_format, rowwise, columnwise, column_sums);
+// The quantize pass into allocated outputs res; known_amax: current scaling's amax of v, already
+// recorded (fp8_linear_act's GEMM), in place of the amax pass.
+void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, int64_t activation, bool backward,
+                   int64_t fp8_format, const float* scale, const float* known_amax, bool rowwise, bool columnwise,
+                   bool column_sums, Fp8QuantizeResult& res) {
   auto& [data, data_t, s, s_inv, amax, sums] = res;
   core::Fp8QuantizeArgs a;
   a.dtype = core_dtype(x.scalar_type());
-  a.rows = x.size(0), a.cols = cols;
+  a.rows = x.size(0), a.cols = fp8_quantized_cols(x, activation, backward);
   a.input = x.data_ptr();
   a.pre_act = (pre.has_value() && pre->defined()) ? pre->data_ptr() : nullptr;
   a.activation = static_cast<core::Activation>(activation);
   a.backward = backward;
   a.format = static_cast<core::Fp8Format>(fp8_format);
-  a.scale = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
+  a.scale = scale;
+  a.known_amax = known_amax;
   a.data = rowwise ? static_cast<uint8_t*>(data.data_ptr()) : nullptr;
   a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
   a.scale_out = s.data_ptr<float>();
@@ -59,6 +53,22 @@ Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional
     auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
     core::fp8_quantize(a, ws.data_ptr(), bytes, device, at::cuda::getCurrentCUDAStream(device).stream());
   });
+}
+
+Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
+                                    int64_t activation, bool backward, int64_t fp8_format,
+                                    const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
+                                    bool column_sums) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+  c10::cuda::CUDAGuard guard(input.device());
+  // The kernels load 16 bytes at a time: a view at an odd offset is copied first.
+  const at::Tensor x = aligned16(input) ? input : input.clone();
+  std::optional<at::Tensor> pre = pre_act;
+  if (pre.has_value() && pre->defined() && !aligned16(*pre)) pre = pre->clone();
+  auto res = empty_fp8_quantize(x, fp8_quantized_cols(x, activation, backward), fp8_format, rowwise, columnwise,
+                                column_sums);
+  const float* s = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
+  quantize_into(x, pre, activation, backward, fp8_format, s, nullptr, rowwise, columnwise, column_sums, res);
   return res;
 }
 
@@ -103,14 +113,15 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
   return out;
 }
 
-// One GEMM with the quantize in its epilogue where the cutlass_sm90 kernel takes the problem,
-// else fp8_linear's GEMM and fp8_quantize's pass. The choice is a function of the device, the
-// shapes, the dtype and the activation only (cutlass_sm90_fp8_forward_fits), so a recomputation
-// (checkpoint level 2) takes the forward's path and gives its bits.
+// One GEMM with the quantize in its epilogue (delayed scaling), or one GEMM recording the amax and
+// the cast pass (current scaling), where the cutlass_sm90 kernel takes the problem; else
+// fp8_linear's GEMM and fp8_quantize's passes. The choice is a function of the device, the shapes,
+// the dtype and the activation only (cutlass_sm90_fp8_forward_fits), so a recomputation
+// (checkpoint level 2, with the forward's scale) takes the forward's GEMM and gives its bits.
 Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor& weight,
                                        const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                                       int64_t activation, const at::Tensor& scale, bool columnwise) {
+                                       int64_t activation, const std::optional<at::Tensor>& scale, bool columnwise) {
   constexpr const char* op = "fused_dense::fp8_linear_act";
   check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
   c10::cuda::CUDAGuard guard(input.device());
@@ -120,6 +131,7 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->defined() && !aligned16(*b)) b = b->clone();
   const bool has_bias = b.has_value() && b->defined();
+  const bool delayed = scale.has_value() && scale->defined();
   const int device = x.get_device();
   core::CutlassSm90Fp8ForwardArgs a;
   a.device = device;
@@ -128,12 +140,15 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
   a.activation = static_cast<core::Activation>(activation);
   a.input = x.data_ptr(), a.weight = w.data_ptr(), a.bias = has_bias ? b->data_ptr() : nullptr;
   a.input_scale_inv = input_scale_inv.data_ptr<float>(), a.weight_scale_inv = weight_scale_inv.data_ptr<float>();
-  a.scale = scale.data_ptr<float>();
+  a.scale = delayed ? scale->data_ptr<float>() : nullptr;
   if (core::cutlass_sm90_fp8_forward_fits(a)) {  // the outputs are allocated for the path taken
     Fp8LinearActResult res = empty_fp8_linear_act(x, w, out_dtype, columnwise);
     auto& [pre, data, data_t, s, s_inv, amax] = res;
-    a.pre = pre.data_ptr(), a.data = static_cast<uint8_t*>(data.data_ptr());
-    a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+    a.pre = pre.data_ptr();
+    if (delayed) {
+      a.data = static_cast<uint8_t*>(data.data_ptr());
+      a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+    }
     a.amax = amax.data_ptr<float>();
     bool ran = false;
     run_core([&] {
@@ -145,8 +160,14 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
     // A refusal here would make the recomputation's path differ from the forward's.
     TORCH_CHECK(ran, op, ": the cutlass_sm90 FP8 forward kernel refused a problem it fits (batch ", a.batch,
                 ", in_features ", a.in_features, ", out_features ", a.out_features, ")");
-    s.copy_(scale.reshape({}));
-    at::reciprocal_out(s_inv, s);
+    if (delayed) {
+      s.copy_(scale->reshape({}));
+      at::reciprocal_out(s_inv, s);
+    } else {
+      // The cast of act(pre) with the amax the GEMM recorded; it writes the scales (amax stays).
+      Fp8QuantizeResult q{data, data_t, s, s_inv, amax, at::Tensor()};
+      quantize_into(pre, std::nullopt, activation, false, 0, nullptr, a.amax, true, columnwise, false, q);
+    }
     return res;
   }
   const at::Tensor p = fp8_linear_cuda(x, w, input_scale_inv, weight_scale_inv, b, out_dtype, true, -2);

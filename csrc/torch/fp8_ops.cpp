@@ -16,13 +16,14 @@
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
 //     e5m2), K and N multiples of 16.
 //   fp8_linear_act(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
-//                  out_dtype, activation, scale [], columnwise)
+//                  out_dtype, activation, scale []?, columnwise)
 //       -> (pre [B, N], data [B, N], data_t [N, pad16(B)] or [0], scale [], scale_inv [], amax [])
-//     an MLP's fc1 forward with a known (delayed) scale: pre = fp8_linear(..., fast_accum) and
-//     fp8_quantize(pre, activation 1-3, e4m3, scale, rowwise, columnwise) of it, in one op; input
-//     and weight e4m3. The CUDA kernel runs both in one GEMM where it can (core/cutlass_sm90_fp8.h),
-//     else the two ops' kernels; the bytes of data / data_t and the amax are fp8_quantize's of pre
-//     either way.
+//     an MLP's fc1 forward: pre = fp8_linear(..., fast_accum) and fp8_quantize(pre, activation
+//     1-3, e4m3, scale, rowwise, columnwise) of it, in one op; input and weight e4m3; scale None:
+//     current scaling. Where it can (core/cutlass_sm90_fp8.h) the CUDA kernel runs both in one GEMM
+//     (delayed scaling) or one GEMM that records the amax of act(pre) and one cast pass (current
+//     scaling), else the two ops' kernels; the bytes of data / data_t and the amax are
+//     fp8_quantize's of pre either way.
 #include <torch/library.h>
 
 #include "checks.h"
@@ -141,7 +142,7 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
 
 void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                          at::ScalarType out_dtype, int64_t activation, const at::Tensor& scale) {
+                          at::ScalarType out_dtype, int64_t activation, const std::optional<at::Tensor>& scale) {
   constexpr const char* op = "fused_dense::fp8_linear_act";
   check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, op);
   TORCH_CHECK_VALUE(input.scalar_type() == at::kFloat8_e4m3fn && weight.scalar_type() == at::kFloat8_e4m3fn, op,
@@ -150,7 +151,7 @@ void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(activation >= 1 && activation <= 3, op,
                     ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
                     activation_name(activation), "); the gated MLPs use fp8_linear and fp8_quantize");
-  check_scalar_float(scale, input, op, "scale");
+  if (scale.has_value() && scale->defined()) check_scalar_float(*scale, input, op, "scale");
 }
 
 Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,
@@ -255,7 +256,8 @@ at::Tensor fp8_linear_reference(const at::Tensor& input, const at::Tensor& weigh
 Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::Tensor& weight,
                                             const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                             const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                                            int64_t activation, const at::Tensor& scale, bool columnwise) {
+                                            int64_t activation, const std::optional<at::Tensor>& scale,
+                                            bool columnwise) {
   check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
   const at::Tensor pre =
       fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
@@ -286,7 +288,8 @@ at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, co
 Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor& weight,
                                        const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                                       int64_t activation, const at::Tensor& scale, bool columnwise) {
+                                       int64_t activation, const std::optional<at::Tensor>& scale,
+                                       bool columnwise) {
   check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
   return empty_fp8_linear_act(input, weight, out_dtype, columnwise);
 }
@@ -300,7 +303,7 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
         "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
   m.def("fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
-        "ScalarType out_dtype, int activation, Tensor scale, bool columnwise) "
+        "ScalarType out_dtype, int activation, Tensor? scale, bool columnwise) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

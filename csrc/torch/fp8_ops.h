@@ -29,7 +29,7 @@ using Fp8LinearActResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Te
 
 void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                          at::ScalarType out_dtype, int64_t activation, const at::Tensor& scale);
+                          at::ScalarType out_dtype, int64_t activation, const std::optional<at::Tensor>& scale);
 
 // The outputs of fp8_linear_act, allocated (Meta and CUDA share it).
 Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,

@@ -8,7 +8,7 @@
 //   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient)
 //             pre = fp8_linear(xq, W1q) + b1                       (model dtype)
 //             aq = Q(act(pre)) (e4m3; + its transpose for fc2's weight gradient)
-//             (delayed scaling, plain activations: these two as one op, fp8_linear_act)
+//             (plain activations: these two as one op, fp8_linear_act)
 //             out = fp8_linear(aq, W2q) + b2
 //   backward  gq = Q(grad_out) (grad_format; rowwise, transposed, column sums = grad of b2)
 //             d_act = fp8_linear(gq, W2q^T)                         (model dtype)
@@ -139,11 +139,10 @@ void check_mlp(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor&
   check_vector(amax_out, 4, x, kMlpOp, "amax_out");
 }
 
-// fc1 and the quantize of its activation as one op (fp8_linear_act: one GEMM where the device
-// allows) when the activation's scale is known before the GEMM: delayed scaling, plain activations.
-bool scale_known(const Fp8MlpConfig& c, const Opt& scales) {
-  return scales.has_value() && scales->defined() && !is_gated_activation(c.activation);
-}
+// fc1 and the quantize of its activation as one op (fp8_linear_act, one GEMM's epilogue writing
+// the activation (delayed scaling) or its amax (current) where the device allows) for the plain
+// activations; the gated ones run fp8_linear and fp8_quantize.
+bool fc1_one_op(const Fp8MlpConfig& c) { return !is_gated_activation(c.activation); }
 
 at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor& x, const Fp8Weight& w1,
                        const Opt& b1, const Fp8Weight& w2, const Opt& b2, const Opt& scales, const Opt& amax_out,
@@ -153,9 +152,9 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   record_amax(amax_out, 0, xq.amax);
   at::Tensor pre;
   Q aq;
-  if (scale_known(c, scales)) {
+  if (fc1_one_op(c)) {
     auto [pr, d, t, sc, si, am] = op_calls::fp8_linear_act(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype,
-                                                           c.activation, *slot(scales, 1), p.keep_act_out);
+                                                           c.activation, slot(scales, 1), p.keep_act_out);
     pre = pr;
     aq = Q{d, t, sc, si, am, at::Tensor()};
   } else {
@@ -185,7 +184,7 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tens
                          const Opt& scales, const Opt& amax_out) {
   Fp8MlpGrads r;
   const auto dtype = g.scalar_type();
-  if (p.recompute_fc1 && scale_known(c, scales)) {
+  if (p.recompute_fc1 && fc1_one_op(c)) {
     // Level 2 with the forward's op and scale: the forward's pre and (transposed) activation.
     auto [pr, d, t, sc, si, am] = op_calls::fp8_linear_act(s.x_data, w1.data, s.x_scale_inv, w1.scale_inv, b1, dtype,
                                                            c.activation, s.a_scale, p.need_act_out);

@@ -89,10 +89,10 @@ using Fp8LinearAct = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, 
 
 inline Fp8LinearAct fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                                    const at::Tensor& weight_scale_inv, const OptTensor& bias, at::ScalarType out_dtype,
-                                   int64_t activation, const at::Tensor& scale, bool columnwise) {
+                                   int64_t activation, const OptTensor& scale, bool columnwise) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_linear_act", "")
                        .typed<Fp8LinearAct(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptTensor&, at::ScalarType, int64_t, const at::Tensor&, bool)>();
+                                           const OptTensor&, at::ScalarType, int64_t, const OptTensor&, bool)>();
   return op.call(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale, columnwise);
 }
 
