@@ -17,7 +17,7 @@
 // The epilogue is a CUTLASS visitor tree over TMA stores: in CUTLASS's column-major terms the GEMM
 // is D[N, B] = W[N, K] * x^T[K, B] as the library's bf16 forward (cutlass_sm90_forward.h). With
 // delayed scaling D is data, and pre and data_t (a row-major store of the same tile) are auxiliary
-// stores; with current scaling D is pre. 128 x 128 x 128 tiles, 1 x 2 clusters, ping-pong, 64 x 32 epilogue
+// stores; with current scaling pre is the one auxiliary store and there is no D. 128 x 128 x 128 tiles, 1 x 2 clusters, ping-pong, 64 x 32 epilogue
 // sub-tiles (cutlass_sm90_fp8_common.cuh has the measurements). The amax is reduced across each
 // warp before its atomic.
 //

@@ -38,18 +38,6 @@ struct AbsMaxBits {
   }
 };
 
-// The same amax of act(v) for a node that passes v on (the current-scaling kernel, whose D is pre
-// while the amax is the activation's): act is applied to each value as it enters the reduction.
-template <Activation A>
-struct ActAbsMaxBits {
-  template <class T>
-  struct Fn {
-    CUTLASS_DEVICE T operator()(T const& acc, T const& v) const {
-      return AbsMaxBits<T>{}(acc, act_forward<A, true>(v));
-    }
-  };
-};
-
 // The per-thread amax is reduced across the warp before one atomic (a thread's atomic per tile
 // would be 128 a tile on one address). Called by every thread of the epilogue's warps together,
 // at the end of each tile.
