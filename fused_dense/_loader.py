@@ -33,7 +33,7 @@ def has_cutlass_gemms() -> bool:
     """True when the build holds the library's cutlass_sm90 kernels for Hopper (sm_90a): the data
     gradient (gelu_approx or no activation) and the forward with gelu_approx, a bias and the saved
     pre-activation, which heuristic='auto' then also measures on compute capability 9.0 GPUs, and
-    the FP8 fc1 forward of delayed scaling (fp8_linear_act)."""
+    the FP8 fc1 forward (fp8_linear_act, both recipes)."""
     load_library()
     return bool(torch.ops.fused_dense.cutlass_gemms_compiled())
 

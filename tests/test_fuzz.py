@@ -1,5 +1,5 @@
 """Property-based tests (hypothesis): random shapes, leading batch shapes, dtypes, bias, activation,
-checkpoint level and heuristic. Every case must match a float64 reference within the tolerances of
+checkpoint level and heuristic, for the MLP and the gated MLP. Every case must match a float64 reference within the tolerances of
 docs/contract.md (conftest.TOL) or raise the documented error (a ValueError naming 'heuristic' for an index past
 cuBLASLt's list). CPU runs a bounded number of examples in CI; CUDA (marked) runs more.
 
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TOL, rel_err
-from fused_dense import FusedMLP, fused_mlp_func, ops
+from fused_dense import FusedMLP, fused_gated_mlp_func, fused_mlp_func, ops
 
 OUTCOMES = collections.Counter()
 
@@ -151,6 +151,110 @@ def test_fuzz_mlp_cuda(dtype, lead, in_f, hidden, out_f, bias1, bias2, activatio
     lead = [max(1, n * 37) for n in (lead or [1])]
     in_f, hidden = max(in_f, 8), max(hidden, 8)
     check_case("cuda", dtype, lead, in_f, hidden, out_f, bias1, bias2, activation, checkpoint_lvl, heuristic)
+
+
+# ---- the gated MLP: down(act(gate(x)) * up(x)) over the packed gate / up weight ----
+
+def gate_act(t, activation):
+    return F.silu(t) if activation == "swiglu" else F.gelu(t, approximate="tanh")
+
+
+def check_gated_case(device, dtype, lead, in_f, hidden, out_f, bias2, activation, checkpoint_lvl, heuristic):
+    gate = torch.randn(hidden, in_f, dtype=torch.float64) * in_f ** -0.5
+    up = torch.randn(hidden, in_f, dtype=torch.float64) * in_f ** -0.5
+    x = torch.randn(*lead, in_f, device=device, dtype=dtype, requires_grad=True)
+    w1 = ops.pack_gate_up(gate, up).to(device=device, dtype=dtype).requires_grad_()
+    w2 = (torch.randn(out_f, hidden, device=device, dtype=torch.float64) * hidden ** -0.5).to(dtype).requires_grad_()
+    b2 = torch.randn(out_f, device=device, dtype=dtype, requires_grad=True) if bias2 else None
+    try:
+        out = fused_gated_mlp_func(x, w1, w2, activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
+                                   bias2=b2)
+        g = torch.randn_like(out)
+        (out.to(torch.float64) * g.to(torch.float64)).sum().backward()
+    except ValueError as e:
+        assert isinstance(heuristic, int) and heuristic >= 0 and "heuristic" in str(e) and "out of range" in str(e), e
+        OUTCOMES["gated: clear error (heuristic out of range)"] += 1
+        return
+    # The float64 reference from the rounded operands, on gate and up apart (unpacked).
+    x64 = x.detach().to(torch.float64).requires_grad_()
+    g64, u64 = (t.to(torch.float64).requires_grad_() for t in ops.unpack_gate_up(w1.detach()))
+    w2_64 = w2.detach().to(torch.float64).requires_grad_()
+    b2_64 = b2.detach().to(torch.float64).requires_grad_() if bias2 else None
+    pre_g, pre_u = F.linear(x64, g64), F.linear(x64, u64)
+    h64 = gate_act(pre_g, activation) * pre_u
+    ref = F.linear(h64, w2_64, b2_64)
+    g_out = g.to(torch.float64)
+    (ref * g_out).sum().backward()
+    dw1_ref = ops.pack_gate_up(g64.grad, u64.grad)
+    floors = gated_rounding_scales(x64.detach(), g64.detach(), u64.detach(), w2_64.detach(), b2_64, pre_g.detach(),
+                                   pre_u.detach(), g_out, activation)
+    results = [("out", out, ref), ("dx", x.grad, x64.grad), ("dw1", w1.grad, dw1_ref), ("dw2", w2.grad, w2_64.grad)]
+    if bias2:
+        results.append(("db2", b2.grad, b2_64.grad))
+    tol = TOL[dtype] * 2  # two chained GEMMs of 16-bit rounding in every gradient
+    worst, worst_name = 0.0, ""
+    for name, t, r in results:
+        err = (t.detach().to(torch.float64).cpu() - r.detach().cpu()).norm().item() / max(
+            r.norm().item(), floors[name], 1e-300)
+        if err > worst:
+            worst, worst_name = err, name
+    assert worst <= tol, f"relative error of {worst_name} {worst:.3e} > {tol:.1e}"
+    OUTCOMES["gated: matched reference"] += 1
+
+
+def gated_rounding_scales(x, wg, wu, w2, b2, pre_g, pre_u, g, activation):
+    """rounding_scales for the gated MLP: per result, the norm of the root-sum-square of its terms
+    (the packed dw1's is that of its gate and up halves together)."""
+    with torch.no_grad():
+        p = pre_g.clone().requires_grad_()
+        with torch.enable_grad():
+            a = gate_act(p, activation)
+            d_a, = torch.autograd.grad(a.sum(), p)
+        a = a.detach()
+        sq = torch.square
+        h = a * pre_u
+        rss_dh = sq(g) @ sq(w2)
+        rss_dg = rss_dh * sq(pre_u) * sq(d_a)
+        rss_du = rss_dh * sq(a)
+        flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+        scales = {
+            "out": sq(h) @ sq(w2).T + (0 if b2 is None else sq(b2.detach())),
+            "dx": rss_dg @ sq(wg) + rss_du @ sq(wu),
+            "dw1": torch.cat([flat(rss_dg).T @ sq(flat(x)), flat(rss_du).T @ sq(flat(x))]),
+            "dw2": flat(sq(g)).T @ flat(sq(h)),
+            "db2": flat(sq(g)).sum(0),
+        }
+        return {k: v.sqrt().norm().item() for k, v in scales.items()}
+
+
+gated_common = dict(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    bias2=st.booleans(),
+    activation=st.sampled_from(["swiglu", "geglu"]),
+    checkpoint_lvl=st.sampled_from([0, 1, 2]),
+    heuristic=st.sampled_from(["auto", -1, 0, 1, 2]),
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       in_f=dims(300), hidden=dims(300), out_f=dims(300), **gated_common)
+def test_fuzz_gated_mlp_cpu(dtype, lead, in_f, hidden, out_f, bias2, activation, checkpoint_lvl, heuristic):
+    lead = lead or [1]
+    if dtype is torch.bfloat16:
+        in_f, hidden = max(in_f, 8), max(hidden, 8)
+    check_gated_case("cpu", dtype, lead, in_f, hidden, out_f, bias2, activation, checkpoint_lvl, heuristic)
+
+
+@pytest.mark.cuda
+@settings(max_examples=int(os.environ.get("FUSED_DENSE_FUZZ_CUDA_EXAMPLES", "100")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+       in_f=dims(4097), hidden=dims(4097), out_f=dims(4097), **gated_common)
+def test_fuzz_gated_mlp_cuda(dtype, lead, in_f, hidden, out_f, bias2, activation, checkpoint_lvl, heuristic):
+    lead = [max(1, n * 37) for n in (lead or [1])]
+    in_f, hidden = max(in_f, 8), max(hidden, 8)
+    check_gated_case("cuda", dtype, lead, in_f, hidden, out_f, bias2, activation, checkpoint_lvl, heuristic)
 
 
 def test_fuzz_module_state_dict_roundtrip():
