@@ -39,23 +39,34 @@ def ref_act(t, activation):
     return F.relu(t).square()
 
 
-def check_case(device, dtype, lead, in_f, hidden, out_f, bias1, bias2, activation, checkpoint_lvl, heuristic):
-    x = torch.randn(*lead, in_f, device=device, dtype=dtype, requires_grad=True)
-    w1 = (torch.randn(hidden, in_f, device=device, dtype=torch.float64) * in_f ** -0.5).to(dtype).requires_grad_()
-    w2 = (torch.randn(out_f, hidden, device=device, dtype=torch.float64) * hidden ** -0.5).to(dtype).requires_grad_()
-    b1 = torch.randn(hidden, device=device, dtype=dtype, requires_grad=True) if bias1 else None
-    b2 = torch.randn(out_f, device=device, dtype=dtype, requires_grad=True) if bias2 else None
+def forward_backward(forward, heuristic, label):
+    """(out, grad_out) after out = forward() and its backward with a random grad_out, or None
+    when the one documented refusal happened (counted under `label`)."""
     try:
-        out = fused_mlp_func(x, w1, w2, b1, b2, activation=activation, checkpoint_lvl=checkpoint_lvl,
-                             heuristic=heuristic)
+        out = forward()
         g = torch.randn_like(out)
         # The heuristic also picks the dgrad's algorithm, whose list can be shorter than the forward's.
         (out.to(torch.float64) * g.to(torch.float64)).sum().backward()
     except ValueError as e:
         # The one documented refusal: a cuBLASLt index past the list offered for this problem.
         assert isinstance(heuristic, int) and heuristic >= 0 and "heuristic" in str(e) and "out of range" in str(e), e
-        OUTCOMES["clear error (heuristic out of range)"] += 1
+        OUTCOMES[label + "clear error (heuristic out of range)"] += 1
+        return None
+    return out, g
+
+
+def check_case(device, dtype, lead, in_f, hidden, out_f, bias1, bias2, activation, checkpoint_lvl, heuristic):
+    x = torch.randn(*lead, in_f, device=device, dtype=dtype, requires_grad=True)
+    w1 = (torch.randn(hidden, in_f, device=device, dtype=torch.float64) * in_f ** -0.5).to(dtype).requires_grad_()
+    w2 = (torch.randn(out_f, hidden, device=device, dtype=torch.float64) * hidden ** -0.5).to(dtype).requires_grad_()
+    b1 = torch.randn(hidden, device=device, dtype=dtype, requires_grad=True) if bias1 else None
+    b2 = torch.randn(out_f, device=device, dtype=dtype, requires_grad=True) if bias2 else None
+    step = forward_backward(lambda: fused_mlp_func(x, w1, w2, b1, b2, activation=activation,
+                                                   checkpoint_lvl=checkpoint_lvl, heuristic=heuristic),
+                            heuristic, "")
+    if step is None:
         return
+    out, g = step
 
     leaves = [t.detach().to(torch.float64).requires_grad_() if t is not None else None for t in (x, w1, b1, w2, b2)]
     x64, w1_64, b1_64, w2_64, b2_64 = leaves
@@ -166,15 +177,12 @@ def check_gated_case(device, dtype, lead, in_f, hidden, out_f, bias2, activation
     w1 = ops.pack_gate_up(gate, up).to(device=device, dtype=dtype).requires_grad_()
     w2 = (torch.randn(out_f, hidden, device=device, dtype=torch.float64) * hidden ** -0.5).to(dtype).requires_grad_()
     b2 = torch.randn(out_f, device=device, dtype=dtype, requires_grad=True) if bias2 else None
-    try:
-        out = fused_gated_mlp_func(x, w1, w2, activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
-                                   bias2=b2)
-        g = torch.randn_like(out)
-        (out.to(torch.float64) * g.to(torch.float64)).sum().backward()
-    except ValueError as e:
-        assert isinstance(heuristic, int) and heuristic >= 0 and "heuristic" in str(e) and "out of range" in str(e), e
-        OUTCOMES["gated: clear error (heuristic out of range)"] += 1
+    step = forward_backward(lambda: fused_gated_mlp_func(x, w1, w2, activation, checkpoint_lvl=checkpoint_lvl,
+                                                         heuristic=heuristic, bias2=b2),
+                            heuristic, "gated: ")
+    if step is None:
         return
+    out, g = step
     # The float64 reference from the rounded operands, on gate and up apart (unpacked).
     x64 = x.detach().to(torch.float64).requires_grad_()
     g64, u64 = (t.to(torch.float64).requires_grad_() for t in ops.unpack_gate_up(w1.detach()))
