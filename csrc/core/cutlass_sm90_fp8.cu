@@ -25,30 +25,49 @@ using cute::_128;
 using cute::Shape;
 using cute::Stride;
 
-// cutlass_sm90_fp8.h has the contract and the layout. Both kernels' trees start from the
-// accumulator with
-//   Z = (s_x * s_w) * acc + bias           (fp32)
-//   P = round(Z) in Element
-// and use the same mainloop (Config), so their P are the same bits for the same problem.
-template <class Element, class TileShape>
-using ZOf = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float,
-                                                cutlass::FloatRoundStyle::round_to_nearest>,
-                            fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>, 2>, fusion::Sm90AccFetch,
-                            fusion::Sm90ColBroadcast<0, TileShape, Element, float, Stride<_1, _0, int64_t>, 8>>;
-template <class Element, class TileShape>
-using RoundedOf = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
-                                                      cutlass::FloatRoundStyle::round_to_nearest>,
-                                  ZOf<Element, TileShape>>;
+// A visitor node that names Element as the tree's auxiliary element: with no D, the epilogue's
+// builder takes its element from the root (cutlass::epilogue::fusion::get_element_aux_t).
+template <class Node, class Element>
+struct NamingAux : Node {
+  using Node::Node;
+  using ElementAux = Element;
+};
 
-// The arguments of RoundedOf's nodes.
-template <class Element, class Tree>
-typename Tree::Arguments rounded_args(const CutlassSm90Fp8ForwardArgs& a) {
-  return {{{{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},
-           {},
-           {static_cast<const Element*>(a.bias), Element(0), {}},
-           {}},
-          {}};
-}
+// cutlass_sm90_fp8.h has the contract and the layout. Both kernels' trees start with these nodes,
+// from the accumulator:
+//   Z = (s_x * s_w) * acc + bias           (fp32)
+//   P = round(Z) in Element                -> stored as pre
+//   V = act(P)                             (fp32 from the rounded P), its amax reduced
+// and use the same mainloop (Config), so their P are the same bits for the same problem.
+template <class Element, Activation A, class Config>
+struct Fp8ActAmax {
+  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
+  using EpilogueTile = typename Config::EpilogueTile;
+  using Z = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, float, float, kRound>,
+                            fusion::Sm90ScalarBroadcast<float, Stride<_0, _0, int64_t>, 2>, fusion::Sm90AccFetch,
+                            fusion::Sm90ColBroadcast<0, typename Config::TileShape, Element, float,
+                                                     Stride<_1, _0, int64_t>, 8>>;
+  using Rounded = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, kRound>, Z>;
+  using PreStore = fusion::Sm90AuxStore<Config::kStagesD, EpilogueTile, Element, kRound, StrideFeatures,
+                                        AuxSmemAtom<StrideFeatures, Element, EpilogueTile>,
+                                        AuxStoreOp<StrideFeatures, Element, EpilogueTile>, 8>;
+  using Stored = fusion::Sm90EVT<PreStore, Rounded>;
+  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, Stored>;
+  using Amax = NamingAux<fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>, Element>;
+  using Tree = fusion::Sm90EVT<Amax, Activated>;
+
+  static typename Tree::Arguments arguments(const CutlassSm90Fp8ForwardArgs& a, int m, int n) {
+    const auto stride_pre = cutlass::make_cute_packed_stride(StrideFeatures{}, cute::make_shape(m, n, 1));
+    return {{{{{{{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},     // Z
+                {},
+                {static_cast<const Element*>(a.bias), Element(0), {}},
+                {}},
+               {}},                                                      // P
+              {static_cast<Element*>(a.pre), stride_pre}},               // stored as pre
+             {}},                                                        // V
+            {a.amax, 0.f, {}}};                                          // its amax
+  }
+};
 
 // The GEMM of a visitor tree Root whose D has element ElementD (the mainloop: Config's, e4m3 x e4m3).
 template <class Root, class ElementD, class Config>
@@ -68,87 +87,46 @@ struct Fp8Gemm {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 };
 
-// Delayed scaling (a.scale set). From P:
-//   P                                      -> stored as pre
-//   V = act(P)                             (fp32 from the rounded P), its amax reduced
+// Delayed scaling (a.scale set). After Fp8ActAmax's nodes:
 //   Q = V * scale                          -> stored as data_t (e4m3, row-major [N, B]) and
 //                                             returned for D (data, e4m3, the collective's store)
 // The FP8 conversions are CUTLASS's (cvt.rn.satfinite on sm_90), the quantize pass's rounding.
 template <class Element, Activation A, class Config>
 struct Fp8ForwardKernel {
   using E4M3 = cutlass::float_e4m3_t;
-  using TileShape = typename Config::TileShape;
   using EpilogueTile = typename Config::EpilogueTile;
-  static constexpr int kStagesD = Config::kStagesD;
   static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-  using StrideD = StrideFeatures;
-  using StrideT = StrideTokens;
-  template <class Stride_, class E>
-  using SmemAtom = AuxSmemAtom<Stride_, E, EpilogueTile>;
-  template <class Stride_, class E>
-  using StoreOp = AuxStoreOp<Stride_, E, EpilogueTile>;
-
-  using Rounded = RoundedOf<Element, TileShape>;
-  using PreStore = fusion::Sm90AuxStore<kStagesD, EpilogueTile, Element, kRound, StrideD, SmemAtom<StrideD, Element>,
-                                        StoreOp<StrideD, Element>, 8>;
-  using Stored = fusion::Sm90EVT<PreStore, Rounded>;
-  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, Stored>;
-  using Amax = fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>;
-  using Reduced = fusion::Sm90EVT<Amax, Activated>;
-  using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>, Reduced,
-                                 fusion::Sm90ScalarBroadcast<float>>;
-  using TStore = fusion::Sm90AuxStore<kStagesD, EpilogueTile, E4M3, kRound, StrideT, SmemAtom<StrideT, E4M3>,
-                                      StoreOp<StrideT, E4M3>, 16>;
+  using Prefix = Fp8ActAmax<Element, A, Config>;
+  using Scaled = fusion::Sm90EVT<fusion::Sm90Compute<cutlass::multiplies, float, float, kRound>,
+                                 typename Prefix::Tree, fusion::Sm90ScalarBroadcast<float>>;
+  using TStore = fusion::Sm90AuxStore<Config::kStagesD, EpilogueTile, E4M3, kRound, StrideTokens,
+                                      AuxSmemAtom<StrideTokens, E4M3, EpilogueTile>,
+                                      AuxStoreOp<StrideTokens, E4M3, EpilogueTile>, 16>;
   using Root = fusion::Sm90EVT<TStore, Scaled>;
   using ElementOut = E4M3;
   using G = Fp8Gemm<Root, E4M3, Config>;
   using Gemm = typename G::Gemm;
-  static_assert(G::Epilogue::DispatchPolicy::StagesD == kStagesD, "the aux stores' stages are the epilogue's");
+  static_assert(G::Epilogue::DispatchPolicy::StagesD == Config::kStagesD, "the aux stores' stages are the epilogue's");
 
   static typename Root::Arguments fusion_args(const CutlassSm90Fp8ForwardArgs& a, int m, int n) {
-    const auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
-    const auto stride_t = cutlass::make_cute_packed_stride(StrideT{}, cute::make_shape(m, n, 1));
-    return {{                                                                    // Q = V * scale
-             {{{rounded_args<Element, Rounded>(a),                               // P
-                {static_cast<Element*>(a.pre), stride_d}},                       // stored as pre
-               {}},                                                              // V = act(P)
-              {a.amax, 0.f, {}}},                                                // its amax
-             {{1.f}, {a.scale}},
-             {}},
-            {reinterpret_cast<E4M3*>(a.data_t), stride_t}};                      // data_t
+    const auto stride_t = cutlass::make_cute_packed_stride(StrideTokens{}, cute::make_shape(m, n, 1));
+    return {{Prefix::arguments(a, m, n), {{1.f}, {a.scale}}, {}},            // Q = V * scale
+            {reinterpret_cast<E4M3*>(a.data_t), stride_t}};                  // data_t
   }
   static void* d_ptr(const CutlassSm90Fp8ForwardArgs& a) { return a.data; }
 };
 
-// A visitor node that names Element as the tree's auxiliary element: with no D, the epilogue's
-// builder takes its element from the root (cutlass::epilogue::fusion::get_element_aux_t).
-template <class Node, class Element>
-struct NamingAux : Node {
-  using Node::Node;
-  using ElementAux = Element;
-};
-
-// Current scaling (a.scale null): the delayed tree's first nodes, P stored as pre, V = act(P) and
-// its amax, and no D (the collective stores nothing).
+// Current scaling (a.scale null): Fp8ActAmax's nodes alone, and no D (the collective stores
+// nothing).
 template <class Element, Activation A, class Config>
 struct Fp8ForwardAmaxKernel {
-  static constexpr auto kRound = cutlass::FloatRoundStyle::round_to_nearest;
-  using StrideD = StrideFeatures;
-  using EpilogueTile = typename Config::EpilogueTile;
-  using Rounded = RoundedOf<Element, typename Config::TileShape>;
-  using PreStore = fusion::Sm90AuxStore<Config::kStagesD, EpilogueTile, Element, kRound, StrideD,
-                                        AuxSmemAtom<StrideD, Element, EpilogueTile>,
-                                        AuxStoreOp<StrideD, Element, EpilogueTile>, 8>;
-  using Stored = fusion::Sm90EVT<PreStore, Rounded>;
-  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, Stored>;
-  using Amax = NamingAux<fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>, Element>;
-  using Root = fusion::Sm90EVT<Amax, Activated>;
+  using Prefix = Fp8ActAmax<Element, A, Config>;
+  using Root = typename Prefix::Tree;
   using ElementOut = Element;  // no D: its pointer is null
   using Gemm = typename Fp8Gemm<Root, void, Config>::Gemm;
 
   static typename Root::Arguments fusion_args(const CutlassSm90Fp8ForwardArgs& a, int m, int n) {
-    const auto stride_d = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(m, n, 1));
-    return {{{rounded_args<Element, Rounded>(a), {static_cast<Element*>(a.pre), stride_d}}, {}}, {a.amax, 0.f, {}}};
+    return Prefix::arguments(a, m, n);
   }
   static void* d_ptr(const CutlassSm90Fp8ForwardArgs&) { return nullptr; }
 };
