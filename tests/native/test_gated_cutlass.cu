@@ -10,6 +10,8 @@
 //                                            buffers of their exact size, no timings (for
 //                                            compute-sanitizer memcheck / racecheck)
 //       --bf16-only                          with any of the above: bf16 cases only
+//       --shape B,d,h                        a timed shape (repeatable; default 8192,4096,11008)
+//       --bench-only                         the timed shapes and their checks only
 // Prints "N passed, M failed"; exits 1 on a failure, 77 when the device is not compute
 // capability 9.0 or the kernels are not compiled in.
 //
@@ -63,10 +65,11 @@ namespace {
 std::string g_current;
 int g_passed = 0, g_failed = 0;
 bool g_exact_alloc = false;  // --sanitize: no slack after the buffers
+bool g_bench_only = false;   // --bench-only: the timed shapes' checks only
 int g_device = 0;
 constexpr size_t kCanary = 256;
-// What each kernel offers for a fitting problem: 3 tile configurations x 3 scheduler orders.
-constexpr int kVariants = 9;
+// What each kernel offers for a fitting problem: 4 tile configurations x 3 scheduler orders.
+constexpr int kVariants = 12;
 
 void record(bool ok, const std::string& detail) {
   if (ok) {
@@ -571,14 +574,18 @@ void print_timing(const char* kernel, Activation act, int variant, const char* e
               variant, extra, ms, flop / ms * 1e-9, base_ms > 0 ? ms / base_ms : 0.0);
 }
 
-void bench(DType t, const Workspace& ws, Rng& rng) {
-  const int64_t b = 8192, d = 4096, h = 11008;
+struct BenchShape {
+  int64_t b, d, h;
+};
+
+void bench(DType t, const BenchShape& shape, const Workspace& ws, Rng& rng) {
+  const int64_t b = shape.b, d = shape.d, h = shape.h;
   std::printf("\n== %s, B %lld, d %lld, h %lld (fc1: [%lld x %lld] x [%lld x %lld]^T; "
               "fc2 dgrad: [%lld x %lld] x [%lld x %lld])\n",
               dtype_str(t), (long long)b, (long long)d, (long long)h, (long long)b, (long long)d, (long long)(2 * h),
               (long long)d, (long long)b, (long long)d, (long long)d, (long long)h);
   // The correctness of the timed kernels at this size, on a sample of rows (the last included).
-  const std::vector<int64_t> rows = {0, 1, 127, 128, 4097, 8190, 8191};
+  const std::vector<int64_t> rows = {0, 1, 127, 128, b / 2 + 1, b - 2, b - 1};
   const ForwardProblem fp = make_forward(b, d, h, t, rng, rows);
   const DgradProblem dp = make_dgrad(b, h, d, t, rng, rows);
   test_forward(fp, ws);
@@ -629,9 +636,21 @@ void bench(DType t, const Workspace& ws, Rng& rng) {
 int main(int argc, char** argv) {
   bool run_bench = true;
   std::vector<DType> dtypes = {DType::kBFloat16, DType::kFloat16};
+  std::vector<BenchShape> bench_shapes;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
-    if (arg == "--bf16-only") {
+    long long sb = 0, sd = 0, sh = 0;
+    if (arg == "--shape" && i + 1 < argc && std::sscanf(argv[i + 1], "%lld,%lld,%lld", &sb, &sd, &sh) == 3 &&
+        sb >= 256 && sd > 0 && sd % 8 == 0 && sh > 0 && sh % kGatedInterleave == 0) {
+      bench_shapes.push_back({sb, sd, sh});
+      ++i;
+    } else if (arg == "--shape") {
+      std::fprintf(stderr, "--shape takes B,d,h: B >= 256, d a multiple of 8, h of %lld\n",
+                   static_cast<long long>(kGatedInterleave));
+      return 2;
+    } else if (arg == "--bench-only") {
+      g_bench_only = true;
+    } else if (arg == "--bf16-only") {
       dtypes = {DType::kBFloat16};
     } else if (arg == "--no-bench") {
       run_bench = false;
@@ -662,7 +681,7 @@ int main(int argc, char** argv) {
   std::printf("random inputs from seed %llu\n", static_cast<unsigned long long>(seed));
   Rng rng(seed);
 
-  test_refusals(ws);
+  if (!g_bench_only) test_refusals(ws);
 
   // (B, d, h) forward and (B, h, N) data gradient. Edge tiles: B not a multiple of 128; h a
   // multiple of 8 but not of 64 (2h, h not multiples of the 128 / 256 tile widths); K not a
@@ -678,6 +697,7 @@ int main(int argc, char** argv) {
     shapes.push_back({1030, 512, 1000});
     shapes.push_back({256, 2048, 1024});
   }
+  if (g_bench_only) shapes.clear();
   for (DType t : dtypes) {
     for (const Shape& s : shapes) {
       test_forward(make_forward(s.b, s.d, s.h, t, rng, all_rows(s.b)), ws);
@@ -687,8 +707,10 @@ int main(int argc, char** argv) {
   std::printf("correctness: %d passed, %d failed\n", g_passed, g_failed);
 
   if (run_bench) {
-    for (DType t : dtypes) bench(t, ws, rng);
-    std::printf("with the checks at 8192 x 4096 -> 11008: %d passed, %d failed\n", g_passed, g_failed);
+    if (bench_shapes.empty()) bench_shapes.push_back({8192, 4096, 11008});
+    for (DType t : dtypes)
+      for (const BenchShape& s : bench_shapes) bench(t, s, ws, rng);
+    std::printf("with the checks at the timed shapes: %d passed, %d failed\n", g_passed, g_failed);
   }
   cudaFree(ws.ptr);
   return g_failed == 0 ? 0 : 1;
