@@ -53,12 +53,24 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 prebuilt=${PREBUILT_DIR:-.prebuilt}
 ls "$prebuilt"/_C*.so >/dev/null 2>&1 && cp "$prebuilt"/_C*.so fused_dense/
 [ -z "${CUTLASS_PATH:-}" ] && [ -f .cutlass/include/cutlass/cutlass.h ] && export CUTLASS_PATH="$PWD/.cutlass"
-if ! python -c "import fused_dense, sys; sys.exit(0 if fused_dense.has_cuda_kernels() else 1)" 2>/dev/null; then
-  stamp "building the extension (${FUSED_DENSE_CUDA_ARCHS:-8.0;9.0a}, $JOBS jobs)"
+# An extension with libstdc++ linked in statically (a CXX whose library path holds only
+# libstdc++.a) beside PyTorch's shared one crashes at its first iostream use (the tuner's file
+# tags): build such a one again with the system compilers.
+shared_libstdcxx() { readelf -d fused_dense/_C*.so 2>/dev/null | grep -q 'NEEDED.*libstdc++'; }
+build() {
+  stamp "building the extension (${FUSED_DENSE_CUDA_ARCHS:-8.0;9.0a}, $JOBS jobs, CXX=${CXX:-default})"
   rm -f fused_dense/_C*.so
   MAX_JOBS=$JOBS python -m pip install -e . --no-build-isolation >"$LOG_DIR/build.log" 2>&1 \
     || { tail -50 "$LOG_DIR/build.log"; exit 1; }
+}
+if ! python -c "import fused_dense, sys; sys.exit(0 if fused_dense.has_cuda_kernels() else 1)" 2>/dev/null; then
+  build
+  if ! shared_libstdcxx && [ "${CXX:-}" != g++ ]; then
+    echo "gpu_run.sh: the extension built with CXX=${CXX:-default} links libstdc++ statically; again with CC=gcc CXX=g++"
+    CC=gcc CXX=g++ build
+  fi
 fi
+shared_libstdcxx || { echo "gpu_run.sh: fused_dense/_C*.so does not load libstdc++.so.6 (linked statically?): it would crash; stopping"; exit 1; }
 python -c "import fused_dense; print('fused_dense CUDA kernels:', fused_dense.has_cuda_kernels())"
 rc=0
 cap=$(python -c "import torch; print('%d%d' % torch.cuda.get_device_capability())")
