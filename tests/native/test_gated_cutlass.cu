@@ -68,8 +68,8 @@ bool g_exact_alloc = false;  // --sanitize: no slack after the buffers
 bool g_bench_only = false;   // --bench-only: the timed shapes' checks only
 int g_device = 0;
 constexpr size_t kCanary = 256;
-// What each kernel offers for a fitting problem: 4 tile configurations x 3 scheduler orders.
-constexpr int kVariants = 12;
+// What each kernel offers for a fitting problem: 3 tile configurations x 3 scheduler orders.
+constexpr int kVariants = 9;
 
 void record(bool ok, const std::string& detail) {
   if (ok) {
