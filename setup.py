@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 def _sources(pattern):
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
 
 
 def _want_cuda():
@@ -71,14 +71,17 @@ def _cutlass_includes():
 CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp", "csrc/torch/fp8_cuda.cpp", "csrc/torch/tuning.cpp"}
 torch_sources = [s for s in _sources("csrc/torch/*.cpp") if s not in CUDA_ONLY_TORCH_SOURCES]
 # The core's plain C++ vocabulary (names of the codes), which the CPU kernels' messages use too.
-CORE_HOST_SOURCES = ["csrc/core/types.cpp"]
+CORE_HOST_SOURCES = ["csrc/core/common/types.cpp"]
+# Includes are written from csrc/ ("core/common/types.h"), by folder; csrc/core's folders are its
+# layers (docs/contract.md, "Layers").
+INCLUDE_DIRS = [os.path.join(ROOT, "csrc")]
 cxx_flags = ["-O3", "-std=c++17"]
 
 if _want_cuda():
-    sources = torch_sources + sorted(CUDA_ONLY_TORCH_SOURCES) + _sources("csrc/core/*.cpp") + _sources("csrc/core/*.cu")
+    sources = torch_sources + sorted(CUDA_ONLY_TORCH_SOURCES) + _sources("csrc/core/**/*.cpp") + _sources("csrc/core/**/*.cu")
     archs = _cuda_archs()
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo"] + _gencode_flags(archs)
-    include_dirs = []
+    include_dirs = list(INCLUDE_DIRS)
     cutlass = _cutlass_includes()
     cxx = list(cxx_flags)
     if cutlass and "90a" in archs:
@@ -98,6 +101,7 @@ if _want_cuda():
     )
 else:
     ext = cpp_extension.CppExtension(name="fused_dense._C", sources=torch_sources + CORE_HOST_SOURCES,
+                                     include_dirs=INCLUDE_DIRS,
                                      extra_compile_args={"cxx": cxx_flags})
 
 

@@ -6,7 +6,7 @@ constructor and ``forward(x, process_group=None)`` signatures). Parameters are o
 *is* an ``nn.Linear``; ``FusedMLP`` holds ``fc1`` and ``fc2`` as ``nn.Linear``.
 
 ``heuristic='auto'`` (the ``FusedMLP`` default) is passed to the ops as code -2 and resolved in the
-C++ core (csrc/core/linear.cpp, csrc/core/tuner.h), per GEMM (fc1 forward, fc2 dgrad through the
+C++ core (csrc/core/ops/linear.cpp, csrc/core/tuning/tuner.h), per GEMM (fc1 forward, fc2 dgrad through the
 activation, and the plain GEMMs):
 
 * on CUDA, each problem (op, dtype, widths, activation, bias / aux flags) and bucket of the token

@@ -14,7 +14,7 @@ from ._loader import load_library
 
 load_library()
 
-# The schema's codes, defined once in C++ (csrc/core/types.h) and read here.
+# The schema's codes, defined once in C++ (csrc/core/common/types.h) and read here.
 (_ACTIVATION_NAMES, HEURISTIC_AUTO, HEURISTIC_UNFUSED, _LEVELS, _GATED_CODES,
  GATED_INTERLEAVE) = torch.ops.fused_dense.library_constants()
 CHECKPOINT_LEVELS = tuple(_LEVELS)
@@ -95,7 +95,7 @@ def _gated_columns(hidden: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
 
 def gated_columns(hidden: int, device=None) -> Tuple[Tensor, Tensor]:
     """(gate, up): int64 tensors of the packed rows (or columns) that hold each of the `hidden`
-    units' gate and up values, in the layout the compiled library defines (csrc/core/types.h:
+    units' gate and up values, in the layout the compiled library defines (csrc/core/common/types.h:
     blocks of GATED_INTERLEAVE units, each block's gate rows, then its up rows; docs/contract.md)."""
     if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 0:
         raise ValueError(f"hidden must be an integer >= 0, got {hidden!r}")

@@ -57,7 +57,7 @@ def parse_args(argv=None):
 
 def bucket_representatives(lo, hi, per_octave):
     """The representative token counts of the buckets that meet [lo, hi], in order (the buckets
-    are csrc/core/tuner.h's, on the current grid: probing next to each boundary 2^(i/b) finds
+    are csrc/core/tuning/tuner.h's, on the current grid: probing next to each boundary 2^(i/b) finds
     every one)."""
     from fused_dense import tuning
     probes = {lo, hi}

@@ -8,7 +8,7 @@ measured at each exact M and measures more often (docs/results/dynamic-*.md has 
 the cache file, the table shipped with the package (:data:`SHIPPED_TABLE`, measured on the H200,
 valid for the compute capability and cuBLASLt major.minor it names), measuring within the budget,
 and otherwise the fixed rule. Nothing is measured while a CUDA graph is captured or under
-``torch.compile`` tracing. The rules are written once, in ``csrc/core/tuner.h``; this module only
+``torch.compile`` tracing. The rules are written once, in ``csrc/core/tuning/tuner.h``; this module only
 reads and sets them.
 
 Environment variables (read at the first use; :func:`configure` overrides them):

@@ -1,4 +1,4 @@
-"""The library's cutlass_sm90 kernels (csrc/core/cutlass_sm90_dgrad.cu, cutlass_sm90_forward.cu), run
+"""The library's cutlass_sm90 kernels (csrc/core/cutlass_sm90/cutlass_sm90_dgrad.cu, cutlass_sm90_forward.cu), run
 through the existing op, functional and module tests: a fresh pytest process per tile configuration c
 with FUSED_DENSE_TUNING_CANDIDATES=cutlass:<c>, where heuristic='auto' measures only that
 configuration's variants wherever they apply (data gradients with gelu_approx or no activation;

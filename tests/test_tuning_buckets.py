@@ -1,4 +1,4 @@
-"""heuristic='auto' across token counts (csrc/core/tuner.h, fused_dense/tuning.py): M buckets, one
+"""heuristic='auto' across token counts (csrc/core/tuning/tuner.h, fused_dense/tuning.py): M buckets, one
 measurement per bucket reused at every M in it without a heuristic query, the tuning budget, the
 table of choices (python -m fused_dense.tune writes it; a process reads it and measures nothing),
 and the settings' argument checks.

@@ -1,4 +1,4 @@
-"""heuristic='auto' persisted across processes (FUSED_DENSE_TUNING_CACHE, csrc/core/tuner.cpp):
+"""heuristic='auto' persisted across processes (FUSED_DENSE_TUNING_CACHE, csrc/core/tuning/tuner.cpp):
 the first process measures and appends one line per problem; a second process reads the lines
 back and measures nothing; a line of another format (or numbering of the cutlass_sm90 kernels'
 variants) is ignored (re-measured), a choice the build does not have (a cutlass_sm90 variant out of
@@ -83,7 +83,7 @@ def test_second_process_reads_the_choices_back(tmp_path):
     assert tuned == 2, f"expected the dgrad and the forward measured once each, got {tuned} lines"
     lines = cache_lines(cache)
     assert len(lines) == 2, lines
-    # tag: compute capability / cuBLASLt major.minor / line format (csrc/core/tuner.cpp)
+    # tag: compute capability / cuBLASLt major.minor / line format (csrc/core/tuning/tuner.cpp)
     assert all(re.match(r"sm\d+/cublasLt\d+\.\d+/choices\d+ ", line) for line in lines), lines
     tuned, second = run(tmp_path, "second", cache)
     assert tuned == 0, "the second process measured again instead of reading the cache"

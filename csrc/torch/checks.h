@@ -7,7 +7,7 @@
 
 #include <optional>
 
-#include "../core/types.h"  // plain C++, no CUDA: also usable in the CPU-only build
+#include "core/common/types.h"  // plain C++, no CUDA: also usable in the CPU-only build
 
 namespace fused_dense {
 
@@ -32,7 +32,7 @@ ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor
                                       int64_t heuristic, bool return_act_out);
 ActivationCode check_act_forward(const at::Tensor& pre_act, int64_t activation);
 
-// The gated ops (swiglu, geglu over the packed layout of core/types.h). Return the activation.
+// The gated ops (swiglu, geglu over the packed layout of core/common/types.h). Return the activation.
 ActivationCode check_gated_linear(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
                                   int64_t heuristic);
 ActivationCode check_gated_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,

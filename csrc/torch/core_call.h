@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "../core/types.h"
+#include "core/common/types.h"
 
 namespace fused_dense {
 

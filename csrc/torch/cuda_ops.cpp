@@ -7,9 +7,9 @@
 
 #include <limits>
 
-#include "../core/elementwise.h"
-#include "../core/gated.h"
-#include "../core/linear.h"
+#include "core/elementwise/elementwise.h"
+#include "core/ops/gated.h"
+#include "core/ops/linear.h"
 #include "checks.h"
 #include "core_call.h"
 #include "reference.h"

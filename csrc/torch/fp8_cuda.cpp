@@ -1,12 +1,13 @@
 // CUDA kernels of the FP8 ops (fp8_ops.cpp has their contract): validate, allocate from PyTorch's
-// caching allocator, hand raw pointers to the core (core/fp8.h) on the tensors' device and stream.
+// caching allocator, hand raw pointers to the core (core/elementwise/fp8_quantize.h, core/ops/fp8_linear.h) on the tensors' device and stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../core/cutlass_sm90_fp8.h"
-#include "../core/device_info.h"
-#include "../core/fp8.h"
+#include "core/cutlass_sm90/cutlass_sm90_fp8.h"
+#include "core/common/device_info.h"
+#include "core/elementwise/fp8_quantize.h"
+#include "core/ops/fp8_linear.h"
 #include "checks.h"
 #include "core_call.h"
 #include "fp8_ops.h"

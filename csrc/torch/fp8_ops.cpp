@@ -1,12 +1,12 @@
 // The FP8 ops: their schemas, argument checks, CPU reference kernels and Meta kernels (the CUDA
-// kernels: fp8_cuda.cpp). Per-tensor scaling, the rule of core/types.h (fp8_scale_from_amax).
+// kernels: fp8_cuda.cpp). Per-tensor scaling, the rule of core/common/types.h (fp8_scale_from_amax).
 //
 //   fp8_quantize(input [R, C], pre_act?, activation, backward, fp8_format, scale?, rowwise,
 //                columnwise, column_sums)
 //       -> (data [R, C] or [0], data_t [C, pad16(R)] or [0], scale [], scale_inv [], amax [],
 //           column_sums [C] or [0])
 //     v = input, act(input) (backward false, activation > 0) or input * act'(pre_act) (backward);
-//     gated activations (4 swiglu, 5 geglu; the packed layout of core/types.h): v = act(g) * u
+//     gated activations (4 swiglu, 5 geglu; the packed layout of core/common/types.h): v = act(g) * u
 //     [R, C / 2] of the packed gu input [R, C], or in backward the packed (d_h * u * act'(g),
 //     d_h * act(g)) [R, 2 C] of d_h = input [R, C] and pre_act = gu [R, 2 C];
 //     q = saturate(v * scale) in e4m3 (fp8_format 0) or e5m2 (1); scale None: current scaling from
@@ -20,7 +20,7 @@
 //       -> (pre [B, N], data [B, N], data_t [N, pad16(B)] or [0], scale [], scale_inv [], amax [])
 //     an MLP's fc1 forward: pre = fp8_linear(..., fast_accum) and fp8_quantize(pre, activation
 //     1-3, e4m3, scale, rowwise, columnwise) of it, in one op; input and weight e4m3; scale None:
-//     current scaling. Where it can (core/cutlass_sm90_fp8.h) the CUDA kernel runs both in one GEMM
+//     current scaling. Where it can (core/cutlass_sm90/cutlass_sm90_fp8.h) the CUDA kernel runs both in one GEMM
 //     (delayed scaling) or one GEMM that records the amax of act(pre) and one cast pass (current
 //     scaling), else the two ops' kernels; the bytes of data / data_t and the amax are
 //     fp8_quantize's of pre either way.

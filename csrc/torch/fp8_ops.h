@@ -7,7 +7,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../core/types.h"
+#include "core/common/types.h"
 
 namespace fused_dense {
 

@@ -3,7 +3,7 @@
 // follows the checkpoint rules of mlp_plan.h, the same plan as the bf16 MLP.
 //
 // Per step, with per-tensor scales (current: from each tensor's amax; delayed: `scales`); for the
-// gated activations (swiglu, geglu) pre is the packed gu [B, 2h] (core/types.h), act(pre) is
+// gated activations (swiglu, geglu) pre is the packed gu [B, 2h] (core/common/types.h), act(pre) is
 // act(g) * u [B, h] and d_act * act'(pre) the packed (d_h * u * act'(g), d_h * act(g)) [B, 2h]:
 //   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient)
 //             pre = fp8_linear(xq, W1q) + b1                       (model dtype)

@@ -1,7 +1,7 @@
 // The codes of the op schemas, published once for Python to read (fused_dense/ops.py): the
 // activation names in code order, the heuristic codes, the ReLU bit-mask's bytes per row, the
 // gated codes and the gated layout.
-// They are defined in csrc/core/types.h; nothing else spells them out.
+// They are defined in csrc/core/common/types.h; nothing else spells them out.
 #include <torch/library.h>
 
 #include <string>
@@ -29,7 +29,7 @@ library_constants() {
           gated, core::kGatedInterleave};
 }
 
-// The packed columns of the gate and of the up value of each of `hidden` units (core/types.h).
+// The packed columns of the gate and of the up value of each of `hidden` units (core/common/types.h).
 std::tuple<std::vector<int64_t>, std::vector<int64_t>> gated_columns(int64_t hidden) {
   TORCH_CHECK_VALUE(hidden >= 0, "fused_dense::gated_columns: hidden must be >= 0, got ", hidden);
   std::vector<int64_t> gate(hidden), up(hidden);

@@ -18,7 +18,7 @@ struct NoAutocast {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
 };
 
-// Bit (j % 8) of byte (j / 8) of row i is set exactly when bits[i, j] (see core/types.h).
+// Bit (j % 8) of byte (j / 8) of row i is set exactly when bits[i, j] (see core/common/types.h).
 at::Tensor pack_mask(const at::Tensor& positive) {
   const int64_t rows = positive.size(0), cols = positive.size(1), bytes = relu_mask_row_bytes(cols);
   auto bits = at::zeros({rows, bytes * 8}, positive.options().dtype(at::kByte));
@@ -54,7 +54,7 @@ at::Tensor gelu_tanh_backward(const at::Tensor& d, const at::Tensor& p) {
   return at::gelu_backward(d, p.clamp(-20.0, 20.0), "tanh");
 }
 
-// The packed layout's columns of the units' gate and up values (core/types.h).
+// The packed layout's columns of the units' gate and up values (core/common/types.h).
 std::pair<at::Tensor, at::Tensor> gated_columns(int64_t hidden, const at::Device& device) {
   auto gate = at::empty({hidden}, at::TensorOptions().dtype(at::kLong));
   auto up = at::empty({hidden}, at::TensorOptions().dtype(at::kLong));

@@ -16,7 +16,7 @@ TORCH_LIBRARY(fused_dense, m) {
         "bool has_d_bias, int heuristic, bool return_act_out=False) -> Tensor[]");
   m.def("linear_bias_wgrad(Tensor input, Tensor d_output, bool has_d_bias) -> Tensor[]");
   m.def("act_forward(Tensor pre_act, int activation) -> Tensor");
-  // Gated forms, activation 4 swiglu or 5 geglu, over the packed layout (core/types.h,
+  // Gated forms, activation 4 swiglu or 5 geglu, over the packed layout (core/common/types.h,
   // kGatedInterleave): weight [2h, K] packed gate and up rows; pre_act gu [B, 2h] packed.
   // gated_linear: [act(g) * u [B, h]] (+ [gu] when save_pre_act).
   m.def("gated_linear(Tensor input, Tensor weight, int activation, bool save_pre_act, int heuristic) -> Tensor[]");
@@ -31,7 +31,7 @@ TORCH_LIBRARY(fused_dense, m) {
         "bool save_pre_act, int heuristic) -> Tensor[]");
   m.def("bias_act_linear_dgrad_bgrad(Tensor weight, Tensor d_output, Tensor pre_act, bool is_gelu, "
         "int heuristic) -> Tensor[]");
-  // Whether this build holds the library's cutlass_sm90 kernels (csrc/core/cutlass_sm90_dgrad.h,
+  // Whether this build holds the library's cutlass_sm90 kernels (csrc/core/cutlass_sm90/cutlass_sm90_dgrad.h,
   // cutlass_sm90_forward.h), more candidates of 'auto' on compute capability 9.0.
   m.def("cutlass_gemms_compiled() -> bool", [] {
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)

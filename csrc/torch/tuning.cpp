@@ -1,12 +1,12 @@
-// The tuner's settings, statistics and M buckets (csrc/core/tuner.h), for fused_dense/tuning.py.
+// The tuner's settings, statistics and M buckets (csrc/core/tuning/tuner.h), for fused_dense/tuning.py.
 // CUDA builds only: a CPU-only build has no tuner, and tuning.py says so.
 #include <torch/library.h>
 
 #include <string>
 #include <tuple>
 
-#include "../core/tuner.h"
-#include "../core/types.h"
+#include "core/tuning/tuner.h"
+#include "core/common/types.h"
 
 namespace fused_dense {
 namespace {

@@ -15,11 +15,9 @@ if [ -z "${CUTLASS_PATH:-}" ]; then
   fi
 fi
 [ -f "$CUTLASS_PATH/include/cutlass/cutlass.h" ] || { echo "no CUTLASS headers under $CUTLASS_PATH" >&2; exit 2; }
-core=csrc/core
 mkdir -p "$(dirname "$out")"
 nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DFUSED_DENSE_WITH_CUTLASS_SM90A \
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
-  -D__CUDA_NO_HALF2_OPERATORS__ -I"$core" -I"$CUTLASS_PATH/include" -I"$CUTLASS_PATH/tools/util/include" "$@" \
-  tests/native/test_gated_cutlass.cu "$core"/cutlass_sm90_gated.cu \
-  "$core"/device_info.cpp "$core"/cuda_check.cpp "$core"/types.cpp \
+  -D__CUDA_NO_HALF2_OPERATORS__ -Icsrc -I"$CUTLASS_PATH/include" -I"$CUTLASS_PATH/tools/util/include" "$@" \
+  tests/native/test_gated_cutlass.cu csrc/core/cutlass_sm90/cutlass_sm90_gated.cu csrc/core/common/*.cpp \
   -lcublasLt -o "$out"

@@ -1,4 +1,4 @@
-// Standalone check of the elementwise kernels (csrc/core/elementwise.h) against a host fp64
+// Standalone check of the elementwise kernels (csrc/core/elementwise/elementwise.h) against a host fp64
 // reference (no PyTorch).
 //
 // Build (from the repository root; extra arguments go to nvcc, e.g. -lineinfo for the sanitizers):
@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "elementwise.h"
-#include "types.h"
+#include "core/elementwise/elementwise.h"
+#include "core/common/types.h"
 
 using namespace fused_dense::core;
 

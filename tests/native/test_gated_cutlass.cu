@@ -1,4 +1,4 @@
-// Standalone check of the gated-MLP kernels (csrc/core/cutlass_sm90_gated.h) against a host fp64
+// Standalone check of the gated-MLP kernels (csrc/core/cutlass_sm90/cutlass_sm90_gated.h) against a host fp64
 // reference of the same computation (no PyTorch), and their timings next to cuBLASLt's plain GEMM
 // of the same size.
 //
@@ -34,10 +34,10 @@
 #include <string>
 #include <vector>
 
-#include "cutlass_sm90_gated.h"
-#include "device_info.h"
-#include "gemm.h"
-#include "types.h"
+#include "core/cutlass_sm90/cutlass_sm90_gated.h"
+#include "core/common/device_info.h"
+#include "core/gemm/gemm.h"
+#include "core/common/types.h"
 
 using namespace fused_dense::core;
 

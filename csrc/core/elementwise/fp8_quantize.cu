@@ -1,0 +1,392 @@
+// The FP8 quantize pass (fp8.h): an amax pass (current scaling, unless the amax is known), then
+// one pass that writes the row-major and the transposed FP8 copies, the column sums and (delayed
+// scaling) the amax.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "core/common/activation_math.cuh"
+#include "core/common/cuda_check.h"
+#include "core/common/device_info.h"
+#include "core/elementwise/elementwise.h"
+#include "core/elementwise/fp8_quantize.h"
+#include "core/elementwise/type_dispatch.cuh"
+#include "core/elementwise/vector_pack.cuh"
+
+namespace fused_dense::core {
+
+using namespace elementwise_detail;
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTileCols = 64;          // a block's tile: 128 rows x 64 columns
+constexpr int kTileRows = 128;
+constexpr int kVec = 8;                // elements per thread and load (16 bytes of a 16-bit type)
+constexpr int kColGroups = kTileCols / kVec;          // 8 threads span a tile row
+constexpr int kRowsPerPass = kThreads / kColGroups;   // 32 rows per pass
+constexpr int kPasses = kTileRows / kRowsPerPass;     // 4 passes per tile, their loads issued together
+constexpr int kChunk = 16;             // bytes per store of the transposed tile: 16 rows of a column
+
+// |v| as the bits of a non-negative float: their unsigned order is the float order, and every NaN
+// sorts above +inf, so an unsigned max over them is an amax that propagates NaN.
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// The value quantized (fp8.h, Fp8QuantizeArgs), by kMode:
+//   0  v = x                 1  v = act(x)             2  v = x * act'(pre)
+//   3  v = act(g) * u        (gated forward: x is the packed pre-activation gu [rows, 2 cols])
+//   4  v = d_h * u * act'(g) at a gate column, d_h * act(g) at an up column (gated backward:
+//      x is d_h [rows, cols / 2], pre the packed gu [rows, cols])
+// Each thread's 8 values are 8 consecutive columns of the quantized tensor [rows, cols]. In the
+// gated modes those are one interleave block (types.h, kGatedInterleave = 8): mode 3's 8 units
+// read the block's 8 gate and 8 up values, one 16-element run of gu; mode 4's 8 columns are the
+// block's gate or its up half, and read the block's 8 d_h values and its 16 gu values.
+static_assert(kGatedInterleave == kVec, "a thread's 8 values are one gated interleave block");
+
+template <int kMode>
+constexpr int x_factor() { return kMode == 3 ? 2 : 1; }  // x elements per value: mode 3 reads g and u
+template <int kMode>
+constexpr int pre_factor() { return kMode == 2 ? 1 : (kMode == 4 ? 2 : 0); }  // pre elements per value
+
+// The raw 16-byte words of a thread's 8 values' inputs (x, and pre), loaded now and converted
+// later, so that the cast kernel can keep the next tile's loads in flight while it stores the
+// current one.
+template <typename T, int kMode>
+struct Raw8 {
+  static constexpr int kWords = sizeof(T) * kVec / 16;  // per 8 elements: 1 (16-bit types) or 2 (fp32)
+  static constexpr int kXWords = kWords * x_factor<kMode>();
+  static constexpr int kPreWords = kWords * (pre_factor<kMode>() > 0 ? pre_factor<kMode>() : 1);
+  uint4 x[kXWords];
+  uint4 pre[kPreWords];
+};
+
+// Loads the inputs of the 8 values at offset `off` = row * cols + col of the quantized tensor
+// (zeros where !valid).
+template <typename T, int kMode>
+__device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, bool valid, Raw8<T, kMode>& r) {
+  using R = Raw8<T, kMode>;
+  int64_t x_off = off, pre_off = off;
+  if constexpr (kMode == 3) x_off = 2 * off;
+  if constexpr (kMode == 4) {
+    pre_off = off - off % (2 * kGatedInterleave);  // the block's first gate column (cols % 16 == 0)
+    x_off = pre_off / 2;
+  }
+#pragma unroll
+  for (int w = 0; w < R::kXWords; ++w)
+    r.x[w] = valid ? reinterpret_cast<const uint4*>(x + x_off)[w] : make_uint4(0, 0, 0, 0);
+  if constexpr (pre_factor<kMode>() > 0) {
+#pragma unroll
+    for (int w = 0; w < R::kPreWords; ++w)
+      r.pre[w] = valid ? reinterpret_cast<const uint4*>(pre + pre_off)[w] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The 8 values of raw words; `up` (mode 4): the columns are the block's up half. Zero words give
+// v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0, act(0) * 0 = 0).
+template <typename T, Activation A, int kMode>
+__device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, float (&v)[kVec]) {
+  constexpr bool kFast = sizeof(T) == 2;
+  const T* e = reinterpret_cast<const T*>(r.x);
+  if constexpr (kMode == 3) {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = gate_act<A, kFast>(Cvt<T>::to_float(e[i])) * Cvt<T>::to_float(e[kVec + i]);
+    return;
+  } else if constexpr (kMode == 4) {
+    const T* q = reinterpret_cast<const T*>(r.pre);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      const float d = Cvt<T>::to_float(e[i]), g = Cvt<T>::to_float(q[i]), u = Cvt<T>::to_float(q[kVec + i]);
+      float deriv;
+      const float a = gate_act<A, kFast>(g, &deriv);
+      v[i] = up ? d * a : (d * u) * deriv;
+    }
+    return;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) v[i] = Cvt<T>::to_float(e[i]);
+    if constexpr (kMode == 1) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
+    } else if constexpr (kMode == 2) {
+      const T* q = reinterpret_cast<const T*>(r.pre);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(Cvt<T>::to_float(q[i]));
+    }
+  }
+}
+
+// Mode 4: the columns from `off` are an up half (the second 8 of their 16-column block).
+__device__ __forceinline__ bool up_half(int64_t off) { return off % (2 * kGatedInterleave) >= kGatedInterleave; }
+
+__device__ __forceinline__ unsigned block_max(unsigned m) {
+  __shared__ unsigned warp_max[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  }
+  return m;  // valid in thread 0
+}
+
+template <typename T, Activation A, int kMode>
+__global__ void __launch_bounds__(kThreads)
+    amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, int64_t vectors, unsigned* amax) {
+  // 4 vectors per thread per step: their loads are in flight together.
+  constexpr int kUnroll = 4;
+  unsigned m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < vectors; i0 += kUnroll * stride) {
+    Raw8<T, kMode> raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = i0 + u * stride;
+      load_raw<T, kMode>(x, pre, i * kVec, i < vectors, raw[u]);
+    }
+    float v[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) m = max(m, abs_bits(v[u][k]));
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0 && m != 0u) atomicMax(amax, m);
+}
+
+__device__ __forceinline__ uint8_t to_fp8(float v, Fp8Format f) {
+  return f == Fp8Format::kE4M3 ? __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3)
+                               : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
+}
+
+struct CastParams {
+  int64_t rows, cols, ld_t, rows_per_block;
+  Fp8Format format;
+  const float* scale;         // delayed scaling, else null
+  const unsigned* amax_bits;  // current scaling: the amax pass's result or the known amax
+  uint8_t* data;
+  uint8_t* data_t;
+  float* scale_out;
+  float* scale_inv_out;
+  unsigned* amax_record;      // delayed scaling: the amax, accumulated here
+  float* col_partials;        // [gridDim.y, cols] or null
+};
+
+// Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
+// tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t.
+template <typename T, Activation A, int kMode>
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* __restrict__ pre, CastParams p) {
+  // Row-major, rows padded by 4 bytes: the transposed reads (16 rows of one column per thread) then
+  // hit 2 banks per warp instead of 1, and the row writes stay 4-byte aligned.
+  __shared__ __align__(16) uint8_t tile[kTileRows][kTileCols + 4];
+  __shared__ float sums[kRowsPerPass][kTileCols];
+  const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int64_t col = c0 + cg * kVec;
+  const bool col_in = col < p.cols;  // cols % 8 == 0: a group is wholly in or out
+  const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    if (p.scale_out != nullptr) *p.scale_out = scale;
+    if (p.scale_inv_out != nullptr) *p.scale_inv_out = 1.f / scale;
+  }
+  const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
+  const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
+  float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  unsigned m = 0;
+  Raw8<T, kMode> raw[kPasses];
+  const bool up = up_half(col);
+  const auto load_tile = [&](int64_t t) {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int64_t row = t + pass * kRowsPerPass + rl;
+      load_raw<T, kMode>(x, pre, row * p.cols + col, col_in && row < p.rows, raw[pass]);
+    }
+  };
+  if (r_begin < r_end) load_tile(r_begin);
+  for (int64_t t0 = r_begin; t0 < r_end; t0 += kTileRows) {
+    float v[kPasses][kVec];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, v[pass]);
+    // The next tile's loads are in flight while this one is quantized and stored.
+    if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int lr = pass * kRowsPerPass + rl;
+      const int64_t row = t0 + lr;
+      uint8_t q[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        acc[k] += v[pass][k];
+        m = max(m, abs_bits(v[pass][k]));
+        q[k] = to_fp8(v[pass][k] * scale, p.format);
+      }
+      if (p.data != nullptr && col_in && row < p.rows)
+        *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = *reinterpret_cast<const uint2*>(q);
+      if (p.data_t != nullptr) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[lr][cg * kVec]);
+        dst[0] = *reinterpret_cast<const uint32_t*>(q);
+        dst[1] = *reinterpret_cast<const uint32_t*>(q + 4);
+      }
+    }
+    if (p.data_t != nullptr) {
+      __syncthreads();
+      // 64 columns x 8 chunks of 16 rows: thread k writes rows [16 (k % 8), +16) of column k / 8.
+#pragma unroll
+      for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
+        const int k = i * kThreads + threadIdx.x;
+        const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
+        const int64_t out_row = c0 + c, out_col = t0 + rc;
+        if (out_row < p.cols && out_col < p.ld_t) {
+          __align__(16) uint8_t b[kChunk];
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
+          *reinterpret_cast<uint4*>(p.data_t + out_row * p.ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
+        }
+      }
+      __syncthreads();  // the tile is rewritten by the next rows
+    }
+  }
+  if (p.amax_record != nullptr) {
+    m = block_max(m);
+    if (threadIdx.x == 0 && m != 0u) atomicMax(p.amax_record, m);
+  }
+  if (p.col_partials != nullptr) {
+    // Column sums of the block's rows: the 32 row lanes of each column group, added in lane order.
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) sums[rl][cg * kVec + k] = acc[k];
+    __syncthreads();
+    if (threadIdx.x < kTileCols && c0 + threadIdx.x < p.cols) {
+      float s = 0.f;
+      for (int l = 0; l < kRowsPerPass; ++l) s += sums[l][threadIdx.x];
+      p.col_partials[static_cast<int64_t>(blockIdx.y) * p.cols + c0 + threadIdx.x] = s;
+    }
+  }
+}
+
+int mode_of(const Fp8QuantizeArgs& a) {
+  if (is_gated(a.activation)) return a.backward ? 4 : 3;
+  if (a.backward) return 2;
+  return a.activation == Activation::kNone ? 0 : 1;
+}
+
+// The modes of activation A: 0, 1, 2 for the plain activations, 3 and 4 for the gated ones.
+template <Activation A, typename F>
+void dispatch_mode(int mode, F&& f) {
+  if constexpr (is_gated(A)) {
+    if (mode == 3) return f(std::integral_constant<int, 3>{});
+    return f(std::integral_constant<int, 4>{});
+  } else {
+    switch (mode) {
+      case 0: f(std::integral_constant<int, 0>{}); return;
+      case 1: f(std::integral_constant<int, 1>{}); return;
+      default: f(std::integral_constant<int, 2>{}); return;
+    }
+  }
+}
+
+// Row groups per column tile: enough blocks for about 8 per SM, at least one 128-row tile each.
+int64_t row_groups(int device, const Fp8QuantizeArgs& a) {
+  const int64_t rows = a.data_t != nullptr ? fp8_padded_rows(a.rows) : a.rows;
+  const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows);
+  const int64_t col_tiles = (a.cols + kTileCols - 1) / kTileCols;
+  const int64_t want = std::max<int64_t>(1, 8 * device_info(device).sm_count() / std::max<int64_t>(1, col_tiles));
+  const int64_t groups = std::min<int64_t>(tiles, want);
+  const int64_t tiles_per_group = (tiles + groups - 1) / groups;
+  return (tiles + tiles_per_group - 1) / tiles_per_group;
+}
+
+void check_args(const Fp8QuantizeArgs& a) {
+  std::ostringstream msg;
+  if (a.cols % kVec != 0) msg << "cols must be a multiple of " << kVec << ", got " << a.cols;
+  const auto misaligned = [](const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (misaligned(a.input) || misaligned(a.pre_act) || misaligned(a.data) || misaligned(a.data_t))
+    msg << "every matrix pointer must be 16-byte aligned";
+  if (a.known_amax != nullptr && a.scale != nullptr) msg << "known_amax is for current scaling (scale null)";
+  if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
+    msg << "backward needs pre_act and an activation";
+  if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
+    msg << "the gated backward's cols (2 hidden) must be a multiple of " << 2 * kGatedInterleave << ", got " << a.cols;
+  if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
+}
+
+}  // namespace
+
+std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args) {
+  std::size_t bytes = 256;  // the amax of current scaling
+  if (args.column_sums != nullptr && args.rows > 0)
+    bytes += static_cast<std::size_t>(row_groups(device, args)) * static_cast<std::size_t>(args.cols) * sizeof(float);
+  return bytes;
+}
+
+void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspace_bytes, int device,
+                  cudaStream_t stream) {
+  check_args(a);
+  if (workspace_bytes < fp8_quantize_workspace_bytes(device, a))
+    throw Error("fused_dense: fp8_quantize: workspace too small");
+  auto* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + 256);
+  const bool current = a.scale == nullptr;
+  const bool measure = current && a.known_amax == nullptr;  // the amax pass runs
+  const unsigned* amax_bits =
+      measure ? static_cast<const unsigned*>(workspace) : reinterpret_cast<const unsigned*>(a.known_amax);
+  // The amax starts at 0 (all-zero or empty tensors keep it), accumulated by atomicMax.
+  if (measure) FD_CUDA_CHECK(cudaMemsetAsync(workspace, 0, sizeof(unsigned), stream));
+  if (a.amax_out != nullptr && !current) FD_CUDA_CHECK(cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream));
+  const int64_t elements = a.rows * a.cols;
+  dispatch_dtype(a.dtype, [&](auto type_tag) {
+    using T = typename decltype(type_tag)::type;
+    const auto body = [&](auto act_tag) {
+      constexpr Activation A = decltype(act_tag)::value;
+      dispatch_mode<A>(mode_of(a), [&](auto mode_tag) {
+        constexpr int M = decltype(mode_tag)::value;
+        const T* x = static_cast<const T*>(a.input);
+        const T* pre = static_cast<const T*>(a.pre_act);
+        if (measure && elements > 0) {
+          const int64_t vectors = elements / kVec;
+          const int64_t blocks =
+              std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
+          amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+              x, pre, vectors, static_cast<unsigned*>(workspace));
+          FD_CHECK_LAUNCH();
+        }
+        CastParams p{};
+        p.rows = a.rows, p.cols = a.cols, p.ld_t = fp8_padded_rows(a.rows);
+        p.format = a.format;
+        p.scale = a.scale;
+        p.amax_bits = amax_bits;
+        p.data = a.data, p.data_t = a.data_t;
+        p.scale_out = a.scale_out, p.scale_inv_out = a.scale_inv_out;
+        p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);
+        const int64_t groups = row_groups(device, a);
+        const int64_t rows_cov = a.data_t != nullptr ? p.ld_t : a.rows;
+        const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTileRows - 1) / kTileRows);
+        p.rows_per_block = ((tiles + groups - 1) / groups) * kTileRows;
+        p.col_partials = (a.column_sums != nullptr && a.rows > 0) ? partials : nullptr;
+        const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTileCols - 1) / kTileCols);
+        dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
+        cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
+        FD_CHECK_LAUNCH();
+        if (current && a.amax_out != nullptr && a.amax_out != a.known_amax)
+          FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));
+        if (a.column_sums != nullptr) {
+          if (a.rows > 0) {
+            sum_partials(a.dtype, partials, a.cols, groups, a.cols, a.column_sums, stream);
+          } else if (a.cols > 0) {
+            FD_CUDA_CHECK(cudaMemsetAsync(a.column_sums, 0, a.cols * dtype_size(a.dtype), stream));
+          }
+        }
+      });
+    };
+    if (is_gated(a.activation)) {
+      dispatch_gated_act(a.activation, body);
+    } else {
+      dispatch_act(a.activation, body);
+    }
+  });
+}
+
+}  // namespace fused_dense::core

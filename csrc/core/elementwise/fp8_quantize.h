@@ -1,0 +1,58 @@
+// The FP8 quantize pass (compute capability 8.9 and up). Per-tensor scaling: a tensor v is stored
+// as q = saturate(v * scale) in an FP8 format, and a GEMM of two such tensors multiplies its fp32
+// accumulator by scale_inv_a * scale_inv_b. With current scaling the scale comes from the
+// tensor's own amax (fp8_scale_from_amax), with delayed scaling the caller passes it (from an amax
+// history) and the pass records the amax for the next scale.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/common/types.h"
+
+namespace fused_dense::core {
+
+// The quantize pass, writing a tensor [rows, cols] (cols a multiple of 8, every pointer 16-byte
+// aligned; inputs row-major, contiguous, in dtype). The value quantized is
+//   v = input                          activation kNone, pre_act null
+//   v = act(input)                     backward false: input [rows, cols] is a pre-activation
+//   v = input * act'(pre_act)          backward true: input and pre_act [rows, cols], input the
+//                                      gradient at act's output
+// and for the gated activations (kSwiGLU, kGeGLU; the packed layout of types.h):
+//   v = act(g) * u                     backward false: input is the packed gu [rows, 2 cols]
+//   v = (d_h * u * act'(g), d_h * act(g)) in gu's layout
+//                                      backward true: input is d_h [rows, cols / 2], pre_act the
+//                                      packed gu [rows, cols]; cols a multiple of 16
+// with fp32 math (the activation math of activation_math.cuh). Outputs, each where non-null:
+//   data [rows, cols] and data_t [cols, ld_t] (ld_t = fp8_padded_rows(rows); the padding
+//   columns are zeros): q = saturate(v * scale) in `format`, round to nearest even; NaN stays NaN;
+//   scale_out, scale_inv_out, amax_out: one float each (amax = max |v|, NaN if any v is NaN);
+//   column_sums [cols] in dtype: sum over rows of v (fp32 accumulation, in a fixed order).
+// scale null: current scaling (a first pass computes the amax, the scale follows from it; with
+// known_amax set, that amax of v, recorded by the GEMM that wrote the input, and no first pass);
+// else delayed scaling with *scale, the amax recorded in the same single pass.
+struct Fp8QuantizeArgs {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0, cols = 0;  // of the quantized tensor
+  const void* input = nullptr;
+  const void* pre_act = nullptr;
+  Activation activation = Activation::kNone;
+  bool backward = false;
+  Fp8Format format = Fp8Format::kE4M3;
+  const float* scale = nullptr;
+  const float* known_amax = nullptr;  // current scaling only
+  uint8_t* data = nullptr;
+  uint8_t* data_t = nullptr;
+  float* scale_out = nullptr;
+  float* scale_inv_out = nullptr;
+  float* amax_out = nullptr;
+  void* column_sums = nullptr;
+};
+
+std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args);
+void fp8_quantize(const Fp8QuantizeArgs& args, void* workspace, std::size_t workspace_bytes, int device,
+                  cudaStream_t stream);
+
+}  // namespace fused_dense::core

@@ -1,0 +1,588 @@
+#include "core/tuning/tuner.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+#include "core/common/cuda_check.h"
+#include "core/common/device_info.h"
+#include "core/gemm/gemm.h"
+#include "core/common/key_hash.h"
+
+namespace fused_dense::core {
+
+bool Choice::operator==(const Choice& o) const {
+  if (fused != o.fused || cutlass != o.cutlass || has_algo != o.has_algo) return false;
+  if (has_algo) return std::memcmp(algo.data, o.algo.data, sizeof(algo.data)) == 0;
+  return algorithm == o.algorithm;
+}
+
+namespace {
+
+// Bounds on one problem's tuning: a handful of candidates, timed in a few rounds of a couple of
+// runs each after a warm-up, within the problem's budget.
+constexpr int kMaxFusedCandidates = 8;
+constexpr int kMaxPlainCandidates = 4;
+constexpr int kTimedRuns = 2;
+constexpr int kRounds = 3;
+constexpr float kWarmupMs = 20.0f;
+constexpr int kMaxWarmupRuns = 100;
+constexpr double kWarmGapS = 0.2;  // a GPU that measured this recently is still at its clocks
+constexpr float kMinGain = 0.02f;  // the fraction by which a candidate must beat the rule's choice
+// What the pacing (TuningSettings::pace) allows before the first measurement has aged.
+constexpr double kInitialAllowanceS = 0.1;
+
+// Versions of what a stored line means: raise kChoiceFormat when the key, the line or the
+// numbering of the cutlass_sm90 variants changes, so files written by another build are ignored
+// rather than read as other choices.
+constexpr int kChoiceFormat = 4;
+
+struct TuningKeyHash {
+  std::size_t operator()(const TuningKey& k) const { return IntArrayHash{}(k.v); }
+};
+
+// (A deleter has no caller to report a failed destroy to, so its status is dropped.)
+struct EventDeleter {
+  void operator()(CUevent_st* e) const { cudaEventDestroy(e); }
+};
+using Event = std::unique_ptr<CUevent_st, EventDeleter>;
+Event make_event() {
+  cudaEvent_t e = nullptr;
+  FD_CUDA_CHECK(cudaEventCreate(&e));
+  return Event(e);
+}
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v == nullptr || *v == '\0') ? nullptr : v;
+}
+
+bool env_flag(const char* name, bool default_value) {
+  const char* v = env(name);
+  if (v == nullptr) return default_value;
+  return !(v[0] == '0' && v[1] == '\0');
+}
+
+double env_number(const char* name, double default_value, double lowest) {
+  const char* v = env(name);
+  if (v == nullptr) return default_value;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(x >= lowest))
+    throw Error(std::string("fused_dense: ") + name + " must be a number >= " + std::to_string(lowest) + ", got '" +
+                v + "'");
+  return x;
+}
+
+bool valid_bucket_grid(double b) { return b == 0 || b == 1 || b == 2 || b == 4 || b == 8; }
+
+// The settings, the default table's path, the budget spent and the counters: one lock.
+struct TunerState {
+  std::mutex mutex;
+  bool initialized = false;
+  TuningSettings settings;
+  std::string default_table;
+  bool table_from_env = false;
+  uint64_t files_generation = 0;  // bumped when the cache or table path changes
+  double spent_s = 0.0;
+  std::optional<std::chrono::steady_clock::time_point> first_measured, last_measured;
+  TuningStats stats;
+};
+
+TunerState& state() {
+  static TunerState* s = new TunerState();  // lives until exit, like the choices it governs
+  return *s;
+}
+
+// Caller holds the lock.
+void initialize_locked(TunerState& st) {
+  if (st.initialized) return;
+  st.settings.enabled = env_flag("FUSED_DENSE_TUNING", true);
+  st.settings.budget_s = env_number("FUSED_DENSE_TUNING_BUDGET", st.settings.budget_s, 0.0);
+  st.settings.problem_budget_ms = env_number("FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS", st.settings.problem_budget_ms, 0.0);
+  st.settings.pace = env_number("FUSED_DENSE_TUNING_PACE", st.settings.pace, 0.0);
+  const double buckets = env_number("FUSED_DENSE_TUNING_BUCKETS", st.settings.buckets, 0.0);
+  if (!valid_bucket_grid(buckets))
+    throw Error("fused_dense: FUSED_DENSE_TUNING_BUCKETS must be 0, 1, 2, 4 or 8 (buckets per octave of M), got '" +
+                std::string(env("FUSED_DENSE_TUNING_BUCKETS")) + "'");
+  st.settings.buckets = static_cast<int>(buckets);
+  if (const char* c = env("FUSED_DENSE_TUNING_CACHE")) st.settings.cache_path = c;
+  if (const char* t = env("FUSED_DENSE_TUNING_TABLE")) {
+    st.table_from_env = true;
+    st.settings.table_path = std::string(t) == "0" ? std::string() : std::string(t);
+  } else {
+    st.settings.table_path = st.default_table;
+  }
+  st.initialized = true;
+}
+
+TuningSettings current_settings() {
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  initialize_locked(st);
+  return st.settings;
+}
+
+// The tag of a stored line: the choices hold for every GPU of the compute capability under the
+// same cuBLASLt major.minor (each algorithm is checked before use, cublasLtMatmulAlgoCheck, so
+// another GPU model or patch release only costs a check), and for the same line format.
+std::string device_tag(int device) {
+  const DeviceInfo& info = device_info(device);
+  const std::size_t version = cublasLtGetVersion();  // major * 10000 + minor * 100 + patch
+  std::ostringstream tag;
+  tag << "sm" << info.cc_major() << info.cc_minor() << "/cublasLt" << version / 10000 << "." << (version / 100) % 100
+      << "/choices" << kChoiceFormat;
+  return tag.str();
+}
+
+void write_choice(std::ostream& out, const Choice& c) {
+  out << (c.fused ? 1 : 0) << ' ' << c.algorithm << ' ' << c.cutlass << ' ' << (c.has_algo ? 1 : 0);
+  char word[24];
+  for (uint64_t x : c.algo.data) {
+    std::snprintf(word, sizeof(word), " %016" PRIx64, x);
+    out << word;
+  }
+}
+
+bool read_choice(std::istream& in, Choice* c) {
+  int fused = 0, has_algo = 0;
+  in >> fused >> c->algorithm >> c->cutlass >> has_algo;
+  for (uint64_t& x : c->algo.data) {
+    std::string word;
+    in >> word;
+    if (!in || word.size() != 16 || word.find_first_not_of("0123456789abcdef") != std::string::npos) return false;
+    x = std::strtoull(word.c_str(), nullptr, 16);
+  }
+  c->fused = fused != 0;
+  c->has_algo = has_algo != 0;
+  return static_cast<bool>(in) && c->algorithm >= 0;
+}
+
+class ChoiceCache {
+ public:
+  CachedKind lookup(int device, const TuningKey& key, Choice* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& table = table_for(device);
+    auto it = table.find(key);
+    if (it == table.end()) return CachedKind::kNone;
+    *out = it->second.choice;
+    return it->second.provisional ? CachedKind::kProvisional : CachedKind::kFinal;
+  }
+
+  // provisional: the rule's choice taken because measuring was not allowed; replaced once it is.
+  // persist = false: kept for this process only (the rule's choice where no candidate applied or
+  // ran says nothing another process, with other settings, should reuse).
+  void insert(int device, const TuningKey& key, const Choice& choice, bool provisional, bool persist = true) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    table_for(device)[key] = Entry{choice, provisional};
+    if (provisional || !persist) return;
+    const std::string path = current_settings().cache_path;
+    if (path.empty()) return;
+    std::ofstream file(path, std::ios::app);
+    if (!file) return;  // persistence is an optimisation; an unwritable path only costs re-tuning
+    file << tags_[device];
+    for (int64_t x : key.v) file << ' ' << x;
+    file << ' ';
+    write_choice(file, choice);
+    file << '\n';
+  }
+
+ private:
+  struct Entry {
+    Choice choice;
+    bool provisional = false;
+    bool file = false;  // read from the table or the cache file
+  };
+  using Table = std::unordered_map<TuningKey, Entry, TuningKeyHash>;
+
+  // Caller holds mutex_. The files are read on a device's first lookup, and again after
+  // set_tuning_settings changed their paths (measured choices are kept).
+  Table& table_for(int device) {
+    const uint64_t generation = files_generation();
+    auto it = tables_.find(device);
+    if (it != tables_.end() && generations_[device] == generation) return it->second;
+    Table& table = tables_[device];
+    for (auto e = table.begin(); e != table.end();)
+      e = e->second.file ? table.erase(e) : std::next(e);
+    generations_[device] = generation;
+    tags_[device] = device_tag(device);
+    const TuningSettings settings = current_settings();
+    // the cache file's lines (this GPU's own measurements) win over the shipped table's
+    const int64_t from_table = load(settings.table_path, tags_[device], &table, /*overwrite=*/false);
+    const int64_t from_cache = load(settings.cache_path, tags_[device], &table, /*overwrite=*/true);
+    TunerState& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    st.stats.table_choices += from_table;
+    st.stats.cache_choices += from_cache;
+    return table;
+  }
+
+  static uint64_t files_generation() {
+    TunerState& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    return st.files_generation;
+  }
+
+  static int64_t load(const std::string& path, const std::string& tag, Table* table, bool overwrite) {
+    if (path.empty()) return 0;
+    std::ifstream file(path);
+    std::string line;
+    int64_t read = 0;
+    while (std::getline(file, line)) {
+      if (line.empty() || line[0] == '#') continue;
+      std::istringstream in(line);
+      std::string line_tag;
+      TuningKey key;
+      Choice choice;
+      in >> line_tag;
+      for (auto& x : key.v) in >> x;
+      if (!in || line_tag != tag || !read_choice(in, &choice)) continue;  // another GPU or build, or a torn line
+      Entry entry{choice, false};
+      entry.file = true;
+      if (overwrite) {
+        (*table)[key] = entry;
+      } else {
+        table->emplace(key, entry);
+      }
+      ++read;
+    }
+    return read;
+  }
+
+  std::mutex mutex_;
+  std::map<int, Table> tables_;
+  std::map<int, std::string> tags_;
+  std::map<int, uint64_t> generations_;
+};
+
+ChoiceCache& choice_cache() {
+  static ChoiceCache* cache = new ChoiceCache();  // lives until exit, like the plans it indexes
+  return *cache;
+}
+
+void announce_first_tuning() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "fused_dense: heuristic='auto' measures the candidate algorithms of each new problem "
+                 "(shape and token-count bucket) once, within a time budget (FUSED_DENSE_TUNING_VERBOSE=1 "
+                 "prints each choice, FUSED_DENSE_TUNING=0 turns measuring off)\n");
+  });
+}
+
+// FUSED_DENSE_TUNING_CANDIDATES: which kinds of candidate to measure (all when unset).
+struct CandidateKinds {
+  bool fused = true, unfused = true, cutlass = true;
+  int cutlass_config = -1;  // >= 0: only the cutlass_sm90 variants of this tile configuration
+};
+
+// "own" (and own:<c>) is a deprecated alias of the candidate kind cutlass (cutlass:<c>): still
+// accepted, with this warning printed once per process.
+void warn_deprecated_own_spelling() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::fprintf(stderr,
+                 "fused_dense: FUSED_DENSE_TUNING_CANDIDATES: 'own' is deprecated, write 'cutlass' "
+                 "('own:<c>': 'cutlass:<c>')\n");
+  });
+}
+
+// Parses "<kind>" or "<kind>:<configuration>" for kind = cutlass (or its deprecated spelling);
+// false when word is neither.
+bool parse_cutlass_word(const std::string& word, const std::string& kind, CandidateKinds* kinds) {
+  if (word == kind) {
+    kinds->cutlass = true;
+    return true;
+  }
+  const std::size_t digits = word.size() - std::min(word.size(), kind.size() + 1);
+  if (digits < 1 || digits > 2 || word.compare(0, kind.size() + 1, kind + ":") != 0 ||
+      word.find_first_not_of("0123456789", kind.size() + 1) != std::string::npos)
+    return false;
+  kinds->cutlass = true;
+  kinds->cutlass_config = std::stoi(word.substr(kind.size() + 1));
+  return true;
+}
+
+CandidateKinds candidate_kinds() {
+  const char* v = std::getenv("FUSED_DENSE_TUNING_CANDIDATES");
+  if (v == nullptr || *v == '\0') return {};
+  CandidateKinds kinds{false, false, false};
+  std::stringstream list(v);
+  std::string word;
+  while (std::getline(list, word, ',')) {
+    if (word == "fused") {
+      kinds.fused = true;
+    } else if (word == "unfused") {
+      kinds.unfused = true;
+    } else if (parse_cutlass_word(word, "own", &kinds)) {
+      warn_deprecated_own_spelling();
+    } else if (!parse_cutlass_word(word, "cutlass", &kinds)) {
+      throw Error("fused_dense: FUSED_DENSE_TUNING_CANDIDATES must be a comma-separated list of fused, "
+                  "unfused and cutlass (or cutlass:<tile configuration>, a number), got '" + std::string(v) + "'");
+    }
+  }
+  return kinds;
+}
+
+// " (tile configuration c, order o)" for a cutlass_sm90 variant, else empty.
+std::string cutlass_variant_detail(const Choice& c) {
+  if (c.cutlass < 0) return {};
+  return " (tile configuration " + std::to_string(c.cutlass / kCutlassOrders) + ", order " +
+         std::to_string(c.cutlass % kCutlassOrders) + ")";
+}
+
+const char* choice_kind(const Choice& c) {
+  return c.cutlass >= 0 ? "cutlass_sm90 variant" : c.fused ? "fused" : "unfused";
+}
+
+}  // namespace
+
+namespace {
+
+// Index of M's bucket on a grid of b per octave: the largest i with 2^(i/b) <= M.
+int64_t bucket_index(int64_t m, int b) {
+  int k = 0;
+  while ((int64_t{1} << (k + 1)) <= m) ++k;
+  int j = b - 1;
+  while (j > 0 && static_cast<long double>(m) < std::ldexp(std::pow(2.0L, static_cast<long double>(j) / b), k)) --j;
+  return static_cast<int64_t>(b) * k + j;
+}
+
+}  // namespace
+
+MBucket m_bucket(int64_t m) {
+  const int b = current_settings().buckets;
+  if (m <= 0 || b == 0) return {m, m, 0};
+  const int64_t index = bucket_index(m, b);
+  int64_t rep = std::llround(std::pow(2.0, (static_cast<double>(index) + 0.5) / b));
+  const int64_t rep8 = (rep + 4) / 8 * 8;
+  if (rep >= 64 && bucket_index(rep8, b) == index) rep = rep8;
+  return {index, rep, b};
+}
+
+TuningSettings tuning_settings() { return current_settings(); }
+
+void set_tuning_settings(const TuningSettings& settings) {
+  if (!valid_bucket_grid(settings.buckets))
+    throw Error("fused_dense: tuning buckets must be 0, 1, 2, 4 or 8 per octave, got " +
+                std::to_string(settings.buckets));
+  if (!(settings.budget_s >= 0.0) || !(settings.problem_budget_ms >= 0.0) || !(settings.pace >= 0.0))
+    throw Error("fused_dense: tuning budgets must be >= 0, got budget_s=" + std::to_string(settings.budget_s) +
+                ", problem_budget_ms=" + std::to_string(settings.problem_budget_ms) +
+                ", pace=" + std::to_string(settings.pace));
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  initialize_locked(st);
+  if (settings.cache_path != st.settings.cache_path || settings.table_path != st.settings.table_path)
+    ++st.files_generation;
+  st.settings = settings;
+}
+
+void set_default_tuning_table(const std::string& path) {
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  const bool was_default = !st.initialized || (!st.table_from_env && st.settings.table_path == st.default_table);
+  st.default_table = path;
+  if (st.initialized && was_default && st.settings.table_path != path) {
+    st.settings.table_path = path;
+    ++st.files_generation;
+  }
+}
+
+TuningStats tuning_stats() {
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  TuningStats stats = st.stats;
+  stats.measuring_s = st.spent_s;
+  stats.heuristic_queries = gemm_heuristic_queries();
+  return stats;
+}
+
+CachedKind cached_choice(int device, const TuningKey& key, Choice* choice) {
+  return choice_cache().lookup(device, key, choice);
+}
+
+bool may_measure(cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return false;
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  initialize_locked(st);
+  if (!st.settings.enabled || st.spent_s >= st.settings.budget_s) return false;
+  if (!st.first_measured || st.settings.pace >= 1.0) return true;
+  const double since_first =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - *st.first_measured).count();
+  return st.spent_s < kInitialAllowanceS + st.settings.pace * since_first;
+}
+
+void keep_rule_choice(int device, const TuningKey& key, const Choice& rule) {
+  choice_cache().insert(device, key, rule, /*provisional=*/true);
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  ++st.stats.rule_choices;
+}
+
+Choice tune(int device, const TuningKey& key, const std::string& description, const std::vector<Choice>& all,
+            const Choice& rule, const CandidateRunner& run, cudaStream_t stream) {
+  announce_first_tuning();
+  const auto t0 = std::chrono::steady_clock::now();
+  double problem_budget_ms = 0.0;
+  bool warm_gpu = false;
+  {
+    TunerState& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    initialize_locked(st);
+    problem_budget_ms = st.settings.problem_budget_ms;
+    if (!st.first_measured) st.first_measured = t0;
+    warm_gpu = st.last_measured && std::chrono::duration<double>(t0 - *st.last_measured).count() < kWarmGapS;
+  }
+  auto spent_ms = [&] {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  auto charge = [&](bool measured) {
+    TunerState& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    st.spent_s += spent_ms() / 1000.0;
+    st.last_measured = std::chrono::steady_clock::now();
+    if (measured) {
+      ++st.stats.problems_measured;
+    } else {
+      ++st.stats.rule_choices;
+    }
+  };
+  // When no candidate applies or runs, the rule's choice is kept for the process (not persisted,
+  // and not measured again: another call would find the same), so later calls skip all of this.
+  auto give_rule_choice = [&] {
+    choice_cache().insert(device, key, rule, /*provisional=*/false, /*persist=*/false);
+    charge(false);
+    return rule;
+  };
+
+  const CandidateKinds kinds = candidate_kinds();
+  // The rule's choice first: measured before the problem's budget can run out.
+  std::vector<Choice> candidates;
+  int fused_taken = 0, plain_taken = 0;
+  for (const Choice& c : all) {
+    if (c.cutlass >= 0) {
+      if (!kinds.cutlass || (kinds.cutlass_config >= 0 && c.cutlass / kCutlassOrders != kinds.cutlass_config)) continue;
+    } else if (c.fused) {
+      if (!kinds.fused || fused_taken++ >= kMaxFusedCandidates) continue;
+    } else {
+      if (!kinds.unfused || plain_taken++ >= kMaxPlainCandidates) continue;
+    }
+    if (c == rule) {
+      candidates.insert(candidates.begin(), c);
+    } else {
+      candidates.push_back(c);
+    }
+  }
+  // Nothing of the kinds asked for applies (e.g. cutlass:<c> past a kernel's configurations).
+  if (candidates.empty()) return give_rule_choice();
+
+  Event start = make_event(), stop = make_event();
+  // One timed batch of `c`; negative when it is rejected.
+  auto time_ms = [&](const Choice& c, int runs) -> float {
+    try {
+      FD_CUDA_CHECK(cudaEventRecord(start.get(), stream));
+      for (int r = 0; r < runs; ++r)
+        if (!run(c)) return -1.f;
+      FD_CUDA_CHECK(cudaEventRecord(stop.get(), stream));
+      FD_CUDA_CHECK(cudaEventSynchronize(stop.get()));
+    } catch (const Error&) {
+      return -1.f;  // an algorithm the heuristic listed but the launch rejected is simply not a candidate
+    }
+    float ms = 0.f;
+    FD_CUDA_CHECK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+    return ms / static_cast<float>(runs);
+  };
+
+  // Warm-up: the GPU's clocks ramp under load, so whichever candidate went first would look slow.
+  // Run the first accepted candidate (the rule's choice where it is one) for kWarmupMs before
+  // timing anything, unless the GPU measured something a moment ago.
+  Choice warm = candidates.front();
+  float warm_ms = time_ms(warm, 1);
+  for (std::size_t i = 1; warm_ms < 0.f && i < candidates.size(); ++i) warm_ms = time_ms(warm = candidates[i], 1);
+  // Every candidate rejected at launch: measuring again would not change that.
+  if (warm_ms < 0.f) return give_rule_choice();
+  if (!warm_gpu) {
+    const int warm_runs = std::clamp(static_cast<int>(kWarmupMs / std::max(warm_ms, 1e-3f)), 0, kMaxWarmupRuns);
+    if (warm_runs > 0) time_ms(warm, warm_runs);
+  }
+
+  // Rounds over all candidates, keeping each one's best batch: a transient slowdown (another
+  // process, a clock dip) then costs a candidate one round, not the decision. Once the problem's
+  // budget is spent, what has been measured decides (the first two candidates always are).
+  std::vector<float> best_of(candidates.size(), std::numeric_limits<float>::infinity());
+  std::vector<bool> rejected(candidates.size(), false);
+  int rounds = 0;
+  bool out_of_budget = false;
+  for (; rounds < kRounds && !out_of_budget; ++rounds) {
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      if (rejected[i]) continue;
+      if ((rounds > 0 || i >= 2) && spent_ms() > problem_budget_ms) {
+        out_of_budget = true;
+        break;
+      }
+      const float ms = time_ms(candidates[i], kTimedRuns);
+      if (ms < 0.f) {
+        rejected[i] = true;
+        continue;
+      }
+      best_of[i] = std::min(best_of[i], ms);
+    }
+  }
+  Choice best = rule;
+  float best_ms = std::numeric_limits<float>::infinity();
+  float rule_ms = std::numeric_limits<float>::quiet_NaN();
+  int measured = 0;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    if (rejected[i] || !(best_of[i] < std::numeric_limits<float>::infinity())) continue;
+    ++measured;
+    const Choice& c = candidates[i];
+    if (c == rule) rule_ms = best_of[i];
+    if (best_of[i] < best_ms) {
+      best_ms = best_of[i];
+      best = c;
+    }
+  }
+  // The rule's choice stays unless another beats it clearly: a 1% difference is within what
+  // repeating the measurement moves, and a switch on noise is a loss as likely as a gain.
+  if (!std::isnan(rule_ms) && best_ms > rule_ms * (1.0f - kMinGain)) {
+    best = rule;
+    best_ms = rule_ms;
+  }
+  if (measured == 0) return give_rule_choice();
+  const char* verbose = std::getenv("FUSED_DENSE_TUNING_VERBOSE");
+  if (verbose != nullptr && *verbose != '\0' && std::string(verbose) != "0") {
+    std::fprintf(stderr,
+                 "fused_dense: tuned %s: %s %d%s, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
+                 "rounds, %.1f ms\n",
+                 description.c_str(), choice_kind(best), best.cutlass >= 0 ? best.cutlass : best.algorithm,
+                 cutlass_variant_detail(best).c_str(), best_ms, rule_ms, measured, rounds, spent_ms());
+    if (std::string(verbose) == "2")  // every candidate's best batch, for probing the variants
+      for (std::size_t i = 0; i < candidates.size(); ++i)
+        std::fprintf(stderr, "fused_dense:   candidate %s %d%s: %.4f ms\n", choice_kind(candidates[i]),
+                     candidates[i].cutlass >= 0 ? candidates[i].cutlass : candidates[i].algorithm,
+                     cutlass_variant_detail(candidates[i]).c_str(), rejected[i] ? -1.f : best_of[i]);
+  }
+  choice_cache().insert(device, key, best, /*provisional=*/false);
+  charge(true);
+  return best;
+}
+
+}  // namespace fused_dense::core

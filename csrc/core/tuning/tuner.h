@@ -1,0 +1,125 @@
+// Measured choice for heuristic = auto. A problem is keyed by its op, dtype, widths, flags and a
+// bucket of its token count M (m_bucket: half-octave buckets by default, each measured once at its
+// representative M on synthetic operands of that size, and the choice reused for every M in it).
+// The candidates are the fused epilogue with several of cuBLASLt's algorithms, plain GEMM +
+// elementwise kernel with several plain algorithms, and where it applies each variant of the
+// library's cutlass_sm90 kernels (cutlass_sm90_dgrad.h, cutlass_sm90_forward.h); they are timed on
+// the caller's stream and the fastest is kept, process-wide. A choice stores the cuBLASLt
+// algorithm itself (cublasLtMatmulAlgo_t), which gemm.h checks for each new M of the bucket.
+//
+// Where the choices come from, in order: this process's measurements; the user's cache file
+// (FUSED_DENSE_TUNING_CACHE); the table shipped with the package for the GPU's compute capability
+// and cuBLASLt major.minor (FUSED_DENSE_TUNING_TABLE=0 leaves it out, =path reads another);
+// measuring, within the budget (TuningSettings); else the rule's choice (the fused epilogue or
+// plain GEMM with cuBLASLt's first algorithm at the representative M).
+//
+// Environment (read once; TuningSettings set from Python override them):
+//   FUSED_DENSE_TUNING=0                   never measure (table, cache and rule only)
+//   FUSED_DENSE_TUNING_BUDGET=s            seconds of measuring per process (default 30)
+//   FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS=ms  per problem (default 100)
+//   FUSED_DENSE_TUNING_PACE=f              share of wall time measuring may take (default 0.05)
+//   FUSED_DENSE_TUNING_BUCKETS=b           buckets per octave: 1, 2 (default), 4, 8; 0: exact M
+//   FUSED_DENSE_TUNING_CACHE=path          persist choices across processes (one line each)
+//   FUSED_DENSE_TUNING_TABLE=0|path        leave the shipped table out, or read another
+//   FUSED_DENSE_TUNING_VERBOSE=1|2         print each choice (2: every candidate's time)
+//   FUSED_DENSE_TUNING_CANDIDATES=cutlass,fused,unfused (any subset, comma-separated) restricts
+//     the kinds of candidates measured; the tests use it to pin a path. cutlass:<c> in place of
+//     cutlass measures only the cutlass_sm90 variants of tile configuration c. The deprecated
+//     spellings own and own:<c> are still accepted, with a deprecation warning printed once.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/common/cutlass_variants.h"
+
+namespace fused_dense::core {
+
+struct Choice {
+  bool fused = false;
+  int algorithm = 0;  // index into the fused epilogue's or the plain GEMM's list (has_algo false)
+  int cutlass = -1;   // >= 0: this variant of a cutlass_sm90 kernel instead (fused, algorithm unused)
+  bool has_algo = false;      // 'auto': run `algo` (checked for the call's problem) instead of the index
+  cublasLtMatmulAlgo_t algo{};
+  bool operator==(const Choice& o) const;
+};
+
+// The bucket of a token count M, with b = TuningSettings::buckets per octave: buckets
+// [2^(i/b), 2^((i+1)/b)), each represented by its geometric middle 2^((i + 1/2) / b), rounded to a
+// multiple of 8 from 64 up where that stays in the bucket (cuBLASLt's and the cutlass_sm90
+// kernels' fast paths want it). With b = 0, M is its own bucket and representative.
+struct MBucket {
+  int64_t index = 0;           // what the tuning key holds
+  int64_t representative = 0;  // the M measured for the whole bucket
+  int per_octave = 0;          // the grid it was taken on (0: exact M)
+};
+MBucket m_bucket(int64_t m);
+
+struct TuningSettings {
+  bool enabled = true;             // measure at all
+  double budget_s = 30.0;          // per process
+  double problem_budget_ms = 100.0;  // per problem: rounds stop once it is spent
+  // Pacing of budget_s: measuring may use at most 0.1 s plus this fraction of the wall time since
+  // the process's first measurement (>= 1: unpaced), so a run that meets a new problem at every
+  // step spends a bounded share of its time measuring and later steps measure what earlier ones
+  // could not.
+  double pace = 0.05;
+  // Buckets per octave of M: 2 (the default, and the shipped table's grid), 1, 4 or 8; 0 keys by
+  // the exact M. A choice is stored for the grid it was measured on.
+  int buckets = 2;
+  std::string cache_path;   // empty: none
+  std::string table_path;   // empty: none
+};
+TuningSettings tuning_settings();
+// Replaces the settings. A changed cache or table path forgets the choices read from files (they
+// are read again on the next call); measured choices stay.
+void set_tuning_settings(const TuningSettings& settings);
+// The table the package ships, used unless FUSED_DENSE_TUNING_TABLE says otherwise (set once by
+// the Python layer at import).
+void set_default_tuning_table(const std::string& path);
+
+struct TuningStats {
+  int64_t problems_measured = 0;
+  int64_t rule_choices = 0;       // problems given the rule's choice (nothing measured)
+  int64_t table_choices = 0;      // entries read from the shipped table
+  int64_t cache_choices = 0;      // entries read from the cache file
+  double measuring_s = 0.0;       // time spent measuring
+  int64_t heuristic_queries = 0;  // cuBLASLt algorithm lists built (gemm.h)
+};
+TuningStats tuning_stats();
+
+// What identifies a problem for tuning: op kind, dtype, M bucket, widths and epilogue flags.
+struct TuningKey {
+  std::array<int64_t, 10> v{};
+  bool operator==(const TuningKey& o) const { return v == o.v; }
+};
+
+// Candidate runner: enqueue one run of `choice` on the stream; false when it is refused.
+using CandidateRunner = std::function<bool(const Choice&)>;
+
+enum class CachedKind { kNone, kProvisional, kFinal };
+// The per-call path. kFinal: measured (here, in the cache file or in the table); kProvisional:
+// the rule's choice, kept while measuring is not allowed (the budget, CUDA-graph capture) and
+// measured later when it is.
+CachedKind cached_choice(int device, const TuningKey& key, Choice* choice);
+
+// Whether a problem may be measured now on this stream: enabled, not capturing a CUDA graph, and
+// the process's budget not spent.
+bool may_measure(cudaStream_t stream);
+
+// Keeps `rule` for key without measuring (provisional: measured later when allowed).
+void keep_rule_choice(int device, const TuningKey& key, const Choice& rule);
+
+// Measures the candidates with `run` (which runs them on synthetic operands at the bucket's
+// representative M) and caches the best for key: the rule's choice stays unless another beats it
+// by kMinGain. Call only when may_measure(stream).
+Choice tune(int device, const TuningKey& key, const std::string& description, const std::vector<Choice>& candidates,
+            const Choice& rule, const CandidateRunner& run, cudaStream_t stream);
+
+}  // namespace fused_dense::core
