@@ -28,10 +28,6 @@ bool aux_ld_accepted(Activation act, int64_t ld) {
   return false;
 }
 
-Workspace gemm_part(const LinearContext& ctx) {
-  return Workspace{ctx.workspace.ptr, std::min(ctx.workspace.bytes, gemm_workspace_bytes(ctx.device))};
-}
-
 GemmProblem base_problem(const LinearContext& ctx) {
   GemmProblem p;
   p.device = ctx.device;
@@ -194,7 +190,7 @@ OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
   cutlass.input = a.input, cutlass.weight = a.weight, cutlass.bias = a.bias, cutlass.out = a.out;
   cutlass.pre_act = a.pre_act;
   s.cutlass_variants = [cutlass] { return cutlass_sm90_forward_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem fused = s.fused;
   s.run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) return cutlass_sm90_forward(c.cutlass, cutlass, ws, ctx.stream);
@@ -260,7 +256,7 @@ OpSetup wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
   s.fused.epilogue = Epilogue::kBGradB;
   s.fused_possible = a.d_bias != nullptr;
   s.aligned = aligned256(a.input) && aligned256(a.d_output) && aligned256(a.d_weight);
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain, fused = s.fused;
   s.run = [=](const Choice& c) -> bool {
     GemmPointers ptrs;
@@ -312,7 +308,7 @@ OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
   cutlass.weight = a.weight, cutlass.d_output = a.d_output, cutlass.pre_act = a.pre_act;
   cutlass.d_input = a.d_input, cutlass.d_bias = a.d_bias;
   s.cutlass_variants = [cutlass] { return cutlass_sm90_dgrad_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain, fused = s.fused;
   auto rebuild_act_out = [=] {
     if (a.act_out != nullptr)
@@ -511,7 +507,7 @@ OpSetup gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) 
               aligned256(a.pre_act != nullptr ? a.pre_act : ctx.workspace.ptr);
   const CutlassSm90GatedForwardArgs cutlass = cutlass_gated_forward_args(ctx, a);
   s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_forward_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain;
   s.run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) return cutlass_sm90_gated_forward(c.cutlass, cutlass, ws, ctx.stream);
@@ -546,7 +542,7 @@ OpSetup gated_dgrad_setup(const LinearContext& ctx, const GatedLinearDgradArgs& 
   s.aligned = aligned256(a.weight) && aligned256(a.d_output) && aligned256(ctx.workspace.ptr);
   const CutlassSm90GatedDgradArgs cutlass = cutlass_gated_dgrad_args(ctx, a);
   s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_dgrad_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain;
   s.run = [=](const Choice& c) -> bool {
     // the cutlass_sm90 kernel writes act_out itself when asked

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -27,6 +28,12 @@ struct LinearContext {
   Workspace workspace;  // gemm_workspace_bytes(device) at least, plus reduction bytes if asked
   cudaStream_t stream = nullptr;
 };
+
+// The GEMM's part of the context's workspace: its first gemm_workspace_bytes(device) bytes (the
+// size cuBLASLt's algorithm lists assume; a workspace with reduction scratch is longer).
+inline Workspace gemm_workspace_part(const LinearContext& ctx) {
+  return Workspace{ctx.workspace.ptr, std::min(ctx.workspace.bytes, gemm_workspace_bytes(ctx.device))};
+}
 
 struct LinearActArgs {
   int64_t batch = 0, in_features = 0, out_features = 0;
