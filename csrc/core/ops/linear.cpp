@@ -63,8 +63,9 @@ bool aligned256(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 25
 
 // One op's problem, as the dispatch sees it: the two GEMM problems (fused epilogue, plain) and a
 // runner of any choice on the setup's own pointers. Built from (context, arguments) by one
-// function per op, once for the call and, to measure, once more for synthetic operands at the
-// bucket's representative M.
+// function per op: once for the call and, where the tuner asks (choose, tuner.h), once at the
+// bucket's representative M for the rule's choice and once more on synthetic operands there to
+// measure.
 struct OpSetup {
   GemmProblem fused, plain;
   bool fused_possible = false;

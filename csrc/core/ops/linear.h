@@ -1,6 +1,8 @@
 // The three dense-layer computations in PyTorch's row-major terms, one function per op of the
 // same name, each choosing between a fused cuBLASLt epilogue, plain GEMM + this library's
-// elementwise kernel and, where they apply, the cutlass_sm90 kernels.
+// elementwise kernel and, where they apply, the cutlass_sm90 kernels: the heuristic argument's
+// path, or with 'auto' the tuner's choice (linear.cpp's dispatch asks choose() of tuner.h once).
+// The FP8 forms: fp8_linear.h.
 //   linear_act (forward):        out[B,N] = act(input[B,K] @ weight[N,K]^T + bias[N]), pre_act
 //                                saved on request
 //   linear_bias_wgrad:           d_weight[N,K] = d_output[B,N]^T @ input[B,K],
