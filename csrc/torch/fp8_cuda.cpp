@@ -4,7 +4,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "core/cutlass_sm90/cutlass_sm90_fp8.h"
 #include "core/common/device_info.h"
 #include "core/elementwise/fp8_quantize.h"
 #include "core/ops/fp8_linear.h"
@@ -114,11 +113,8 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
   return out;
 }
 
-// One GEMM with the quantize in its epilogue (delayed scaling), or one GEMM recording the amax and
-// the cast pass (current scaling), where the cutlass_sm90 kernel takes the problem; else
-// fp8_linear's GEMM and fp8_quantize's passes. The choice is a function of the device, the shapes,
-// the dtype and the activation only (cutlass_sm90_fp8_forward_fits), so a recomputation
-// (checkpoint level 2, with the forward's scale) takes the forward's GEMM and gives its bits.
+// The fc1 forward of core/ops/fp8_linear.h (fp8_linear_act), which chooses between the
+// cutlass_sm90 FP8 kernel and fp8_linear's GEMM + fp8_quantize's passes.
 Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor& weight,
                                        const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
@@ -127,55 +123,36 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
   check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
   c10::cuda::CUDAGuard guard(input.device());
   check_fp8_device(input, op);
+  // The FP8 GEMMs need 16-byte aligned operands.
   const at::Tensor x = aligned16(input) ? input : input.clone();
   const at::Tensor w = aligned16(weight) ? weight : weight.clone();
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->defined() && !aligned16(*b)) b = b->clone();
-  const bool has_bias = b.has_value() && b->defined();
-  const bool delayed = scale.has_value() && scale->defined();
-  const int device = x.get_device();
-  core::CutlassSm90Fp8ForwardArgs a;
-  a.device = device;
+  Fp8LinearActResult res = empty_fp8_linear_act(x, w, out_dtype, columnwise);
+  auto& [pre, data, data_t, s, s_inv, amax] = res;
+  core::Fp8LinearActArgs a;
   a.batch = x.size(0), a.in_features = x.size(1), a.out_features = w.size(0);
-  a.dtype = core_dtype(out_dtype);
-  a.activation = static_cast<core::Activation>(activation);
-  a.input = x.data_ptr(), a.weight = w.data_ptr(), a.bias = has_bias ? b->data_ptr() : nullptr;
+  a.input = x.data_ptr(), a.weight = w.data_ptr();
   a.input_scale_inv = input_scale_inv.data_ptr<float>(), a.weight_scale_inv = weight_scale_inv.data_ptr<float>();
-  a.scale = delayed ? scale->data_ptr<float>() : nullptr;
-  if (core::cutlass_sm90_fp8_forward_fits(a)) {  // the outputs are allocated for the path taken
-    Fp8LinearActResult res = empty_fp8_linear_act(x, w, out_dtype, columnwise);
-    auto& [pre, data, data_t, s, s_inv, amax] = res;
-    a.pre = pre.data_ptr();
-    if (delayed) {
-      a.data = static_cast<uint8_t*>(data.data_ptr());
-      a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
-    }
-    a.amax = amax.data_ptr<float>();
-    bool ran = false;
-    run_core([&] {
-      const std::size_t bytes = core::gemm_workspace_bytes(device);
-      auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-      ran = core::cutlass_sm90_fp8_forward(a, core::Workspace{ws.data_ptr(), bytes},
-                                           at::cuda::getCurrentCUDAStream(device).stream());
-    });
-    // A refusal here would make the recomputation's path differ from the forward's.
-    TORCH_CHECK(ran, op, ": the cutlass_sm90 FP8 forward kernel refused a problem it fits (batch ", a.batch,
-                ", in_features ", a.in_features, ", out_features ", a.out_features, ")");
-    if (delayed) {
-      s.copy_(scale->reshape({}));
-      at::reciprocal_out(s_inv, s);
-    } else {
-      // The cast of act(pre) with the amax the GEMM recorded; it writes the scales (amax stays).
-      Fp8QuantizeResult q{data, data_t, s, s_inv, amax, at::Tensor()};
-      quantize_into(pre, std::nullopt, activation, false, 0, nullptr, a.amax, true, columnwise, false, q);
-    }
-    return res;
-  }
-  const at::Tensor p = fp8_linear_cuda(x, w, input_scale_inv, weight_scale_inv, b, out_dtype, true, -2);
-  auto [qd, qt, qs, qsi, qa, qc] = fp8_quantize_cuda(p, std::nullopt, activation, false, 0, scale, true, columnwise,
-                                                     false);
-  (void)qc;
-  return {p, qd, qt, qs, qsi, qa};
+  a.bias = (b.has_value() && b->defined()) ? b->data_ptr() : nullptr;
+  a.activation = static_cast<core::Activation>(activation);
+  a.scale = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
+  a.pre = pre.data_ptr();
+  a.data = static_cast<uint8_t*>(data.data_ptr());
+  a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
+  a.scale_out = s.data_ptr<float>(), a.scale_inv_out = s_inv.data_ptr<float>(), a.amax = amax.data_ptr<float>();
+  const int device = x.get_device();
+  run_core([&] {
+    core::LinearContext ctx;
+    ctx.device = device;
+    ctx.dtype = core_dtype(out_dtype);
+    const std::size_t bytes = core::fp8_linear_act_workspace_bytes(device, ctx.dtype, a);
+    auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
+    ctx.workspace = core::Workspace{ws.data_ptr(), bytes};
+    ctx.stream = at::cuda::getCurrentCUDAStream(device).stream();
+    core::fp8_linear_act(ctx, a);
+  });
+  return res;
 }
 
 }  // namespace

@@ -164,6 +164,17 @@ __device__ __forceinline__ uint8_t to_fp8(float v, Fp8Format f) {
                                : __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E5M2);
 }
 
+// The scale outputs of a quantize pass, each where non-null: the scale and its inverse (the factor
+// a GEMM of the FP8 tensor multiplies its accumulator by).
+__device__ __forceinline__ void store_scales(float scale, float* scale_out, float* scale_inv_out) {
+  if (scale_out != nullptr) *scale_out = scale;
+  if (scale_inv_out != nullptr) *scale_inv_out = 1.f / scale;
+}
+
+__global__ void scales_kernel(const float* scale, float* scale_out, float* scale_inv_out) {
+  store_scales(*scale, scale_out, scale_inv_out);
+}
+
 struct CastParams {
   int64_t rows, cols, ld_t, rows_per_block;
   Fp8Format format;
@@ -190,10 +201,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   const int64_t col = c0 + cg * kVec;
   const bool col_in = col < p.cols;  // cols % 8 == 0: a group is wholly in or out
   const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    if (p.scale_out != nullptr) *p.scale_out = scale;
-    if (p.scale_inv_out != nullptr) *p.scale_inv_out = 1.f / scale;
-  }
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) store_scales(scale, p.scale_out, p.scale_inv_out);
   const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
   float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -315,6 +323,11 @@ void check_args(const Fp8QuantizeArgs& a) {
 }
 
 }  // namespace
+
+void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out, cudaStream_t stream) {
+  scales_kernel<<<1, 1, 0, stream>>>(scale, scale_out, scale_inv_out);
+  FD_CHECK_LAUNCH();
+}
 
 std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args) {
   std::size_t bytes = 256;  // the amax of current scaling

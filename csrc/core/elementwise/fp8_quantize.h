@@ -52,6 +52,9 @@ struct Fp8QuantizeArgs {
 };
 
 std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args);
+// The scale outputs the quantize pass writes with delayed scaling, without the pass: *scale_out =
+// *scale and *scale_inv_out = 1 / *scale, the same bits (for a GEMM that quantized in its epilogue).
+void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out, cudaStream_t stream);
 void fp8_quantize(const Fp8QuantizeArgs& args, void* workspace, std::size_t workspace_bytes, int device,
                   cudaStream_t stream);
 

@@ -1,6 +1,11 @@
-// The FP8 GEMM of a linear layer (fp8.h) on the one cuBLASLt entry (gemm.h).
+// The FP8 GEMM of a linear layer (fp8_linear.h) on the one cuBLASLt entry (gemm.h), and the fc1
+// forward's choice between the cutlass_sm90 FP8 kernel (cutlass_sm90_fp8.h) and that GEMM followed
+// by the quantize pass (fp8_quantize.h).
+#include <algorithm>
 #include <sstream>
+#include <string>
 
+#include "core/cutlass_sm90/cutlass_sm90_fp8.h"
 #include "core/elementwise/elementwise.h"
 #include "core/elementwise/fp8_quantize.h"
 #include "core/ops/fp8_linear.h"
@@ -49,6 +54,84 @@ void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& a) {
     return;
   }
   gemm(p, ptrs, heuristic, ctx.workspace, ctx.stream);
+}
+
+namespace {
+
+// The quantize pass of fc1's activation: v = act(pre) into e4m3; known_amax: the amax of v the
+// cutlass_sm90 GEMM recorded (current scaling), in place of the amax pass.
+Fp8QuantizeArgs act_quantize_args(DType dtype, const Fp8LinearActArgs& a, const float* known_amax) {
+  Fp8QuantizeArgs q;
+  q.dtype = dtype;
+  q.rows = a.batch, q.cols = a.out_features;
+  q.input = a.pre;
+  q.activation = a.activation;
+  q.backward = false;
+  q.format = Fp8Format::kE4M3;
+  q.scale = a.scale;
+  q.known_amax = known_amax;
+  q.data = a.data, q.data_t = a.data_t;
+  q.scale_out = a.scale_out, q.scale_inv_out = a.scale_inv_out, q.amax_out = a.amax;
+  return q;
+}
+
+}  // namespace
+
+std::size_t fp8_linear_act_workspace_bytes(int device, DType dtype, const Fp8LinearActArgs& a) {
+  return std::max(gemm_workspace_bytes(device),
+                  fp8_quantize_workspace_bytes(device, act_quantize_args(dtype, a, nullptr)));
+}
+
+void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
+  if (a.activation != Activation::kGeluTanh && a.activation != Activation::kRelu &&
+      a.activation != Activation::kSquaredRelu)
+    throw Error(std::string("fused_dense: fp8_linear_act: activation must be gelu_approx, relu or sqrelu, got ") +
+                activation_name(a.activation));
+  const bool delayed = a.scale != nullptr;
+  const Workspace gemm_ws = gemm_workspace_part(ctx);
+  CutlassSm90Fp8ForwardArgs c;
+  c.device = ctx.device;
+  c.batch = a.batch, c.in_features = a.in_features, c.out_features = a.out_features;
+  c.dtype = ctx.dtype;
+  c.activation = a.activation;
+  c.input = a.input, c.weight = a.weight, c.bias = a.bias;
+  c.input_scale_inv = a.input_scale_inv, c.weight_scale_inv = a.weight_scale_inv;
+  c.scale = a.scale;
+  if (cutlass_sm90_fp8_forward_fits(c)) {
+    c.pre = a.pre;
+    if (delayed) {
+      c.data = a.data;
+      c.data_t = a.data_t;
+    }
+    c.amax = a.amax;
+    // A refusal here would make the recomputation's path differ from the forward's.
+    if (!cutlass_sm90_fp8_forward(c, gemm_ws, ctx.stream))
+      throw Error("fused_dense: fp8_linear_act: the cutlass_sm90 FP8 forward kernel refused a problem it fits "
+                  "(batch " + std::to_string(a.batch) + ", in_features " + std::to_string(a.in_features) +
+                  ", out_features " + std::to_string(a.out_features) + ")");
+    if (delayed) {
+      fp8_write_scales(a.scale, a.scale_out, a.scale_inv_out, ctx.stream);
+    } else {
+      // The cast of act(pre) with the amax the GEMM recorded; it writes the scales (amax stays).
+      fp8_quantize(act_quantize_args(ctx.dtype, a, a.amax), ctx.workspace.ptr, ctx.workspace.bytes, ctx.device,
+                   ctx.stream);
+    }
+    return;
+  }
+  Fp8LinearArgs l;
+  l.batch = a.batch, l.in_features = a.in_features, l.out_features = a.out_features;
+  l.input = a.input, l.input_format = Fp8Format::kE4M3;
+  l.weight = a.weight, l.weight_format = Fp8Format::kE4M3;
+  l.input_scale_inv = a.input_scale_inv, l.weight_scale_inv = a.weight_scale_inv;
+  l.bias = a.bias;
+  l.out = a.pre;
+  l.fast_accum = true;
+  l.heuristic = kHeuristicAuto;
+  LinearContext gemm_ctx = ctx;
+  gemm_ctx.workspace = gemm_ws;
+  fp8_linear(gemm_ctx, l);
+  fp8_quantize(act_quantize_args(ctx.dtype, a, nullptr), ctx.workspace.ptr, ctx.workspace.bytes, ctx.device,
+               ctx.stream);
 }
 
 }  // namespace fused_dense::core

@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
-#include <vector>
+#include <optional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "core/common/cuda_check.h"
 #include "core/elementwise/elementwise.h"
@@ -24,10 +26,6 @@ bool aux_ld_accepted(Activation act, int64_t ld) {
   if (act == Activation::kRelu) return ld % 128 == 0;
   if (act == Activation::kGeluTanh) return ld % 8 == 0;
   return false;
-}
-
-Workspace gemm_part(const LinearContext& ctx) {
-  return Workspace{ctx.workspace.ptr, std::min(ctx.workspace.bytes, gemm_workspace_bytes(ctx.device))};
 }
 
 GemmProblem base_problem(const LinearContext& ctx) {
@@ -65,8 +63,9 @@ bool aligned256(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 25
 
 // One op's problem, as the dispatch sees it: the two GEMM problems (fused epilogue, plain) and a
 // runner of any choice on the setup's own pointers. Built from (context, arguments) by one
-// function per op, once for the call and, to measure, once more for synthetic operands at the
-// bucket's representative M.
+// function per op: once for the call and, where the tuner asks (choose, tuner.h), once at the
+// bucket's representative M for the rule's choice and once more on synthetic operands there to
+// measure.
 struct OpSetup {
   GemmProblem fused, plain;
   bool fused_possible = false;
@@ -84,8 +83,9 @@ bool run_gemm(const GemmProblem& p, const GemmPointers& ptrs, const Choice& c, c
 
 // Resolves the heuristic argument into runs of the setup's runner: an explicit index tries the
 // fused epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the
-// plain list; 'auto' takes the bucket's choice (tuner.h), measured on synthetic operands at the
-// representative M where the bucket has none yet and the budget allows.
+// plain list; 'auto' asks the tuner once (choose, tuner.h) for the bucket's choice, handing it the
+// rule's choice at the representative M and, to measure, this op's candidates on synthetic
+// operands there.
 //   make_setup(ctx, args) -> OpSetup;  synthetic(args, M, arena) -> args at M on arena buffers;
 //   workspace_bytes(device, args) -> the workspace those need.
 template <class Args, class MakeSetup, class Synthetic, class WorkspaceBytes>
@@ -104,43 +104,36 @@ void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, 
     return;
   }
   const MBucket bucket = m_bucket(args.batch);
-  const TuningKey key = tuning_key(op, ctx, bucket, K, N, act, flag_a, flag_b);
-  // Once the bucket has a choice, the per-call cost of 'auto' is this lookup (and, at a new M,
-  // one cublasLtMatmulAlgoCheck per algorithm).
-  Choice choice;
-  const CachedKind cached = cached_choice(ctx.device, key, &choice);
-  if (cached == CachedKind::kNone || (cached == CachedKind::kProvisional && may_measure(ctx.stream))) {
-    // The rule's choice at the representative M, with cuBLASLt's first algorithm there.
+  // The rule's choice at the representative M, with cuBLASLt's first algorithm there.
+  const auto rule = [&] {
     Args at_rep = args;
     at_rep.batch = bucket.representative;
     const OpSetup rep = make_setup(ctx, at_rep);
-    Choice rule = rule_kind;
-    if (rule.fused && !(rep.fused_possible && gemm_algorithm(rep.fused, 0, &rule.algo))) rule = Choice{false, 0};
-    if (!rule.fused) rule.has_algo = gemm_algorithm(rep.plain, 0, &rule.algo);
-    else rule.has_algo = true;
-    choice = rule;
-    bool measured = false;
-    if (may_measure(ctx.stream)) {
-      TuningArena arena(ctx.stream);
-      LinearContext tctx = ctx;
-      const Args t_args = synthetic(args, bucket.representative, arena);
-      const std::size_t ws_bytes = workspace_bytes(ctx.device, t_args);
-      tctx.workspace = Workspace{arena.scratch(ws_bytes), ws_bytes};
-      if (arena.ok()) {
-        const OpSetup trial = make_setup(tctx, t_args);
-        std::vector<Choice> candidates;
-        cublasLtMatmulAlgo_t algo;
-        for (int i = 0; trial.fused_possible && gemm_algorithm(trial.fused, i, &algo); ++i)
-          candidates.push_back(Choice{true, i, -1, true, algo});
-        for (int i = 0; gemm_algorithm(trial.plain, i, &algo); ++i) candidates.push_back(Choice{false, i, -1, true, algo});
-        for (int i = 0, n = trial.cutlass_variants(); i < n; ++i) candidates.push_back(Choice{false, 0, i});
-        choice = tune(ctx.device, key, describe(name, ctx, bucket.representative, K, N, act), candidates, rule,
-                      trial.run, ctx.stream);
-        measured = true;
-      }
-    }
-    if (!measured) keep_rule_choice(ctx.device, key, rule);
-  }
+    Choice c = rule_kind;
+    if (c.fused && !(rep.fused_possible && gemm_algorithm(rep.fused, 0, &c.algo))) c = Choice{false, 0};
+    if (!c.fused) c.has_algo = gemm_algorithm(rep.plain, 0, &c.algo);
+    else c.has_algo = true;
+    return c;
+  };
+  // The candidates at the representative M, on synthetic operands and workspace from the arena.
+  const auto trial = [&](TuningArena& arena) -> std::optional<TuningTrial> {
+    LinearContext tctx = ctx;
+    const Args t_args = synthetic(args, bucket.representative, arena);
+    const std::size_t ws_bytes = workspace_bytes(ctx.device, t_args);
+    tctx.workspace = Workspace{arena.scratch(ws_bytes), ws_bytes};
+    if (!arena.ok()) return std::nullopt;
+    OpSetup t = make_setup(tctx, t_args);
+    TuningTrial out;
+    cublasLtMatmulAlgo_t algo;
+    for (int i = 0; t.fused_possible && gemm_algorithm(t.fused, i, &algo); ++i)
+      out.candidates.push_back(Choice{true, i, -1, true, algo});
+    for (int i = 0; gemm_algorithm(t.plain, i, &algo); ++i) out.candidates.push_back(Choice{false, i, -1, true, algo});
+    for (int i = 0, n = t.cutlass_variants(); i < n; ++i) out.candidates.push_back(Choice{false, 0, i});
+    out.run = std::move(t.run);
+    out.description = describe(name, ctx, bucket.representative, K, N, act);
+    return out;
+  };
+  Choice choice = choose(ctx.device, ctx.stream, tuning_key(op, ctx, bucket, K, N, act, flag_a, flag_b), rule, trial);
   if (!setup.aligned && choice.has_algo) {
     choice.has_algo = false;
     choice.algorithm = 0;
@@ -198,7 +191,7 @@ OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
   cutlass.input = a.input, cutlass.weight = a.weight, cutlass.bias = a.bias, cutlass.out = a.out;
   cutlass.pre_act = a.pre_act;
   s.cutlass_variants = [cutlass] { return cutlass_sm90_forward_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem fused = s.fused;
   s.run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) return cutlass_sm90_forward(c.cutlass, cutlass, ws, ctx.stream);
@@ -264,7 +257,7 @@ OpSetup wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
   s.fused.epilogue = Epilogue::kBGradB;
   s.fused_possible = a.d_bias != nullptr;
   s.aligned = aligned256(a.input) && aligned256(a.d_output) && aligned256(a.d_weight);
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain, fused = s.fused;
   s.run = [=](const Choice& c) -> bool {
     GemmPointers ptrs;
@@ -316,7 +309,7 @@ OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
   cutlass.weight = a.weight, cutlass.d_output = a.d_output, cutlass.pre_act = a.pre_act;
   cutlass.d_input = a.d_input, cutlass.d_bias = a.d_bias;
   s.cutlass_variants = [cutlass] { return cutlass_sm90_dgrad_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain, fused = s.fused;
   auto rebuild_act_out = [=] {
     if (a.act_out != nullptr)
@@ -515,7 +508,7 @@ OpSetup gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) 
               aligned256(a.pre_act != nullptr ? a.pre_act : ctx.workspace.ptr);
   const CutlassSm90GatedForwardArgs cutlass = cutlass_gated_forward_args(ctx, a);
   s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_forward_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain;
   s.run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) return cutlass_sm90_gated_forward(c.cutlass, cutlass, ws, ctx.stream);
@@ -550,7 +543,7 @@ OpSetup gated_dgrad_setup(const LinearContext& ctx, const GatedLinearDgradArgs& 
   s.aligned = aligned256(a.weight) && aligned256(a.d_output) && aligned256(ctx.workspace.ptr);
   const CutlassSm90GatedDgradArgs cutlass = cutlass_gated_dgrad_args(ctx, a);
   s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_dgrad_variants(cutlass); };
-  const Workspace ws = gemm_part(ctx);
+  const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain;
   s.run = [=](const Choice& c) -> bool {
     // the cutlass_sm90 kernel writes act_out itself when asked

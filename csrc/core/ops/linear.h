@@ -1,6 +1,8 @@
 // The three dense-layer computations in PyTorch's row-major terms, one function per op of the
 // same name, each choosing between a fused cuBLASLt epilogue, plain GEMM + this library's
-// elementwise kernel and, where they apply, the cutlass_sm90 kernels.
+// elementwise kernel and, where they apply, the cutlass_sm90 kernels: the heuristic argument's
+// path, or with 'auto' the tuner's choice (linear.cpp's dispatch asks choose() of tuner.h once).
+// The FP8 forms: fp8_linear.h.
 //   linear_act (forward):        out[B,N] = act(input[B,K] @ weight[N,K]^T + bias[N]), pre_act
 //                                saved on request
 //   linear_bias_wgrad:           d_weight[N,K] = d_output[B,N]^T @ input[B,K],
@@ -12,6 +14,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -27,6 +30,12 @@ struct LinearContext {
   Workspace workspace;  // gemm_workspace_bytes(device) at least, plus reduction bytes if asked
   cudaStream_t stream = nullptr;
 };
+
+// The GEMM's part of the context's workspace: its first gemm_workspace_bytes(device) bytes (the
+// size cuBLASLt's algorithm lists assume; a workspace with reduction scratch is longer).
+inline Workspace gemm_workspace_part(const LinearContext& ctx) {
+  return Workspace{ctx.workspace.ptr, std::min(ctx.workspace.bytes, gemm_workspace_bytes(ctx.device))};
+}
 
 struct LinearActArgs {
   int64_t batch = 0, in_features = 0, out_features = 0;

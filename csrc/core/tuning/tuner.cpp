@@ -22,6 +22,7 @@
 #include "core/common/device_info.h"
 #include "core/gemm/gemm.h"
 #include "core/common/key_hash.h"
+#include "core/tuning/tuning_arena.h"
 
 namespace fused_dense::core {
 
@@ -172,6 +173,11 @@ bool read_choice(std::istream& in, Choice* c) {
   return static_cast<bool>(in) && c->algorithm >= 0;
 }
 
+enum class CachedKind { kNone, kProvisional, kFinal };
+
+// The choices of this process, per device: kFinal measured (here, in the cache file or in the
+// table); kProvisional the rule's choice, kept while measuring is not allowed (the budget,
+// CUDA-graph capture) and measured later when it is.
 class ChoiceCache {
  public:
   CachedKind lookup(int device, const TuningKey& key, Choice* out) {
@@ -362,10 +368,18 @@ int64_t bucket_index(int64_t m, int b) {
   return static_cast<int64_t>(b) * k + j;
 }
 
+// The bucket grid of the settings, read without copying them (m_bucket runs on every 'auto' call).
+int bucket_grid() {
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  initialize_locked(st);
+  return st.settings.buckets;
+}
+
 }  // namespace
 
 MBucket m_bucket(int64_t m) {
-  const int b = current_settings().buckets;
+  const int b = bucket_grid();
   if (m <= 0 || b == 0) return {m, m, 0};
   const int64_t index = bucket_index(m, b);
   int64_t rep = std::llround(std::pow(2.0, (static_cast<double>(index) + 0.5) / b));
@@ -412,10 +426,10 @@ TuningStats tuning_stats() {
   return stats;
 }
 
-CachedKind cached_choice(int device, const TuningKey& key, Choice* choice) {
-  return choice_cache().lookup(device, key, choice);
-}
+namespace {
 
+// Whether a problem may be measured now on this stream: enabled, not capturing a CUDA graph, and
+// the process's budget (with its pacing) not spent.
 bool may_measure(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
@@ -430,6 +444,7 @@ bool may_measure(cudaStream_t stream) {
   return st.spent_s < kInitialAllowanceS + st.settings.pace * since_first;
 }
 
+// Keeps `rule` for key without measuring (provisional: measured later when allowed).
 void keep_rule_choice(int device, const TuningKey& key, const Choice& rule) {
   choice_cache().insert(device, key, rule, /*provisional=*/true);
   TunerState& st = state();
@@ -437,6 +452,9 @@ void keep_rule_choice(int device, const TuningKey& key, const Choice& rule) {
   ++st.stats.rule_choices;
 }
 
+// Measures the candidates with `run` (which runs them on synthetic operands at the bucket's
+// representative M) and caches the best for key: the rule's choice stays unless another beats it
+// by kMinGain. Called only when may_measure(stream).
 Choice tune(int device, const TuningKey& key, const std::string& description, const std::vector<Choice>& all,
             const Choice& rule, const CandidateRunner& run, cudaStream_t stream) {
   announce_first_tuning();
@@ -583,6 +601,25 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
   choice_cache().insert(device, key, best, /*provisional=*/false);
   charge(true);
   return best;
+}
+
+}  // namespace
+
+Choice choose(int device, cudaStream_t stream, const TuningKey& key, FunctionRef<Choice()> rule,
+              FunctionRef<std::optional<TuningTrial>(TuningArena&)> trial) {
+  // Once the key has a choice, this lookup is the per-call cost of 'auto' (and, at a new M, one
+  // cublasLtMatmulAlgoCheck per algorithm in gemm.h).
+  Choice choice;
+  const CachedKind cached = choice_cache().lookup(device, key, &choice);
+  if (cached == CachedKind::kFinal || (cached == CachedKind::kProvisional && !may_measure(stream))) return choice;
+  const Choice rule_choice = rule();
+  if (may_measure(stream)) {
+    TuningArena arena(stream);
+    if (const std::optional<TuningTrial> t = trial(arena))
+      return tune(device, key, t->description, t->candidates, rule_choice, t->run, stream);
+  }
+  keep_rule_choice(device, key, rule_choice);
+  return rule_choice;
 }
 
 }  // namespace fused_dense::core

@@ -7,11 +7,23 @@
 // the caller's stream and the fastest is kept, process-wide. A choice stores the cuBLASLt
 // algorithm itself (cublasLtMatmulAlgo_t), which gemm.h checks for each new M of the bucket.
 //
-// Where the choices come from, in order: this process's measurements; the user's cache file
-// (FUSED_DENSE_TUNING_CACHE); the table shipped with the package for the GPU's compute capability
-// and cuBLASLt major.minor (FUSED_DENSE_TUNING_TABLE=0 leaves it out, =path reads another);
-// measuring, within the budget (TuningSettings); else the rule's choice (the fused epilogue or
-// plain GEMM with cuBLASLt's first algorithm at the representative M).
+// The one entry is choose(): an op (linear.cpp's dispatch, for linear_act and the other ops of
+// linear.h and gated.h) builds its key, a builder of the rule's choice and a builder of the
+// measurement, and asks once. choose() returns, in order:
+//   1. the key's choice in this process: measured here, or read from the user's cache file
+//      (FUSED_DENSE_TUNING_CACHE) or the table shipped with the package for the GPU's compute
+//      capability and cuBLASLt major.minor (FUSED_DENSE_TUNING_TABLE=0 leaves it out, =path reads
+//      another; both files are read on a device's first lookup);
+//   2. a provisional choice (the rule's, kept while measuring was not allowed) as long as measuring
+//      is still not allowed (disabled, CUDA-graph capture, the budget of TuningSettings spent);
+//   3. else, with the rule's choice built (rule()), where measuring is allowed now: the op's
+//      candidates, built on synthetic operands in a TuningArena (trial()) and timed; the fastest
+//      is kept (the rule's choice unless another beats it by tuner.cpp's kMinGain);
+//   4. else the rule's choice (the fused epilogue or plain GEMM with cuBLASLt's first algorithm
+//      at the representative M; where measuring is not allowed or the arena cannot hold the
+//      operands), kept as provisional and measured on a later call that may.
+// On a key's cached choice (1, 2) choose() allocates nothing and builds neither the rule's choice
+// nor the candidates.
 //
 // Environment (read once; TuningSettings set from Python override them):
 //   FUSED_DENSE_TUNING=0                   never measure (table, cache and rule only)
@@ -34,10 +46,12 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "core/common/cutlass_variants.h"
+#include "core/common/function_ref.h"
 
 namespace fused_dense::core {
 
@@ -103,23 +117,21 @@ struct TuningKey {
 // Candidate runner: enqueue one run of `choice` on the stream; false when it is refused.
 using CandidateRunner = std::function<bool(const Choice&)>;
 
-enum class CachedKind { kNone, kProvisional, kFinal };
-// The per-call path. kFinal: measured (here, in the cache file or in the table); kProvisional:
-// the rule's choice, kept while measuring is not allowed (the budget, CUDA-graph capture) and
-// measured later when it is.
-CachedKind cached_choice(int device, const TuningKey& key, Choice* choice);
+class TuningArena;  // tuning_arena.h
 
-// Whether a problem may be measured now on this stream: enabled, not capturing a CUDA graph, and
-// the process's budget not spent.
-bool may_measure(cudaStream_t stream);
+// What an op measures: its candidates on synthetic operands at the bucket's representative M, a
+// runner of each on those operands, and the problem's description (FUSED_DENSE_TUNING_VERBOSE).
+struct TuningTrial {
+  std::vector<Choice> candidates;
+  CandidateRunner run;
+  std::string description;
+};
 
-// Keeps `rule` for key without measuring (provisional: measured later when allowed).
-void keep_rule_choice(int device, const TuningKey& key, const Choice& rule);
-
-// Measures the candidates with `run` (which runs them on synthetic operands at the bucket's
-// representative M) and caches the best for key: the rule's choice stays unless another beats it
-// by kMinGain. Call only when may_measure(stream).
-Choice tune(int device, const TuningKey& key, const std::string& description, const std::vector<Choice>& candidates,
-            const Choice& rule, const CandidateRunner& run, cudaStream_t stream);
+// The choice for key on this device (the steps above). rule(): the rule's choice at the bucket's
+// representative M; trial(arena): the candidates and their runner on operands taken from arena
+// (which frees them when choose() returns), or nullopt when arena.ok() turned false. Each is
+// called only where the key has no choice to return as it is, and trial() only when measuring.
+Choice choose(int device, cudaStream_t stream, const TuningKey& key, FunctionRef<Choice()> rule,
+              FunctionRef<std::optional<TuningTrial>(TuningArena&)> trial);
 
 }  // namespace fused_dense::core
