@@ -8,6 +8,6 @@ shift
 read -r -a arch <<<"${NVCC_ARCH:--gencode arch=compute_90,code=sm_90}"
 # The sources by folder: csrc/core/common and csrc/core/elementwise, the layers the test exercises.
 mkdir -p "$(dirname "$out")"
-nvcc -std=c++17 -O2 -Icsrc "${arch[@]}" "$@" tests/native/test_elementwise.cu \
+nvcc -std=c++17 -O2 --expt-relaxed-constexpr -Icsrc "${arch[@]}" "$@" tests/native/test_elementwise.cu \
   csrc/core/common/*.cpp csrc/core/elementwise/*.cu csrc/core/elementwise/*.cpp \
   -lcublasLt -o "$out"
