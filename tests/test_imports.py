@@ -1,0 +1,162 @@
+"""The Python package's import structure, read from its source with ``ast`` (nothing is imported):
+the modules of ``fused_dense`` import each other without a cycle, counting the imports inside
+functions, and no module imports another's private (underscore) names. docs/contract.md
+("Layers") draws the import direction this enforces.
+
+Allowed private modules: the package's loading infrastructure and ``_common``, the shared private
+module whose names are public within the package.
+"""
+import ast
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Set, Tuple
+
+PACKAGE = "fused_dense"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
+ALLOWED_PRIVATE_MODULES = {"_loader", "_version", "_abi", "_build_info", "_C", "_common"}
+
+
+def _module_name(path: Path) -> str:
+    return PACKAGE if path.stem == "__init__" else f"{PACKAGE}.{path.stem}"
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+class _Imports:
+    """The package modules one file imports, and the private names it takes from them."""
+
+    def __init__(self, name: str, tree: ast.AST, modules: Set[str]):
+        self.name, self.modules = name, modules
+        self.edges: Set[str] = set()
+        self.private: List[str] = []
+        aliases: Dict[str, str] = {}  # a local name bound to a package module -> that module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = self._longest_module(alias.name)
+                    if target is not None:
+                        self._edge(target, node)
+                        if alias.asname:
+                            aliases[alias.asname] = target
+                        elif alias.name == PACKAGE:
+                            aliases[PACKAGE] = PACKAGE
+            elif isinstance(node, ast.ImportFrom):
+                base = self._resolve(node)
+                if base is None:
+                    continue
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in modules:  # a submodule: `from . import ops`
+                        self._edge(f"{base}.{alias.name}", node)
+                        aliases[alias.asname or alias.name] = f"{base}.{alias.name}"
+                        continue
+                    self._edge(base, node)
+                    if _is_private(alias.name):
+                        self.private.append(f"{name} line {node.lineno}: from {base} import {alias.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in aliases and _is_private(node.attr) \
+                    and f"{aliases[node.value.id]}.{node.attr}" not in modules:
+                self.private.append(f"{name} line {node.lineno}: {node.value.id}.{node.attr} "
+                                    f"({aliases[node.value.id]})")
+
+    def _longest_module(self, dotted: str) -> Optional[str]:
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in self.modules:
+                return ".".join(parts[:n])
+        return None
+
+    def _resolve(self, node: ast.ImportFrom) -> Optional[str]:
+        """The module `from X import ...` reads, as a package module name, or None (outside)."""
+        if node.level == 0:
+            return self._longest_module(node.module or "")
+        package = self.name if self.name == PACKAGE else self.name.rpartition(".")[0]
+        parts = package.split(".")
+        base = ".".join(parts[:len(parts) - (node.level - 1)])
+        full = f"{base}.{node.module}" if node.module else base
+        return full if full in self.modules else self._longest_module(full)
+
+    def _edge(self, target: str, node) -> None:
+        if target == self.name:
+            return
+        self.edges.add(target)
+        leaf = target.rpartition(".")[2]
+        if target != PACKAGE and _is_private(leaf) and leaf not in ALLOWED_PRIVATE_MODULES:
+            self.private.append(f"{self.name} line {node.lineno}: imports the private module {target}")
+
+
+def read_package(package_dir: Path) -> Tuple[Dict[str, Set[str]], List[str]]:
+    """(graph: module -> the package modules it imports, the private-name imports found)."""
+    files = sorted(package_dir.glob("*.py"))
+    modules = {_module_name(p) for p in files} | {f"{PACKAGE}._C"}
+    graph, private = {}, []
+    for path in files:
+        found = _Imports(_module_name(path), ast.parse(path.read_text(), str(path)), modules)
+        graph[found.name] = found.edges
+        private += found.private
+    return graph, private
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """One cycle of the graph as [a, b, ..., a], or None."""
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
+    path: List[str] = []
+
+    def visit(node: str) -> Optional[List[str]]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start)
+            if cycle:
+                return cycle
+    return None
+
+
+def _format(graph: Dict[str, Set[str]]) -> str:
+    return "\n".join(f"  {m} -> {', '.join(sorted(graph[m])) or '(none)'}" for m in sorted(graph))
+
+
+def test_no_import_cycle():
+    graph, _ = read_package(PACKAGE_DIR)
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}\nthe package's imports:\n{_format(graph)}"
+
+
+def test_no_private_names_across_modules():
+    _, private = read_package(PACKAGE_DIR)
+    assert not private, "private names imported from other package modules:\n" + "\n".join(private)
+
+
+def test_the_checks_find_a_planted_cycle_and_private_import(tmp_path):
+    """The two checks above fail on a package that has what they look for: a copy of the package
+    with a cycle planted through an import inside a function, and a private name imported."""
+    copy = tmp_path / PACKAGE
+    copy.mkdir()
+    for path in PACKAGE_DIR.glob("*.py"):
+        shutil.copy(path, copy / path.name)
+    graph, private = read_package(copy)
+    assert find_cycle(graph) is None and not private
+    assert f"{PACKAGE}.ops" in graph[f"{PACKAGE}.functional"]
+    with open(copy / "ops.py", "a") as f:
+        f.write("\n\ndef _planted():\n    from .functional import fused_mlp_func, _as_private\n")
+    graph, private = read_package(copy)
+    cycle = find_cycle(graph)
+    assert cycle is not None and f"{PACKAGE}.ops" in cycle and f"{PACKAGE}.functional" in cycle, cycle
+    assert any("_as_private" in p for p in private), private
+    (copy / "extra.py").write_text("from . import ops as _o\n\n_o._op\n")
+    _, private = read_package(copy)
+    assert any("_o._op" in p for p in private), private
