@@ -290,11 +290,11 @@ def warn_torchao_once() -> None:
 
 
 class Fp8Layer:
-    """The FP8 side that FusedDense, FusedMLP, FusedGatedMLP, ColumnParallelLinear,
-    RowParallelLinear, ParallelFusedMLP and ParallelFusedGatedMLP share (the role of
-    TransformerEngine's base module): the ``fp8`` argument and the per-layer state (kept weight
-    copies, delayed-scaling buffers and their loading from a state_dict), the size rule, and the
-    FP8 step of ``forward``. :func:`convert_to_fp8` finds the layers by this class.
+    """The base of every layer that runs in FP8 (FusedDense, FusedMLP, FusedGatedMLP,
+    ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP, ParallelFusedGatedMLP): the ``fp8``
+    argument and the per-layer state (kept weight copies, delayed-scaling buffers and their loading
+    from a state_dict), the size rule, and the FP8 step of ``forward``. :func:`convert_to_fp8`
+    finds the layers by this class.
 
     A layer calls :meth:`_init_fp8` once its parameters exist, asks :meth:`_fp8_recipe_for` with its
     widths for the recipe its forward runs under, and runs :meth:`_fp8_forward` when there is one.

@@ -1,12 +1,13 @@
 """The Python package's import structure, read from its source with ``ast`` (nothing is imported):
 the modules of ``fused_dense`` import each other without a cycle, counting the imports inside
-functions, and no module imports another's private (underscore) names. docs/contract.md
-("Layers") draws the import direction this enforces.
+functions, each only modules of the tiers below its own (docs/contract.md, "Layers"), and no
+module imports another's private (underscore) names.
 
 Allowed private modules: the package's loading infrastructure and ``_common``, the shared private
 module whose names are public within the package.
 """
 import ast
+import re
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
@@ -14,6 +15,18 @@ from typing import Dict, List, Optional, Set, Tuple
 PACKAGE = "fused_dense"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 ALLOWED_PRIVATE_MODULES = {"_loader", "_version", "_abi", "_build_info", "_C", "_common"}
+CONTRACT = Path(__file__).resolve().parents[1] / "docs" / "contract.md"
+
+
+def tiers() -> List[List[str]]:
+    """The package's rows of docs/contract.md's layers table, top to bottom, as module names;
+    then what the build writes (the compiled library and _build_info), at the bottom."""
+    rows = []
+    for line in CONTRACT.read_text().splitlines():
+        if line.startswith(f"| `{PACKAGE}/"):
+            stems = re.findall(r"`(?:" + PACKAGE + r"/)?(\w+)\.py`", line.split("|")[1])
+            rows.append([_module_name(Path(f"{stem}.py")) for stem in stems])
+    return rows + [[f"{PACKAGE}._build_info", f"{PACKAGE}._C"]]
 
 
 def _module_name(path: Path) -> str:
@@ -136,20 +149,36 @@ def test_no_import_cycle():
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}\nthe package's imports:\n{_format(graph)}"
 
 
+def imports_not_down(graph: Dict[str, Set[str]]) -> List[str]:
+    """The imports of a module in the same or a higher row of the layers table, and the modules
+    in no row."""
+    tier = {name: i for i, row in enumerate(tiers()) for name in row}
+    found = [f"{m} is in no row of docs/contract.md's layers table" for m in sorted(set(graph) - set(tier))]
+    return found + [f"{m} -> {t}" for m in sorted(graph) if m in tier for t in sorted(graph[m])
+                    if tier.get(t, -1) <= tier[m]]
+
+
+def test_imports_go_down_the_layers_table():
+    graph, _ = read_package(PACKAGE_DIR)
+    found = imports_not_down(graph)
+    assert not found, "imports not down the layers table of docs/contract.md:\n" + "\n".join(found)
+
+
 def test_no_private_names_across_modules():
     _, private = read_package(PACKAGE_DIR)
     assert not private, "private names imported from other package modules:\n" + "\n".join(private)
 
 
-def test_the_checks_find_a_planted_cycle_and_private_import(tmp_path):
-    """The two checks above fail on a package that has what they look for: a copy of the package
-    with a cycle planted through an import inside a function, and a private name imported."""
+def test_the_checks_find_planted_faults(tmp_path):
+    """The checks above fail on a package that has what they look for: a copy of the package
+    with a cycle planted through an import inside a function, a private name imported, a private
+    attribute of an imported module read, a sideways import and a module in no row."""
     copy = tmp_path / PACKAGE
     copy.mkdir()
     for path in PACKAGE_DIR.glob("*.py"):
         shutil.copy(path, copy / path.name)
     graph, private = read_package(copy)
-    assert find_cycle(graph) is None and not private
+    assert find_cycle(graph) is None and not private and not imports_not_down(graph)
     assert f"{PACKAGE}.ops" in graph[f"{PACKAGE}.functional"]
     with open(copy / "ops.py", "a") as f:
         f.write("\n\ndef _planted():\n    from .functional import fused_mlp_func, _as_private\n")
@@ -157,6 +186,12 @@ def test_the_checks_find_a_planted_cycle_and_private_import(tmp_path):
     cycle = find_cycle(graph)
     assert cycle is not None and f"{PACKAGE}.ops" in cycle and f"{PACKAGE}.functional" in cycle, cycle
     assert any("_as_private" in p for p in private), private
+    assert f"{PACKAGE}.ops -> {PACKAGE}.functional" in imports_not_down(graph)
     (copy / "extra.py").write_text("from . import ops as _o\n\n_o._op\n")
-    _, private = read_package(copy)
+    with open(copy / "modules.py", "a") as f:
+        f.write("\nfrom .parallel import ColumnParallelLinear\n")
+    graph, private = read_package(copy)
     assert any("_o._op" in p for p in private), private
+    found = imports_not_down(graph)
+    assert f"{PACKAGE}.extra is in no row of docs/contract.md's layers table" in found, found
+    assert f"{PACKAGE}.modules -> {PACKAGE}.parallel" in found, found
