@@ -10,8 +10,6 @@ load_library()
 
 from . import ops, tuning  # noqa: E402
 from .fp8 import Float8Recipe, convert_to_fp8, fp8_autocast  # noqa: E402
-
-tuning._install_shipped_table()
 from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_gated_mlp_func,  # noqa: E402
                          fused_mlp_func)
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # noqa: E402

@@ -40,15 +40,17 @@ accumulation: one cast per optimizer step). The argument is explicit, so CUDA gr
 torch.compile see no hidden host state.
 """
 import dataclasses
+import functools
 import threading
 import warnings
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+from ._common import autocast_off, cast_for_op, compute_dtype
 
 __all__ = ["Float8Recipe", "fp8_autocast", "convert_to_fp8", "DEFAULT_MIN_FEATURES"]
 
@@ -57,7 +59,9 @@ __all__ = ["Float8Recipe", "fp8_autocast", "convert_to_fp8", "DEFAULT_MIN_FEATUR
 DEFAULT_MIN_FEATURES = 2048
 
 _FORMATS = {"e4m3": 0, "e5m2": 1}
-_FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+# The largest finite value of each format, where saturation clamps: the formats' own (torch's
+# float8_e4m3fn and float8_e5m2), which the kernels use too (csrc/core/common/types.h, fp8_max).
+_FORMAT_MAX = {"e4m3": torch.finfo(torch.float8_e4m3fn).max, "e5m2": torch.finfo(torch.float8_e5m2).max}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,20 +164,11 @@ class fp8_autocast:
 
 def convert_to_fp8(model: torch.nn.Module, recipe: Optional[Float8Recipe] = None) -> torch.nn.Module:
     """Set ``recipe`` (default: ``Float8Recipe()``) on every FusedDense, FusedMLP, FusedGatedMLP and
-    tensor-parallel layer of ``model``, in place; returns the model. ``nn.Linear`` layers that are
-    not fused_dense layers are left alone."""
-    from .modules import FusedDense, FusedGatedMLP, FusedMLP
-
+    tensor-parallel layer of ``model`` (every :class:`Fp8Layer`), in place; returns the model.
+    ``nn.Linear`` layers that are not fused_dense layers are left alone."""
     recipe = recipe or Float8Recipe()
-    kinds = [FusedDense, FusedMLP, FusedGatedMLP]
-    try:
-        from .parallel import ColumnParallelLinear, ParallelFusedGatedMLP, ParallelFusedMLP, RowParallelLinear
-
-        kinds += [ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP, ParallelFusedGatedMLP]
-    except ImportError:  # torch.distributed unavailable
-        pass
     for module in model.modules():
-        if isinstance(module, tuple(kinds)):
+        if isinstance(module, Fp8Layer):
             module.fp8 = recipe
             prepare_layer(module)
     return model
@@ -290,9 +285,118 @@ def warn_torchao_once() -> None:
                       "FusedMLP(fp8=...) or fused_dense.convert_to_fp8 instead to choose the recipe.", stacklevel=3)
 
 
-def activation_code(activation: str) -> int:
-    code = ops.activation_code(activation)
-    if code not in (1, 2, 3, 4, 5):
-        raise ValueError(f"FP8 runs the activations 'gelu_approx', 'relu', 'sqrelu', 'swiglu' and 'geglu', got "
-                         f"{activation!r}")
-    return code
+# ----------------------------------------------------------------------------------------------
+# The FP8 side of every layer
+
+
+class Fp8Layer:
+    """The base of every layer that runs in FP8 (FusedDense, FusedMLP, FusedGatedMLP,
+    ColumnParallelLinear, RowParallelLinear, ParallelFusedMLP, ParallelFusedGatedMLP): the ``fp8``
+    argument and the per-layer state (kept weight copies, delayed-scaling buffers and their loading
+    from a state_dict), the size rule, and the FP8 step of ``forward``. :func:`convert_to_fp8`
+    finds the layers by this class.
+
+    A layer calls :meth:`_init_fp8` once its parameters exist, asks :meth:`_fp8_recipe_for` with its
+    widths for the recipe its forward runs under, and runs :meth:`_fp8_forward` when there is one.
+    An MLP layer has ``activation``, ``checkpoint_lvl`` and ``training``."""
+
+    def _init_fp8(self, fp8, slots: Sequence[str]) -> None:
+        """The ``fp8`` argument and the FP8 state for the op's scaled tensors ``slots``
+        (DENSE_SLOTS, MLP_SLOTS). Delayed scaling's buffers are made now when the layer is built
+        with a delayed recipe (else on its first FP8 step), and on load when a state_dict carries
+        them."""
+        check_fp8_argument(fp8)
+        self.fp8 = fp8
+        self._fp8_state = Fp8State(slots)
+        prepare_layer(self)
+        self.register_load_state_dict_pre_hook(functools.partial(_load_scaling_state, slots=tuple(slots)))
+
+    def _fp8_recipe_for(self, widths: Sequence[int], torchao_layers: Sequence[torch.nn.Module] = ()):
+        """The recipe the forward runs under, or None (model dtype): the layer's ``fp8`` (else
+        fp8_autocast's), or current scaling with a warning where torchao's converter replaced one
+        of ``torchao_layers``; narrowed by the size rule on ``widths``."""
+        recipe = resolve_recipe(self.fp8)
+        if recipe is None and any(torchao_converted(layer) for layer in torchao_layers):
+            warn_torchao_once()
+            recipe = Float8Recipe(scaling="current", min_features=0)
+        if recipe is None or not recipe.applies(widths):
+            return None
+        return recipe
+
+    def _fp8_forward(self, recipe: Float8Recipe, x: Tensor, is_first_microbatch: Optional[bool],
+                     gemms: Optional[Tuple[torch.nn.Module, torch.nn.Module]] = None, process_group=None,
+                     sequence_parallel: bool = True) -> Tensor:
+        """The FP8 step: x entered into ``process_group`` (:func:`_parallel_input`), then the op
+        fp8_dense over the layer's ``weight`` / ``bias``, or with ``gemms`` = (fc1, fc2) the op
+        fused_mlp_fp8 over those (FusedMLP's fc1 / fc2, a gated MLP's gate_up_proj / down_proj)
+        with the layer's activation and checkpoint level (2 in eval mode). The weights are the
+        full layers or this rank's shards, whose partial sums the caller reduces."""
+        x = _parallel_input(x, process_group, sequence_parallel)
+        if gemms is None:
+            xc, x2, (b,) = _op_inputs(x, (self.bias,))
+            weights = self._fp8_state.weight_copies((self.weight,), is_first_microbatch)
+            scales, amax_out = _scaling(self, recipe, DENSE_SLOTS, x.device)
+            with autocast_off(x.device.type):
+                out = torch.ops.fused_dense.fp8_dense(x2, self.weight, b, weights, recipe.grad_format_code, scales,
+                                                      amax_out)
+        else:
+            act = ops.mlp_activation_code(self.activation, "any")
+            lvl = self.checkpoint_lvl if self.training else 2
+            fc1, fc2 = gemms
+            xc, x2, (b1, b2) = _op_inputs(x, (fc1.bias, fc2.bias))
+            weights = self._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
+            scales, amax_out = _scaling(self, recipe, MLP_SLOTS, x.device)
+            with autocast_off(x.device.type):
+                out = torch.ops.fused_dense.fused_mlp_fp8(x2, fc1.weight, b1, fc2.weight, b2, act, lvl, weights,
+                                                          recipe.grad_format_code, scales, amax_out)
+        return out if xc.dim() == 2 else out.reshape(*xc.shape[:-1], out.shape[-1])
+
+
+def _load_scaling_state(module, state_dict, prefix, *args, slots):
+    """A state_dict with delayed-scaling buffers loads into a layer that has none yet."""
+    hist = state_dict.get(prefix + "fp8_amax_history")
+    if hist is not None and getattr(module, "fp8_amax_history", None) is None:
+        n = len(slots)
+        f32 = {"dtype": torch.float32, "device": next(module.parameters()).device}
+        module.register_buffer("fp8_amax_history", torch.zeros(hist.shape[0], n, **f32))
+        module.register_buffer("fp8_scales", torch.ones(n, **f32))
+        module.register_buffer("fp8_amax", torch.zeros(n, **f32))
+
+
+# The FP8 ops' derivatives are C++ autograd Functions (csrc/torch/fused_mlp_fp8.cpp).
+_OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _op_inputs(x: Tensor, biases):
+    """x as a 2-D row-major tensor in the layer's compute dtype (autocast resolved as for the other
+    ops), and the biases in that dtype; the weights stay as they are (quantized from any dtype)."""
+    dtype, _ = compute_dtype(x)
+    if dtype not in _OP_DTYPES:
+        raise TypeError(f"FP8 layers take float16, bfloat16 or float32 inputs, got {dtype}")
+    xc = cast_for_op(x, dtype, True)
+    biases = [None if b is None else cast_for_op(b, dtype, True) for b in biases]
+    x2 = xc if xc.dim() == 2 else xc.reshape(-1, xc.shape[-1])
+    return xc, x2, biases
+
+
+def _scaling(module, recipe: Float8Recipe, slots: Sequence[str], device):
+    """(scales, amax output) of the op: both None under current scaling."""
+    if recipe.scaling != "delayed":
+        return None, None
+    ensure_delayed_buffers(module, recipe, slots, device)
+    return delayed_scales(module, recipe, slots), module.fp8_amax
+
+
+def _parallel_input(x: Tensor, process_group, sequence_parallel: bool = True) -> Tensor:
+    """The input of a tensor-parallel FP8 step, differentiably: x in the layer's compute dtype
+    (cast before the gather, as the other tensor-parallel paths cast), all-gathered along dim 0
+    when ``sequence_parallel`` (x is this rank's rows; backward reduce-scatters x's gradient),
+    else x itself, replicated (backward all-reduces the ranks' partial gradients). x as it is
+    without a process group. The FP8 op then quantizes the whole input the same on every rank."""
+    if process_group is None:
+        return x
+    from .distributed import all_gather, copy_to_group
+
+    dtype, _ = compute_dtype(x)
+    xc = cast_for_op(x, dtype, True)
+    return all_gather(xc, process_group) if sequence_parallel else copy_to_group(xc, process_group)

@@ -5,28 +5,12 @@ constructor and ``forward(x, process_group=None)`` signatures). Parameters are o
 ``nn.Linear`` parameters, so state_dicts load to and from plain PyTorch models: ``FusedDense``
 *is* an ``nn.Linear``; ``FusedMLP`` holds ``fc1`` and ``fc2`` as ``nn.Linear``.
 
-``heuristic='auto'`` (the ``FusedMLP`` default) is passed to the ops as code -2 and resolved in the
-C++ core (csrc/core/ops/linear.cpp, csrc/core/tuning/tuner.h), per GEMM (fc1 forward, fc2 dgrad through the
-activation, and the plain GEMMs):
-
-* on CUDA, each problem (op, dtype, widths, activation, bias / aux flags) and bucket of the token
-  count takes its choice from the shipped table or the cache file, or times the candidates once at
-  the bucket's representative token count -- the fused cuBLASLt epilogue (GELU_AUX / RELU_AUX with
-  bias, DGELU / DRELU with bias gradient) with several cuBLASLt algorithms, and the plain GEMM
-  followed by this library's elementwise kernel with several plain algorithms -- within a time
-  budget, and keeps the fastest for the process (``fused_dense.tuning`` has the rules and
-  settings);
-* without measuring (``FUSED_DENSE_TUNING=0``, budget spent, or while a CUDA graph is being captured) a fixed
-  rule chosen from H200 measurements applies: forward uses the fused epilogue with cuBLASLt's first
-  algorithm; dgrad uses the plain GEMM + this library's fused activation-derivative / bias-gradient
-  kernel (faster than cuBLASLt's DGELU_BGRAD at every measured shape).
-
-Where cuBLASLt has no epilogue for a case (squared ReLU; a ReLU bit-mask or GELU pre-activation
-whose width cuBLASLt's aux rules refuse) the unfused path runs, whatever the heuristic. ``-1``
+``heuristic='auto'`` (the ``FusedMLP`` default) is the tuner's measured choice, made in the C++
+core per GEMM (fc1 forward, fc2 dgrad through the activation, and the plain GEMMs); its rules are
+written in docs/contract.md ("Heuristic codes") and steered by :mod:`fused_dense.tuning`. ``-1``
 forces the unfused path, ``n >= 0`` entry n of cuBLASLt's list (an index past the list is a
 ValueError). The CPU kernels ignore the heuristic.
 """
-import functools
 from typing import Optional, Union
 
 import torch
@@ -35,13 +19,14 @@ from torch import Tensor, nn
 
 from . import fp8 as _fp8
 from . import ops
-from .functional import (fp8_dense_call, fp8_mlp_call, fp8_parallel_input, fused_dense_func, fused_gated_mlp_func,
-                         fused_mlp_func)
+from ._common import GatedStateDictNames, check_gated_bias
+from .fp8 import DENSE_SLOTS, MLP_SLOTS, Fp8Layer
+from .functional import fused_dense_func, fused_gated_mlp_func, fused_mlp_func
 
 __all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "replace_llama_mlps"]
 
 
-class FusedDense(nn.Linear):
+class FusedDense(Fp8Layer, nn.Linear):
     """``nn.Linear`` whose forward/backward run on the fused ops.
 
     ``return_residual=True`` makes ``forward`` return ``(out, x)``. With a ``process_group``
@@ -60,27 +45,21 @@ class FusedDense(nn.Linear):
                  device=None, dtype=None, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.return_residual = return_residual
-        _fp8.check_fp8_argument(fp8)
-        self.fp8 = fp8
-        self._fp8_state = _fp8.Fp8State(_fp8.DENSE_SLOTS)
-        _init_fp8_buffers(self, _fp8.DENSE_SLOTS)
+        self._init_fp8(fp8, DENSE_SLOTS)
 
     def _fp8_recipe(self, process_group=None):
-        recipe = _fp8.resolve_recipe(self.fp8)
-        if recipe is None or not recipe.applies((self.in_features, self.out_features * _group_size(process_group))):
-            return None
-        return recipe
+        return self._fp8_recipe_for((self.in_features, self.out_features * _group_size(process_group)))
 
     def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
         recipe = self._fp8_recipe(process_group)
         if recipe is not None:
-            out = fp8_dense_call(self, recipe, fp8_parallel_input(x, process_group), is_first_microbatch)
+            out = self._fp8_forward(recipe, x, is_first_microbatch, process_group=process_group)
             return (out, x) if self.return_residual else out
         return fused_dense_func(x, self.weight, self.bias, return_residual=self.return_residual,
                                 process_group=process_group)
 
 
-class FusedMLP(nn.Module):
+class FusedMLP(Fp8Layer, nn.Module):
     """fc2(act(fc1(x))) with the activation fused into the GEMMs.
 
     Args:
@@ -93,7 +72,7 @@ class FusedMLP(nn.Module):
         return_residual: forward returns ``(out, x)``.
         checkpoint_lvl: 0 keeps the pre-activation and activation output for backward, 1
             recomputes the activation output (ReLU keeps both, as at 0), 2 recomputes fc1.
-        heuristic: ``'auto'`` (the rule in this module's docstring), ``-1`` (unfused) or a
+        heuristic: ``'auto'`` (the tuner's choice, this module's docstring), ``-1`` (unfused) or a
             cuBLASLt algorithm index ``>= 0``.
         fp8: a :class:`fused_dense.Float8Recipe` (or ``True`` for the default one) runs the six
             GEMMs in FP8 (fused_dense/fp8.py; the checkpoint levels mean the same); ``None``
@@ -127,19 +106,16 @@ class FusedMLP(nn.Module):
         self.heuristic = heuristic
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias1, **factory_kwargs)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias2, **factory_kwargs)
-        self.fp8 = fp8
-        self._fp8_state = _fp8.Fp8State(_fp8.MLP_SLOTS)
-        _init_fp8_buffers(self, _fp8.MLP_SLOTS)
+        self._init_fp8(fp8, MLP_SLOTS)
 
     def _fp8_recipe(self, process_group=None):
         hidden = self.fc1.out_features * _group_size(process_group)
-        return _mlp_recipe(self, (self.fc1, self.fc2), (self.fc1.in_features, hidden, self.fc2.out_features))
+        return self._fp8_recipe_for((self.fc1.in_features, hidden, self.fc2.out_features), (self.fc1, self.fc2))
 
     def forward(self, x: Tensor, process_group=None, is_first_microbatch: Optional[bool] = None):
         recipe = self._fp8_recipe(process_group)
         if recipe is not None:
-            out = fp8_mlp_call(self, (self.fc1, self.fc2), recipe, fp8_parallel_input(x, process_group),
-                               self.activation, self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+            out = self._fp8_forward(recipe, x, is_first_microbatch, (self.fc1, self.fc2), process_group)
         else:
             out = fused_mlp_func(
                 x, self.fc1.weight, self.fc2.weight, self.fc1.bias, self.fc2.bias,
@@ -164,19 +140,6 @@ class FusedMLP(nn.Module):
                 f"heuristic={self.heuristic!r}, return_residual={self.return_residual}, fp8={self.fp8!r}")
 
 
-def _mlp_recipe(module: nn.Module, layers, widths):
-    """The recipe an MLP's forward runs under, or None (model dtype): its ``fp8`` (else
-    fp8_autocast's), or current scaling with a warning where torchao's converter replaced one of
-    its ``layers``; narrowed by the size rule on ``widths``."""
-    recipe = _fp8.resolve_recipe(module.fp8)
-    if recipe is None and any(_fp8.torchao_converted(layer) for layer in layers):
-        _fp8.warn_torchao_once()
-        recipe = _fp8.Float8Recipe(scaling="current", min_features=0)
-    if recipe is None or not recipe.applies(widths):
-        return None
-    return recipe
-
-
 def _group_size(process_group) -> int:
     """The ranks a FusedDense / FusedMLP shard is one of: the size rule reads its sharded width
     (FusedDense's out_features, FusedMLP's hidden width) times this, which is the full width
@@ -188,73 +151,11 @@ def _group_size(process_group) -> int:
     return dist.get_world_size(process_group)
 
 
-def _init_fp8_buffers(module: nn.Module, slots) -> None:
-    """Delayed scaling's buffers, made now when the layer is built with a delayed recipe (else on its
-    first FP8 step), and made on load when a state_dict carries them."""
-    _fp8.prepare_layer(module)
-    module.register_load_state_dict_pre_hook(functools.partial(_load_scaling_state, slots=tuple(slots)))
-
-
-def _load_scaling_state(module, state_dict, prefix, *args, slots):
-    """A state_dict with delayed-scaling buffers loads into a layer that has none yet."""
-    hist = state_dict.get(prefix + "fp8_amax_history")
-    if hist is not None and getattr(module, "fp8_amax_history", None) is None:
-        n = len(slots)
-        f32 = {"dtype": torch.float32, "device": next(module.parameters()).device}
-        module.register_buffer("fp8_amax_history", torch.zeros(hist.shape[0], n, **f32))
-        module.register_buffer("fp8_scales", torch.ones(n, **f32))
-        module.register_buffer("fp8_amax", torch.zeros(n, **f32))
-
-
 # ----------------------------------------------------------------------------------------------
 # Gated MLP
 
-_GATE_PROJ, _UP_PROJ, _PACKED = "gate_proj.weight", "up_proj.weight", "gate_up_proj.weight"
 
-
-class GatedStateDictNames:
-    """State-dict names of Hugging Face's LlamaMLP for a module whose packed gate and up weight is
-    ``gate_up_proj.weight``: saving writes ``gate_proj.weight`` and ``up_proj.weight`` (unpacked
-    with ``ops.unpack_gate_up``) in its place; loading takes those two (packed with
-    ``ops.pack_gate_up``) or ``gate_up_proj.weight`` itself. ``down_proj.weight`` is the same
-    tensor in both. The mixin of FusedGatedMLP and ParallelFusedGatedMLP (whose shards save and
-    load this rank's units)."""
-
-    def _register_gated_state_dict_names(self) -> None:
-        self.register_state_dict_post_hook(_save_unpacked)
-        self.register_load_state_dict_pre_hook(_load_packed)
-
-
-def _save_unpacked(module, state_dict, prefix, local_metadata):
-    packed = state_dict.pop(prefix + _PACKED, None)
-    if packed is not None:
-        gate, up = ops.unpack_gate_up(packed)
-        state_dict[prefix + _GATE_PROJ], state_dict[prefix + _UP_PROJ] = gate, up
-
-
-def _load_packed(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    gate, up = state_dict.get(prefix + _GATE_PROJ), state_dict.get(prefix + _UP_PROJ)
-    if gate is None and up is None:
-        return  # gate_up_proj.weight given itself, or missing (load_state_dict reports it)
-    if gate is None or up is None:
-        error_msgs.append(f"{prefix}: {_GATE_PROJ} and {_UP_PROJ} must be loaded together, got only "
-                          f"{_GATE_PROJ if up is None else _UP_PROJ}")
-        return
-    if gate.shape != up.shape:
-        error_msgs.append(f"{prefix}: {_GATE_PROJ} and {_UP_PROJ} must have the same shape, got "
-                          f"{tuple(gate.shape)} and {tuple(up.shape)}")
-        return
-    del state_dict[prefix + _GATE_PROJ], state_dict[prefix + _UP_PROJ]
-    state_dict[prefix + _PACKED] = ops.pack_gate_up(gate, up)
-
-
-def _check_gated_bias(bias) -> None:
-    if bias is not False:
-        raise ValueError(f"bias must be False: the gated layers have no bias (Llama-family MLPs have none), got "
-                         f"{bias!r}")
-
-
-class FusedGatedMLP(GatedStateDictNames, nn.Module):
+class FusedGatedMLP(GatedStateDictNames, Fp8Layer, nn.Module):
     """down(act(gate(x)) * up(x)), the gated MLP of Llama, Mistral, Qwen ('swiglu': act = SiLU) and
     Gemma ('geglu': act = GELU, tanh approximation, as Hugging Face's ``gelu_pytorch_tanh``).
 
@@ -296,7 +197,7 @@ class FusedGatedMLP(GatedStateDictNames, nn.Module):
         super().__init__()
         ops.check_mlp_arguments(activation, checkpoint_lvl, "gated")
         ops.heuristic_code(heuristic)
-        _check_gated_bias(bias)
+        check_gated_bias(bias)
         _fp8.check_fp8_argument(fp8)
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features if out_features is not None else in_features
@@ -306,20 +207,17 @@ class FusedGatedMLP(GatedStateDictNames, nn.Module):
         self.hidden_features = hidden_features
         self.gate_up_proj = nn.Linear(in_features, 2 * hidden_features, bias=False, **factory_kwargs)
         self.down_proj = nn.Linear(hidden_features, out_features, bias=False, **factory_kwargs)
-        self.fp8 = fp8
-        self._fp8_state = _fp8.Fp8State(_fp8.MLP_SLOTS)
-        _init_fp8_buffers(self, _fp8.MLP_SLOTS)
+        self._init_fp8(fp8, MLP_SLOTS)
         self._register_gated_state_dict_names()
 
     def _fp8_recipe(self):
-        return _mlp_recipe(self, (self.gate_up_proj, self.down_proj),
-                           (self.gate_up_proj.in_features, self.hidden_features, self.down_proj.out_features))
+        return self._fp8_recipe_for((self.gate_up_proj.in_features, self.hidden_features, self.down_proj.out_features),
+                                    (self.gate_up_proj, self.down_proj))
 
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         recipe = self._fp8_recipe()
         if recipe is not None:
-            return fp8_mlp_call(self, (self.gate_up_proj, self.down_proj), recipe, x, self.activation,
-                                self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+            return self._fp8_forward(recipe, x, is_first_microbatch, (self.gate_up_proj, self.down_proj))
         return fused_gated_mlp_func(x, self.gate_up_proj.weight, self.down_proj.weight, activation=self.activation,
                                     save_pre_act=self.training, checkpoint_lvl=self.checkpoint_lvl,
                                     heuristic=self.heuristic)

@@ -81,9 +81,9 @@ def check_mlp_arguments(activation: str, checkpoint_lvl: int, family: str = "pla
 
 
 def mlp_plan(activation: int, checkpoint_lvl: int, needs_input_grad) -> dict:
-    """The MLP's checkpoint plan (csrc/torch/fused_mlp.cpp): what the forward keeps and what
+    """The MLP's checkpoint plan (csrc/torch/mlp_plan.h): what the forward keeps and what
     backward recomputes, for the given needs_input_grad of (x, weight1, bias1, weight2, bias2)."""
-    flags = _op("fused_mlp_plan")(activation, checkpoint_lvl, [bool(n) for n in needs_input_grad])
+    flags = op_overload("fused_mlp_plan")(activation, checkpoint_lvl, [bool(n) for n in needs_input_grad])
     return dict(zip(_PLAN_FIELDS, flags))
 
 
@@ -143,7 +143,9 @@ _OVERLOADS = {name: getattr(torch.ops.fused_dense, name).default
                            "gated_linear_dgrad", "gated_act_forward")}
 
 
-def _op(name: str):
+def op_overload(name: str):
+    """The default overload of ``torch.ops.fused_dense.<name>`` (resolved at import), for the
+    autograd code that calls an op directly with checked codes."""
     return _OVERLOADS[name]
 
 
@@ -153,13 +155,13 @@ def _op(name: str):
 
 def linear_act_coded(input: Tensor, weight: Tensor, bias: Optional[Tensor], activation: int,
                      save_pre_act: bool, heuristic: int) -> Tuple[Tensor, Optional[Tensor]]:
-    res = _op("linear_act")(input, weight, bias, activation, save_pre_act, heuristic)
+    res = op_overload("linear_act")(input, weight, bias, activation, save_pre_act, heuristic)
     return res[0], (res[1] if save_pre_act else None)
 
 
 def act_linear_dgrad_coded(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor], activation: int,
                            has_d_bias: bool, heuristic: int) -> Tuple[Tensor, Optional[Tensor]]:
-    res = _op("act_linear_dgrad")(weight, d_output, pre_act, activation, has_d_bias, heuristic)
+    res = op_overload("act_linear_dgrad")(weight, d_output, pre_act, activation, has_d_bias, heuristic)
     return res[0], (res[1] if has_d_bias else None)
 
 
@@ -167,12 +169,12 @@ def act_linear_dgrad_act_out_coded(weight: Tensor, d_output: Tensor, pre_act: Te
                                    has_d_bias: bool, heuristic: int) -> Tuple[Tensor, Optional[Tensor], Tensor]:
     """(d_input, d_bias or None, act(pre_act)); gelu_approx and sqrelu only. The activation
     output comes from the pass that reads pre_act for the derivative (checkpoint level 1)."""
-    res = _op("act_linear_dgrad")(weight, d_output, pre_act, activation, has_d_bias, heuristic, True)
+    res = op_overload("act_linear_dgrad")(weight, d_output, pre_act, activation, has_d_bias, heuristic, True)
     return res[0], (res[1] if has_d_bias else None), res[-1]
 
 
 def act_forward_coded(pre_act: Tensor, activation: int) -> Tensor:
-    return _op("act_forward")(pre_act, activation)
+    return op_overload("act_forward")(pre_act, activation)
 
 
 def linear_act(input: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str = "none",
@@ -195,7 +197,7 @@ def act_linear_dgrad(weight: Tensor, d_output: Tensor, pre_act: Optional[Tensor]
 
 def linear_bias_wgrad(input: Tensor, d_output: Tensor, has_d_bias: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """(d_weight = d_output.T @ input, d_bias = d_output.sum(0) or None)."""
-    res = _op("linear_bias_wgrad")(input, d_output, has_d_bias)
+    res = op_overload("linear_bias_wgrad")(input, d_output, has_d_bias)
     return res[0], (res[1] if has_d_bias else None)
 
 
@@ -208,7 +210,7 @@ def gated_linear(input: Tensor, weight: Tensor, activation: str = "swiglu", save
                  heuristic: Heuristic = "auto") -> Tuple[Tensor, Optional[Tensor]]:
     """(act(g) * u [B, h], the packed pre-activation gu [B, 2h] or None): gu = input @ weight.T for
     the packed weight [2h, K] (pack_gate_up); act is SiLU ('swiglu') or tanh GELU ('geglu')."""
-    res = _op("gated_linear")(input, weight, mlp_activation_code(activation, "gated"), save_pre_act,
+    res = op_overload("gated_linear")(input, weight, mlp_activation_code(activation, "gated"), save_pre_act,
                               heuristic_code(heuristic))
     return res[0], (res[1] if save_pre_act else None)
 
@@ -217,10 +219,10 @@ def gated_linear_dgrad(weight: Tensor, d_output: Tensor, pre_act: Tensor, activa
                        heuristic: Heuristic = "auto") -> Tensor:
     """The packed gradient d_gu [B, 2h] at the pre-activation gu [B, 2h], from the gradient
     d_output [B, N] of the next layer's output and its weight [N, h]."""
-    return _op("gated_linear_dgrad")(weight, d_output, pre_act, mlp_activation_code(activation, "gated"),
+    return op_overload("gated_linear_dgrad")(weight, d_output, pre_act, mlp_activation_code(activation, "gated"),
                                      heuristic_code(heuristic))[0]
 
 
 def gated_act_forward(pre_act: Tensor, activation: str = "swiglu") -> Tensor:
     """act(g) * u [B, h] of a packed pre-activation gu [B, 2h]."""
-    return _op("gated_act_forward")(pre_act, mlp_activation_code(activation, "gated"))
+    return op_overload("gated_act_forward")(pre_act, mlp_activation_code(activation, "gated"))

@@ -60,9 +60,10 @@ from torch.distributed import ProcessGroup
 
 from . import fp8 as _fp8
 from . import ops
+from ._common import GatedStateDictNames, check_gated_bias
 from .distributed import all_reduce, get_dim_for_local_rank, reduce_scatter
-from .functional import fp8_dense_call, fp8_mlp_call, fp8_parallel_input, fused_dense_func
-from .modules import GatedStateDictNames, _check_gated_bias, _init_fp8_buffers
+from .fp8 import DENSE_SLOTS, MLP_SLOTS, Fp8Layer
+from .functional import fused_dense_func
 from .pipeline import PipelinedColumnLinearFunc, PipelinedRowLinearFunc, pipelined_parallel_mlp
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP", "ParallelFusedGatedMLP", "shard_range"]
@@ -89,24 +90,21 @@ def _reduce_partial(out: Tensor, process_group: ProcessGroup, sequence_parallel:
     return (reduce_scatter if sequence_parallel else all_reduce)(out, process_group)
 
 
-def _init_fp8(module: nn.Module, fp8, slots: Sequence[str]) -> None:
-    """The FP8 argument and state of a parallel layer (as FusedDense's / FusedMLP's); an explicit
-    recipe that the layer cannot run is refused now rather than at the first forward."""
-    _fp8.check_fp8_argument(fp8)
-    module.fp8 = fp8
-    module._fp8_state = _fp8.Fp8State(slots)
-    _init_fp8_buffers(module, slots)
+def _init_parallel_fp8(module: Fp8Layer, fp8, slots: Sequence[str]) -> None:
+    """The FP8 argument and state of a parallel layer (Fp8Layer's); an explicit recipe that the
+    layer cannot run is refused now rather than at the first forward."""
+    module._init_fp8(fp8, slots)
     if fp8 is not None and fp8 is not False:
         module._fp8_recipe()
 
 
-def _parallel_fp8_recipe(module: nn.Module, widths: Sequence[int], pipelined: bool, shard: tuple):
-    """The recipe a parallel layer's forward runs under, or None (model dtype): its ``fp8`` (else
-    fp8_autocast's), narrowed by the size rule on the full ``widths``. ``shard``: (name, full
-    width, multiple_of) of the sharded width, whose every rank's shard the FP8 GEMMs need to be a
-    multiple of 16 (checked for all ranks, so all raise alike)."""
-    recipe = _fp8.resolve_recipe(module.fp8)
-    if recipe is None or not recipe.applies(widths):
+def _parallel_fp8_recipe(module: Fp8Layer, widths: Sequence[int], pipelined: bool, shard: tuple):
+    """The recipe a parallel layer's forward runs under, or None (model dtype): Fp8Layer's, on
+    the full ``widths``. ``shard``: (name, full width, multiple_of) of the sharded width, whose
+    every rank's shard the FP8 GEMMs need to be a multiple of 16 (checked for all ranks, so all
+    raise alike)."""
+    recipe = module._fp8_recipe_for(widths)
+    if recipe is None:
         return None
     cls = type(module).__name__
     if pipelined:
@@ -138,7 +136,7 @@ def _init_parallel_mlp(module: nn.Module, family: str, activation: str, process_
     module.overlap_chunks = overlap_chunks
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(Fp8Layer, nn.Linear):
     """``nn.Linear`` whose output features are split across ``process_group``.
 
     ``self.weight`` is ``[local_out_features, in_features]`` (see the module docstring).
@@ -170,7 +168,7 @@ class ColumnParallelLinear(nn.Linear):
         self.total_out_features = out_features
         self.shard = shard_range(out_features, world_size, rank, multiple_of)
         self.overlap_chunks = overlap_chunks
-        _init_fp8(self, fp8, _fp8.DENSE_SLOTS)
+        _init_parallel_fp8(self, fp8, DENSE_SLOTS)
 
     def _fp8_recipe(self):
         return _parallel_fp8_recipe(self, (self.in_features, self.total_out_features),
@@ -180,8 +178,8 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         recipe = self._fp8_recipe()
         if recipe is not None:
-            x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
-            return fp8_dense_call(self, recipe, x, is_first_microbatch)
+            return self._fp8_forward(recipe, x, is_first_microbatch, process_group=self.process_group,
+                                     sequence_parallel=self.sequence_parallel)
         if self.sequence_parallel and self.overlap_chunks > 1:
             return PipelinedColumnLinearFunc.apply(x, self.weight, self.bias, self.process_group,
                                                    self.overlap_chunks)
@@ -194,7 +192,7 @@ class ColumnParallelLinear(nn.Linear):
                 f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8!r}")
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Fp8Layer, nn.Linear):
     """``nn.Linear`` whose input features are split across ``process_group``.
 
     ``self.weight`` is ``[out_features, local_in_features]``; ``self.bias`` exists on rank 0 of
@@ -224,7 +222,7 @@ class RowParallelLinear(nn.Linear):
         self.total_in_features = in_features
         self.shard = shard_range(in_features, world_size, rank, multiple_of)
         self.overlap_chunks = overlap_chunks
-        _init_fp8(self, fp8, _fp8.DENSE_SLOTS)
+        _init_parallel_fp8(self, fp8, DENSE_SLOTS)
 
     def _fp8_recipe(self):
         return _parallel_fp8_recipe(self, (self.total_in_features, self.out_features), self.overlap_chunks > 1,
@@ -233,7 +231,7 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         recipe = self._fp8_recipe()
         if recipe is not None:
-            out = fp8_dense_call(self, recipe, x, is_first_microbatch)
+            out = self._fp8_forward(recipe, x, is_first_microbatch)
         elif self.overlap_chunks > 1:
             return PipelinedRowLinearFunc.apply(x, self.weight, self.bias, self.process_group,
                                                 self.sequence_parallel, self.overlap_chunks)
@@ -247,7 +245,7 @@ class RowParallelLinear(nn.Linear):
                 f"sequence_parallel={self.sequence_parallel}, fp8={self.fp8!r}")
 
 
-class ParallelFusedMLP(nn.Module):
+class ParallelFusedMLP(Fp8Layer, nn.Module):
     """Tensor-parallel ``FusedMLP``: ``fc2(act(fc1(x)))`` with fc1 a ``ColumnParallelLinear``
     and fc2 a ``RowParallelLinear`` over ``process_group``.
 
@@ -283,7 +281,7 @@ class ParallelFusedMLP(nn.Module):
                                         sequence_parallel=sequence_parallel, **factory_kwargs)
         self.fc2 = RowParallelLinear(hidden_features, out_features, process_group, bias=bias2,
                                      sequence_parallel=sequence_parallel, **factory_kwargs)
-        _init_fp8(self, fp8, _fp8.MLP_SLOTS)
+        _init_parallel_fp8(self, fp8, MLP_SLOTS)
 
     def _fp8_recipe(self):
         hidden = self.fc1.total_out_features
@@ -294,9 +292,8 @@ class ParallelFusedMLP(nn.Module):
         recipe = self._fp8_recipe()
         if recipe is not None:
             # fc2's bias lives on rank 0 only: the reduction adds it once.
-            x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
-            out = fp8_mlp_call(self, (self.fc1, self.fc2), recipe, x, self.activation,
-                               self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+            out = self._fp8_forward(recipe, x, is_first_microbatch, (self.fc1, self.fc2), self.process_group,
+                                    self.sequence_parallel)
             return _reduce_partial(out, self.process_group, self.sequence_parallel)
         # The gather of x, fc1, the activation, fc2 and the reduction of its partial sums, with
         # the collectives of each row block running under the neighbouring blocks' GEMMs
@@ -315,7 +312,7 @@ class ParallelFusedMLP(nn.Module):
                 f"overlap_chunks={self.overlap_chunks}, fp8={self.fp8!r}")
 
 
-class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
+class ParallelFusedGatedMLP(GatedStateDictNames, Fp8Layer, nn.Module):
     """Tensor-parallel ``FusedGatedMLP``: down(act(gate(x)) * up(x)) with gate and up
     column-parallel and down row-parallel over ``process_group``.
 
@@ -343,7 +340,7 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
                  sequence_parallel: bool = True, checkpoint_lvl: int = 0, heuristic="auto", device=None,
                  dtype=None, overlap_chunks: int = 1, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
         super().__init__()
-        _check_gated_bias(bias)
+        check_gated_bias(bias)
         _init_parallel_mlp(self, "gated", activation, process_group, sequence_parallel, checkpoint_lvl, heuristic,
                            overlap_chunks)
         factory_kwargs = {"device": device, "dtype": dtype}
@@ -356,7 +353,7 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
         self.down_proj = RowParallelLinear(hidden_features, out_features, process_group, bias=False,
                                            sequence_parallel=sequence_parallel, **factory_kwargs)
         assert self.down_proj.shard == self.shard  # the same units on both sides
-        _init_fp8(self, fp8, _fp8.MLP_SLOTS)
+        _init_parallel_fp8(self, fp8, MLP_SLOTS)
         self._register_gated_state_dict_names()
 
     def _fp8_recipe(self):
@@ -367,9 +364,8 @@ class ParallelFusedGatedMLP(GatedStateDictNames, nn.Module):
     def forward(self, x: Tensor, is_first_microbatch: Optional[bool] = None) -> Tensor:
         recipe = self._fp8_recipe()
         if recipe is not None:
-            x = fp8_parallel_input(x, self.process_group, self.sequence_parallel)
-            out = fp8_mlp_call(self, (self.gate_up_proj, self.down_proj), recipe, x, self.activation,
-                               self.checkpoint_lvl if self.training else 2, is_first_microbatch)
+            out = self._fp8_forward(recipe, x, is_first_microbatch, (self.gate_up_proj, self.down_proj),
+                                    self.process_group, self.sequence_parallel)
             return _reduce_partial(out, self.process_group, self.sequence_parallel)
         return pipelined_parallel_mlp(
             x, self.gate_up_proj.weight, self.down_proj.weight, None, None, activation=self.activation,

@@ -38,8 +38,8 @@ from torch import Tensor
 
 from . import ops
 from .distributed import all_gather_raw, all_reduce_raw, reduce_scatter_raw
-from .functional import (_autocast_off, _bias_grad, _check_op_tensors, _compute_dtype, _dgrad, _linear, _prepare,
-                         _use_ops, _wait, _wgrad)
+from ._common import (as_2d, autocast_off, bias_grad, check_op_tensors, compute_dtype, dgrad, linear, prepare,
+                      use_ops, wait, wgrad)
 
 __all__ = ["PipelinedParallelMLPFunc", "PipelinedColumnLinearFunc", "PipelinedRowLinearFunc",
            "pipelined_parallel_mlp"]
@@ -74,10 +74,6 @@ class _Comm:
         if self.sp:
             return reduce_scatter_raw(t, self.group, async_op=True)
         return all_reduce_raw(t, self.group, async_op=True)
-
-
-def _as_2d(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1])
 
 
 class _Accumulator:
@@ -116,13 +112,13 @@ class PipelinedParallelMLPFunc(torch.autograd.Function):
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
         lvl = checkpoint_lvl if save_pre_act else 2
-        dtype, autocast = _compute_dtype(x)
+        dtype, autocast = compute_dtype(x)
         # the gradients are returned in each parameter's own dtype, from float32 sums
         ctx.param_dtypes = tuple(None if t is None else t.dtype for t in (weight1, bias1, weight2, bias2))
-        with _autocast_off(x.device.type):
-            x = _prepare(x, dtype)
-            weight1, bias1, weight2, bias2 = (_prepare(t, dtype, autocast) for t in (weight1, bias1, weight2, bias2))
-            _check_op_tensors("ParallelFusedMLP", x, weight1, bias1, weight2, bias2)
+        with autocast_off(x.device.type):
+            x = prepare(x, dtype)
+            weight1, bias1, weight2, bias2 = (prepare(t, dtype, autocast) for t in (weight1, bias1, weight2, bias2))
+            check_op_tensors("ParallelFusedMLP", x, weight1, bias1, weight2, bias2)
             needs = list(ctx.needs_input_grad[:5])
             needs[2] = needs[2] and bias1 is not None
             needs[4] = needs[4] and bias2 is not None
@@ -130,21 +126,21 @@ class PipelinedParallelMLPFunc(torch.autograd.Function):
             comm = _Comm(process_group, sequence_parallel)
             n = _block_count(x.shape[0], chunks)
             x_blocks = _blocks(x, n)
-            train_forward = ops._op("fused_mlp_train_forward")
+            train_forward = ops.op_overload("fused_mlp_train_forward")
 
             outs, pending, saved = [None] * n, [None] * n, []
             gathered = comm.gather(x_blocks[0])
             for c in range(n):
                 whole, handle = gathered
-                _wait(handle)
+                wait(handle)
                 if c + 1 < n:  # the next block's gather runs under this block's GEMMs
                     gathered = comm.gather(x_blocks[c + 1])
-                res = train_forward(_as_2d(whole), weight1, bias1, weight2, bias2, act, lvl, code, needs)
+                res = train_forward(as_2d(whole), weight1, bias1, weight2, bias2, act, lvl, code, needs)
                 saved.append(res[1:])
                 out = res[0].reshape(*whole.shape[:-1], res[0].shape[-1])
                 outs[c], pending[c] = comm.reduce(out)
             for handle in pending:
-                _wait(handle)
+                wait(handle)
             out = torch.cat(outs, dim=0) if n > 1 else outs[0]
 
         ctx.mlp = (act, lvl, code, needs, plan["recompute_fc1"], n, [len(s) for s in saved])
@@ -160,7 +156,7 @@ class PipelinedParallelMLPFunc(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        with _autocast_off(grad_out.device.type):
+        with autocast_off(grad_out.device.type):
             return PipelinedParallelMLPFunc._backward(ctx, grad_out)
 
     @staticmethod
@@ -169,7 +165,7 @@ class PipelinedParallelMLPFunc(torch.autograd.Function):
         act, lvl, code, needs, recompute_fc1, n, saved_counts = ctx.mlp
         need_x, need_w1, need_b1, need_w2, need_b2 = needs
         comm = ctx.comm
-        backward_half = ops._op("fused_mlp_backward")
+        backward_half = ops.op_overload("fused_mlp_backward")
         saved, i = [], 0
         for count in saved_counts:
             saved.append(flat_saved[i:i + count])
@@ -185,14 +181,14 @@ class PipelinedParallelMLPFunc(torch.autograd.Function):
         gathered = gather_inputs(0)
         for c in range(n):
             (g_whole, g_handle), (x_whole, x_handle) = gathered
-            _wait(g_handle)
+            wait(g_handle)
             if recompute_fc1:
-                _wait(x_handle)
+                wait(x_handle)
                 x_handle = None
             if c + 1 < n:
                 gathered = gather_inputs(c + 1)
-            x2 = None if x_whole is None else _as_2d(x_whole)
-            grads = iter(backward_half(_as_2d(g_whole), x2 if recompute_fc1 else None, weight1, bias1, weight2,
+            x2 = None if x_whole is None else as_2d(x_whole)
+            grads = iter(backward_half(as_2d(g_whole), x2 if recompute_fc1 else None, weight1, bias1, weight2,
                                        saved[c], act, lvl, code, needs))
             d_pre = next(grads) if need_w1 else None
             grad_x = next(grads) if need_x else None
@@ -202,10 +198,10 @@ class PipelinedParallelMLPFunc(torch.autograd.Function):
             if need_x:  # its reduction runs under weight1's gradient GEMM and the next block's
                 dx[c], pending[c] = comm.reduce(grad_x.reshape(*g_whole.shape[:-1], grad_x.shape[-1]))
             if need_w1:
-                _wait(x_handle)
+                wait(x_handle)
                 gw1.add(ops.linear_bias_wgrad(x2, d_pre, False)[0])
         for handle in pending:
-            _wait(handle)
+            wait(handle)
         grad_x = None
         if need_x:
             grad_x = torch.cat(dx, dim=0) if n > 1 else dx[0]
@@ -255,32 +251,32 @@ def _put_rows(dst: Tensor, src: Tensor, world: int, off: int, size: int) -> None
     dst.view(world, local, *dst.shape[1:])[:, off:off + size].copy_(src.view(world, size, *src.shape[1:]))
 
 
-def _save_linear(ctx, x, weight, use_ops, comm, blocks, world) -> None:
+def _save_linear(ctx, x, weight, on_ops, comm, blocks, world) -> None:
     """What a pipelined linear layer keeps: x for the weight gradient, the weight for the input's."""
-    ctx.use_ops, ctx.comm, ctx.blocks, ctx.world = use_ops, comm, blocks, world
+    ctx.use_ops, ctx.comm, ctx.blocks, ctx.world = on_ops, comm, blocks, world
     need_x, need_w = ctx.needs_input_grad[:2]
     ctx.save_for_backward(x if need_w else None, weight if need_x else None)
 
 
 def _add_weight_grads(gw: "_Accumulator", gb: "_Accumulator", x2: Optional[Tensor], g2: Tensor, need_w: bool,
-                      need_b: bool, use_ops: bool) -> None:
+                      need_b: bool, on_ops: bool) -> None:
     """One block's weight and bias gradients, added to the sums."""
     if need_w:
-        w_c, b_c = _wgrad(x2, g2, need_b, use_ops)
+        w_c, b_c = wgrad(x2, g2, need_b, on_ops)
         gw.add(w_c)
         gb.add(b_c)
     elif need_b:
-        gb.add(_bias_grad(g2))
+        gb.add(bias_grad(g2))
 
 
 def _linear_prepare(ctx, x, weight, bias, chunks):
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an integer >= 1, got {chunks!r}")
-    dtype, autocast = _compute_dtype(x)
+    dtype, autocast = compute_dtype(x)
     ctx.param_dtypes = (weight.dtype, None if bias is None else bias.dtype)
-    x = _prepare(x, dtype)
-    weight, bias = _prepare(weight, dtype, autocast), _prepare(bias, dtype, autocast)
-    return x, weight, bias, _use_ops(x, weight, bias)
+    x = prepare(x, dtype)
+    weight, bias = prepare(weight, dtype, autocast), prepare(bias, dtype, autocast)
+    return x, weight, bias, use_ops(x, weight, bias)
 
 
 class PipelinedColumnLinearFunc(torch.autograd.Function):
@@ -290,8 +286,8 @@ class PipelinedColumnLinearFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, process_group, chunks):
-        with _autocast_off(x.device.type):
-            x, weight, bias, use_ops = _linear_prepare(ctx, x, weight, bias, chunks)
+        with autocast_off(x.device.type):
+            x, weight, bias, on_ops = _linear_prepare(ctx, x, weight, bias, chunks)
             world = torch.distributed.get_world_size(process_group)
             blocks = _offsets(x.shape[0], _block_count(x.shape[0], chunks))
             out = x.new_empty((world * x.shape[0], *x.shape[1:-1], weight.shape[0]))
@@ -299,21 +295,21 @@ class PipelinedColumnLinearFunc(torch.autograd.Function):
             gathered = comm.gather(x[blocks[0][0]:blocks[0][0] + blocks[0][1]].contiguous())
             for c, (off, size) in enumerate(blocks):
                 whole, handle = gathered
-                _wait(handle)
+                wait(handle)
                 if c + 1 < len(blocks):
                     o, s = blocks[c + 1]
                     gathered = comm.gather(x[o:o + s].contiguous())
-                y = _linear(_as_2d(whole), weight, bias, use_ops)
+                y = linear(as_2d(whole), weight, bias, on_ops)
                 _put_rows(out, y.reshape(*whole.shape[:-1], y.shape[-1]), world, off, size)
-        _save_linear(ctx, x, weight, use_ops, comm, blocks, world)
+        _save_linear(ctx, x, weight, on_ops, comm, blocks, world)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        with _autocast_off(grad_out.device.type):
+        with autocast_off(grad_out.device.type):
             x, weight = ctx.saved_tensors
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
-            comm, blocks, world, use_ops = ctx.comm, ctx.blocks, ctx.world, ctx.use_ops
+            comm, blocks, world, on_ops = ctx.comm, ctx.blocks, ctx.world, ctx.use_ops
             g = grad_out.contiguous()
             gw, gb = _Accumulator(), _Accumulator()
             dx, pending = [None] * len(blocks), [None] * len(blocks)
@@ -328,15 +324,15 @@ class PipelinedColumnLinearFunc(torch.autograd.Function):
                 if c + 1 < len(blocks):
                     gathered = gather_x(c + 1)
                 g_c = _take_rows(g, world, off, size)
-                g2 = _as_2d(g_c)
+                g2 = as_2d(g_c)
                 if need_x:
-                    d = _dgrad(weight, g2, use_ops)
+                    d = dgrad(weight, g2, on_ops)
                     dx[c], pending[c] = comm.reduce(d.reshape(*g_c.shape[:-1], d.shape[-1]))
                 if need_w:
-                    _wait(x_handle)
-                _add_weight_grads(gw, gb, None if x_whole is None else _as_2d(x_whole), g2, need_w, need_b, use_ops)
+                    wait(x_handle)
+                _add_weight_grads(gw, gb, None if x_whole is None else as_2d(x_whole), g2, need_w, need_b, on_ops)
             for handle in pending:
-                _wait(handle)
+                wait(handle)
         grad_x = (torch.cat(dx, dim=0) if len(dx) > 1 else dx[0]) if need_x else None
         return grad_x, gw.result(ctx.param_dtypes[0]), gb.result(ctx.param_dtypes[1]), None, None
 
@@ -349,8 +345,8 @@ class PipelinedRowLinearFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, process_group, sequence_parallel, chunks):
-        with _autocast_off(x.device.type):
-            x, weight, bias, use_ops = _linear_prepare(ctx, x, weight, bias, chunks)
+        with autocast_off(x.device.type):
+            x, weight, bias, on_ops = _linear_prepare(ctx, x, weight, bias, chunks)
             world = torch.distributed.get_world_size(process_group)
             if sequence_parallel and x.shape[0] % world != 0:
                 raise ValueError(f"RowParallelLinear: x.shape[0] = {x.shape[0]} rows must be divisible by the "
@@ -361,21 +357,21 @@ class PipelinedRowLinearFunc(torch.autograd.Function):
             outs, pending = [None] * len(blocks), [None] * len(blocks)
             for c, (off, size) in enumerate(blocks):
                 x_c = _take_rows(x, world, off, size) if sequence_parallel else x[off:off + size]
-                y = _linear(_as_2d(x_c), weight, bias, use_ops)
+                y = linear(as_2d(x_c), weight, bias, on_ops)
                 outs[c], pending[c] = comm.reduce(y.reshape(*x_c.shape[:-1], y.shape[-1]))
             for handle in pending:
-                _wait(handle)
+                wait(handle)
             out = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
-        _save_linear(ctx, x, weight, use_ops, comm, blocks, world)
+        _save_linear(ctx, x, weight, on_ops, comm, blocks, world)
         ctx.sp, ctx.x_shape = sequence_parallel, x.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        with _autocast_off(grad_out.device.type):
+        with autocast_off(grad_out.device.type):
             x, weight = ctx.saved_tensors
             need_x, need_w, need_b = ctx.needs_input_grad[:3]
-            comm, blocks, world, sp, use_ops = ctx.comm, ctx.blocks, ctx.world, ctx.sp, ctx.use_ops
+            comm, blocks, world, sp, on_ops = ctx.comm, ctx.blocks, ctx.world, ctx.sp, ctx.use_ops
             g = grad_out.contiguous()
             dx = g.new_empty(ctx.x_shape) if need_x else None
             gw, gb = _Accumulator(), _Accumulator()
@@ -383,18 +379,18 @@ class PipelinedRowLinearFunc(torch.autograd.Function):
             gathered = comm.gather(g_blocks[0])
             for c, (off, size) in enumerate(blocks):
                 g_whole, handle = gathered
-                _wait(handle)
+                wait(handle)
                 if c + 1 < len(blocks):
                     gathered = comm.gather(g_blocks[c + 1])
-                g2 = _as_2d(g_whole)
+                g2 = as_2d(g_whole)
                 if need_x:
-                    d = _dgrad(weight, g2, use_ops).reshape(*g_whole.shape[:-1], ctx.x_shape[-1])
+                    d = dgrad(weight, g2, on_ops).reshape(*g_whole.shape[:-1], ctx.x_shape[-1])
                     if sp:
                         _put_rows(dx, d, world, off, size)
                     else:
                         dx[off:off + size].copy_(d)
                 x_c = None
                 if need_w:
-                    x_c = _as_2d(_take_rows(x, world, off, size) if sp else x[off:off + size])
-                _add_weight_grads(gw, gb, x_c, g2, need_w, need_b, use_ops)
+                    x_c = as_2d(_take_rows(x, world, off, size) if sp else x[off:off + size])
+                _add_weight_grads(gw, gb, x_c, g2, need_w, need_b, on_ops)
         return dx, gw.result(ctx.param_dtypes[0]), gb.result(ctx.param_dtypes[1]), None, None, None

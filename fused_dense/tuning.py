@@ -1,21 +1,8 @@
-"""How ``heuristic='auto'`` chooses, and how to steer it.
+"""The tuner behind ``heuristic='auto'``: its settings, counters and buckets, read and set here.
 
-A problem (op, dtype, widths, flags) is keyed by a bucket of its token count M: with b buckets per
-octave (2 by default), ``[2^(i/b), 2^((i+1)/b))``, each measured once at its representative M (the
-geometric middle, a multiple of 8 from 64 up; :func:`m_bucket`) on synthetic operands of that
-size, and the choice reused for every M in the bucket. A finer grid loses less against choices
-measured at each exact M and measures more often (docs/results/dynamic-*.md has both). Choices come from, in order: this process's measurements,
-the cache file, the table shipped with the package (:data:`SHIPPED_TABLE`, measured on the H200,
-valid for the compute capability and cuBLASLt major.minor it names), measuring within the budget,
-and otherwise the fixed rule. Nothing is measured while a CUDA graph is captured or under
-``torch.compile`` tracing. The rules are written once, in ``csrc/core/tuning/tuner.h``; this module only
-reads and sets them.
-
-Environment variables (read at the first use; :func:`configure` overrides them):
-``FUSED_DENSE_TUNING=0`` (never measure), ``FUSED_DENSE_TUNING_BUDGET`` (seconds per process),
-``FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS``, ``FUSED_DENSE_TUNING_PACE``, ``FUSED_DENSE_TUNING_BUCKETS=b`` (per octave; 0: exact M),
-``FUSED_DENSE_TUNING_CACHE=path``, ``FUSED_DENSE_TUNING_TABLE=0|path``,
-``FUSED_DENSE_TUNING_VERBOSE=1``.
+How it chooses (buckets of the token count, where a choice comes from, the budget, the fixed rule)
+and the environment variables that :func:`configure` overrides are written once, in
+docs/contract.md ("Heuristic codes"); the C++ core (csrc/core/tuning/tuner.h) implements them.
 """
 import math
 import os
@@ -104,7 +91,9 @@ def m_bucket(m: int):
 
 
 def _install_shipped_table():
-    """Points the tuner at the package's table (called once at import; FUSED_DENSE_TUNING_TABLE
-    still overrides it)."""
+    """Points the tuner at the package's table (FUSED_DENSE_TUNING_TABLE still overrides it)."""
     if has_cuda_kernels():
         torch.ops.fused_dense.set_default_tuning_table(SHIPPED_TABLE if os.path.isfile(SHIPPED_TABLE) else "")
+
+
+_install_shipped_table()  # once, when the package is imported

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_dense
-from fused_dense import functional as FF
+from fused_dense import _common
 from fused_dense.functional import FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_mlp_func
 
 from conftest import assert_close_rel, needs_caching_allocator
@@ -488,13 +488,13 @@ def test_dense_complex_falls_back_to_plain_pytorch():
 @pytest.mark.parametrize("checkpoint_lvl", [0, 1, 2])
 def test_mlp_plain_pytorch_path(monkeypatch, activation, checkpoint_lvl):
     """The path taken for devices / dtypes the ops do not serve, forced here on the CPU."""
-    monkeypatch.setattr(FF, "_OP_DEVICES", ())
+    monkeypatch.setattr(_common, "OP_DEVICES", ())
     run_mlp_case((3, 4), 16, 24, 8, torch.float64, "cpu", activation, checkpoint_lvl, "auto", True, True, True)
     run_mlp_case((5,), 16, 24, 8, torch.float32, "cpu", activation, checkpoint_lvl, -1, False, True, False)
 
 
 def test_dense_plain_pytorch_path(monkeypatch):
-    monkeypatch.setattr(FF, "_OP_DEVICES", ())
+    monkeypatch.setattr(_common, "OP_DEVICES", ())
     run_dense_case((2, 3), 16, 8, torch.float64, "cpu", True, True)
 
 

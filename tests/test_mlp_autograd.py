@@ -141,8 +141,8 @@ def test_every_single_process_path_runs_the_cpp_autograd():
 def test_unserved_devices_run_plain_pytorch(monkeypatch):
     """Tensors the ops do not serve (forced here by hiding the CPU kernels) run plain PyTorch
     operators in fused_mlp_func, and FusedMLPFunc, which runs on the ops only, says so."""
-    from fused_dense import functional
-    monkeypatch.setattr(functional, "_OP_DEVICES", ())
+    from fused_dense import _common
+    monkeypatch.setattr(_common, "OP_DEVICES", ())
     torch.manual_seed(0)
     x, w1, b1, w2, b2 = _inputs("cpu", torch.float64, [True] * 5)
     out = fused_mlp_func(x, w1, w2, b1, b2, activation="sqrelu")
