@@ -6,7 +6,7 @@ fused into the first GEMM's epilogue and its derivative fused into the second GE
 
 One MLP autograd: without a process group ``fused_mlp_func`` runs the op
 ``torch.ops.fused_dense.fused_mlp``, whose derivative is a C++ autograd Function
-(csrc/torch/fused_mlp.cpp; no Python runs between the GEMMs of a step). ``FusedMLPFunc`` (flash-
+(csrc/torch/autograd/mlp.cpp; no Python runs between the GEMMs of a step). ``FusedMLPFunc`` (flash-
 attn's name, the tensor-parallel path) adds only communication around the same C++ forward and
 backward halves. The checkpoint rules live once, in that C++ file.
 
@@ -518,7 +518,7 @@ def fused_gated_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, activation
 
 # ----------------------------------------------------------------------------------------------
 # FP8 (fused_dense/fp8.py): the layers' calls of the FP8 ops, whose derivatives are C++ autograd
-# Functions (csrc/torch/fused_mlp_fp8.cpp).
+# Functions (csrc/torch/autograd/mlp_fp8.cpp).
 
 _FP8_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

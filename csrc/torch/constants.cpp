@@ -1,14 +1,18 @@
-// The codes of the op schemas, published once for Python to read (fused_dense/ops.py): the
-// activation names in code order, the heuristic codes, the ReLU bit-mask's bytes per row, the
-// gated codes and the gated layout.
-// They are defined in csrc/core/common/types.h; nothing else spells them out.
+// The constants family: the codes and numbers of the op schemas, published once for Python to
+// read (fused_dense/ops.py, fused_dense/fp8.py): the activation names in code order, the heuristic
+// codes, the MLP's checkpoint levels, the gated codes and the gated layout, the ReLU bit-mask's
+// bytes per row, the FP8 formats' largest values, and whether the build holds the cutlass_sm90
+// kernels. They are defined in csrc/core/common/types.h, checks.h and mlp.h; nothing else spells
+// them out. Tensor-free ops: each is defined with its function.
 #include <torch/library.h>
 
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "reference.h"
+#include "torch/checks.h"
+#include "torch/fp8.h"
+#include "torch/mlp.h"
 
 namespace fused_dense {
 namespace {
@@ -18,15 +22,13 @@ namespace {
 std::tuple<std::vector<std::string>, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t>
 library_constants() {
   std::vector<std::string> names;
-  std::vector<int64_t> gated;
-  for (int code = 0; code < 64; ++code) {  // codes are dense from 0; the first unnamed one ends them
-    const std::string name = activation_name(code);
-    if (name == "unknown") break;
-    names.push_back(name);
-    if (core::is_gated(static_cast<core::Activation>(code))) gated.push_back(code);
+  std::vector<int64_t> gated, levels;
+  for (int64_t code = kNoActivation; code <= kLastActivation; ++code) {
+    names.push_back(activation_name(code));
+    if (is_gated_activation(code)) gated.push_back(code);
   }
-  return {names, core::kHeuristicAuto, core::kHeuristicUnfused, {0, 1, 2},  // fused_mlp.cpp's MlpPlan
-          gated, core::kGatedInterleave};
+  for (int64_t level = 0; level <= kMaxCheckpointLevel; ++level) levels.push_back(level);
+  return {names, core::kHeuristicAuto, core::kHeuristicUnfused, levels, gated, core::kGatedInterleave};
 }
 
 // The packed columns of the gate and of the up value of each of `hidden` units (core/common/types.h).
@@ -40,6 +42,19 @@ std::tuple<std::vector<int64_t>, std::vector<int64_t>> gated_columns(int64_t hid
   return {gate, up};
 }
 
+// The largest finite value of an FP8 format, 0 e4m3 or 1 e5m2 (core::fp8_max): saturation clamps to it.
+double fp8_format_max(int64_t fp8_format) {
+  return core::fp8_max(fp8_format_of(fp8_format, "fused_dense::fp8_format_max", "fp8_format"));
+}
+
+bool cutlass_gemms_compiled() {
+#if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 }  // namespace fused_dense
 
@@ -51,4 +66,9 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("gated_columns(int hidden) -> (int[] gate, int[] up)", &fused_dense::gated_columns);
   // Bytes per row of the ReLU bit-mask for a pre-activation of `cols` columns (docs/contract.md).
   m.def("relu_mask_row_bytes(int cols) -> int", [](int64_t cols) { return fused_dense::core::relu_mask_row_bytes(cols); });
+  // The largest finite value of fp8_format 0 (e4m3) or 1 (e5m2).
+  m.def("fp8_format_max(int fp8_format) -> float", &fused_dense::fp8_format_max);
+  // Whether this build holds the library's cutlass_sm90 kernels (csrc/core/cutlass_sm90/), more
+  // candidates of 'auto' on compute capability 9.0.
+  m.def("cutlass_gemms_compiled() -> bool", &fused_dense::cutlass_gemms_compiled);
 }

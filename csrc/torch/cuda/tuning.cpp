@@ -1,5 +1,6 @@
-// The tuner's settings, statistics and M buckets (csrc/core/tuning/tuner.h), for fused_dense/tuning.py.
-// CUDA builds only: a CPU-only build has no tuner, and tuning.py says so.
+// The tuning family's kernels (tuning.cpp has the schemas): the tuner's settings, statistics and
+// M buckets (csrc/core/tuning/tuner.h). CUDA builds only: a CPU-only build has no tuner, and
+// fused_dense/tuning.py says so before calling these ops.
 #include <torch/library.h>
 
 #include <string>
@@ -52,7 +53,7 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, double, int64_t> stats() {
 }
 
 std::tuple<int64_t, int64_t> bucket(int64_t m) {
-  TORCH_CHECK(m >= 1, "fused_dense::tuning_m_bucket: m must be >= 1, got ", m);
+  TORCH_CHECK_VALUE(m >= 1, "fused_dense::tuning_m_bucket: m must be >= 1, got ", m);
   const core::MBucket b = translated([&] { return core::m_bucket(m); });
   return {b.index, b.representative};
 }
@@ -60,17 +61,11 @@ std::tuple<int64_t, int64_t> bucket(int64_t m) {
 }  // namespace
 }  // namespace fused_dense
 
-TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  m.def("tuning_settings() -> (bool enabled, float budget_s, float problem_budget_ms, float pace, int buckets, "
-        "str cache, str table)",
-        &fused_dense::get_settings);
-  m.def("set_tuning_settings(bool enabled, float budget_s, float problem_budget_ms, float pace, int buckets, "
-        "str cache, str table) -> ()",
-        &fused_dense::set_settings);
-  m.def("set_default_tuning_table(str path) -> ()",
-        [](const std::string& path) { fused_dense::core::set_default_tuning_table(path); });
-  m.def("tuning_stats() -> (int problems_measured, int rule_choices, int table_choices, int cache_choices, "
-        "float measuring_s, int heuristic_queries)",
-        &fused_dense::stats);
-  m.def("tuning_m_bucket(int m) -> (int index, int representative)", &fused_dense::bucket);
+// Tensor-free ops: the CompositeImplicitAutograd kernel is the one a call without tensors reaches.
+TORCH_LIBRARY_IMPL(fused_dense, CompositeImplicitAutograd, m) {
+  m.impl("tuning_settings", &fused_dense::get_settings);
+  m.impl("set_tuning_settings", &fused_dense::set_settings);
+  m.impl("set_default_tuning_table", [](const std::string& path) { fused_dense::core::set_default_tuning_table(path); });
+  m.impl("tuning_stats", &fused_dense::stats);
+  m.impl("tuning_m_bucket", &fused_dense::bucket);
 }
