@@ -67,9 +67,10 @@ def _cutlass_includes():
     return dirs if os.path.isfile(os.path.join(dirs[0], "cutlass", "cutlass.h")) else None
 
 
-# Every csrc/torch/*.cpp is part of the build; the CUDA kernels' registration only with CUDA.
-CUDA_ONLY_TORCH_SOURCES = {"csrc/torch/cuda_ops.cpp", "csrc/torch/fp8_cuda.cpp", "csrc/torch/tuning.cpp"}
-torch_sources = [s for s in _sources("csrc/torch/*.cpp") if s not in CUDA_ONLY_TORCH_SOURCES]
+# Every csrc/torch source is part of the build, its cuda/ folder (the CUDA kernels) only with CUDA
+# (csrc/torch/README.md).
+cuda_torch_sources = _sources("csrc/torch/cuda/*.cpp")
+torch_sources = [s for s in _sources("csrc/torch/**/*.cpp") if s not in cuda_torch_sources]
 # The core's plain C++ vocabulary (names of the codes), which the CPU kernels' messages use too.
 CORE_HOST_SOURCES = ["csrc/core/common/types.cpp"]
 # Includes are written from csrc/ ("core/common/types.h"), by folder; csrc/core's folders are its
@@ -78,7 +79,7 @@ INCLUDE_DIRS = [os.path.join(ROOT, "csrc")]
 cxx_flags = ["-O3", "-std=c++17"]
 
 if _want_cuda():
-    sources = torch_sources + sorted(CUDA_ONLY_TORCH_SOURCES) + _sources("csrc/core/**/*.cpp") + _sources("csrc/core/**/*.cu")
+    sources = torch_sources + cuda_torch_sources + _sources("csrc/core/**/*.cpp") + _sources("csrc/core/**/*.cu")
     archs = _cuda_archs()
     nvcc_flags = ["-O3", "-std=c++17", "-lineinfo"] + _gencode_flags(archs)
     include_dirs = list(INCLUDE_DIRS)
@@ -87,7 +88,7 @@ if _want_cuda():
     if cutlass and "90a" in archs:
         include_dirs += cutlass
         nvcc_flags.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")
-        cxx.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")  # cutlass_gemms_compiled() in registration.cpp
+        cxx.append("-DFUSED_DENSE_WITH_CUTLASS_SM90A")  # cutlass_gemms_compiled() in csrc/torch/constants.cpp
     else:
         print("fused_dense: building without the cutlass_sm90 kernels (" +
               ("needs 9.0a in FUSED_DENSE_CUDA_ARCHS" if cutlass else

@@ -5,7 +5,7 @@ A layer in FP8 keeps its master weights (and so the optimizer state) in the mode
 step quantizes, per tensor, the input, the activation between the MLP's GEMMs (a gated MLP's
 act(gate) * up), the output gradient and the gradient at the activation (a gated MLP's packed
 gate / up gradient), and runs the six GEMMs in FP8 with outputs in the
-model's dtype (csrc/torch/fused_mlp_fp8.cpp has the dataflow). Weights are quantized from their
+model's dtype (csrc/torch/autograd/mlp_fp8.cpp has the dataflow). Weights are quantized from their
 own amax when their FP8 copy is made, under either recipe; activations and gradients follow the
 recipe:
 
@@ -363,7 +363,7 @@ def _load_scaling_state(module, state_dict, prefix, *args, slots):
         module.register_buffer("fp8_amax", torch.zeros(n, **f32))
 
 
-# The FP8 ops' derivatives are C++ autograd Functions (csrc/torch/fused_mlp_fp8.cpp).
+# The FP8 ops' derivatives are C++ autograd Functions (csrc/torch/autograd/mlp_fp8.cpp).
 _OP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

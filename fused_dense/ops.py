@@ -81,7 +81,7 @@ def check_mlp_arguments(activation: str, checkpoint_lvl: int, family: str = "pla
 
 
 def mlp_plan(activation: int, checkpoint_lvl: int, needs_input_grad) -> dict:
-    """The MLP's checkpoint plan (csrc/torch/mlp_plan.h): what the forward keeps and what
+    """The MLP's checkpoint plan (csrc/torch/mlp.h): what the forward keeps and what
     backward recomputes, for the given needs_input_grad of (x, weight1, bias1, weight2, bias2)."""
     flags = op_overload("fused_mlp_plan")(activation, checkpoint_lvl, [bool(n) for n in needs_input_grad])
     return dict(zip(_PLAN_FIELDS, flags))

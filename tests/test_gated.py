@@ -236,26 +236,26 @@ def test_gated_op_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"gated_linear: activation must be 4 \(swiglu\) or 5 \(geglu\), got 1 "
                                          r"\(gelu_approx\)"):
         OPS.gated_linear(x, w, 1, False, -2)
-    with pytest.raises(RuntimeError, match=r"weight.size\(0\) must be even, got weight shape \[7, 5\]"):
+    with pytest.raises(ValueError, match=r"weight.size\(0\) must be even, got weight shape \[7, 5\]"):
         OPS.gated_linear(x, torch.randn(7, 5), 4, False, -2)
-    with pytest.raises(RuntimeError, match=r"input.size\(1\) \(in_features\) must equal weight.size\(1\) = 6"):
+    with pytest.raises(ValueError, match=r"input.size\(1\) \(in_features\) must equal weight.size\(1\) = 6"):
         OPS.gated_linear(x, torch.randn(8, 6), 4, False, -2)
-    with pytest.raises(RuntimeError, match="weight must have the dtype of input"):
+    with pytest.raises(ValueError, match="weight must have the dtype of input"):
         OPS.gated_linear(x, w.double(), 4, False, -2)
     with pytest.raises(ValueError, match="heuristic must be -2"):
         OPS.gated_linear(x, w, 4, False, -3)
     w2, g = torch.randn(6, 4), torch.randn(3, 6)
-    with pytest.raises(RuntimeError, match=r"pre_act must have shape \[3, 8\] = \[batch, 2 \* hidden\].*got \[3, 4\]"):
+    with pytest.raises(ValueError, match=r"pre_act must have shape \[3, 8\] = \[batch, 2 \* hidden\].*got \[3, 4\]"):
         OPS.gated_linear_dgrad(w2, g, torch.randn(3, 4), 5, -2)
-    with pytest.raises(RuntimeError, match="pre_act must have the dtype of weight"):
+    with pytest.raises(ValueError, match="pre_act must have the dtype of weight"):
         OPS.gated_linear_dgrad(w2, g, torch.randn(3, 8).half(), 5, -2)
-    with pytest.raises(RuntimeError, match=r"d_output.size\(1\) must equal weight.size\(0\) = 6"):
+    with pytest.raises(ValueError, match=r"d_output.size\(1\) must equal weight.size\(0\) = 6"):
         OPS.gated_linear_dgrad(w2, torch.randn(3, 5), torch.randn(3, 8), 5, -2)
     with pytest.raises(ValueError, match=r"activation must be 4 \(swiglu\) or 5 \(geglu\), got 2 \(relu\)"):
         OPS.gated_linear_dgrad(w2, g, torch.randn(3, 8), 2, -2)
-    with pytest.raises(RuntimeError, match=r"gated_act_forward: pre_act must be the packed .* got shape \[3, 5\]"):
+    with pytest.raises(ValueError, match=r"gated_act_forward: pre_act must be the packed .* got shape \[3, 5\]"):
         OPS.gated_act_forward(torch.randn(3, 5), 4)
-    with pytest.raises(RuntimeError, match="pre_act must be 2-D"):
+    with pytest.raises(ValueError, match="pre_act must be 2-D"):
         OPS.gated_act_forward(torch.randn(3, 4, 2), 4)
 
 
@@ -277,9 +277,9 @@ def test_non_gated_ops_refuse_gated_codes(code, name):
 
 def test_fused_mlp_op_gated_shape_errors():
     x = torch.randn(3, 5)
-    with pytest.raises(RuntimeError, match=r"for swiglu, weight2.size\(1\) must equal weight1.size\(0\) / 2 = 4"):
+    with pytest.raises(ValueError, match=r"for swiglu, weight2.size\(1\) must equal weight1.size\(0\) / 2 = 4"):
         OPS.fused_mlp(x, torch.randn(8, 5), None, torch.randn(6, 8), None, 4, 0, -2)
-    with pytest.raises(RuntimeError, match=r"for geglu, weight1 is the packed .* must be even"):
+    with pytest.raises(ValueError, match=r"for geglu, weight1 is the packed .* must be even"):
         OPS.fused_mlp(x, torch.randn(7, 5), None, torch.randn(6, 3), None, 5, 0, -2)
     with pytest.raises(ValueError, match="swiglu takes no bias1"):
         OPS.fused_mlp(x, torch.randn(8, 5), torch.randn(8), torch.randn(6, 4), None, 4, 0, -2)

@@ -1,4 +1,4 @@
-"""The MLP's one autograd: the C++ checkpoint plan (csrc/torch/fused_mlp.cpp), the op
+"""The MLP's one autograd: the C++ checkpoint plan (csrc/torch/mlp.h), the op
 fused_dense::fused_mlp with its C++ derivative, and FusedMLPFunc, which adds only tensor-parallel
 communication around the same C++ halves (fused_mlp_train_forward / fused_mlp_backward). Rules
 under test: docs/contract.md, "Checkpoint levels"."""
@@ -196,13 +196,13 @@ def test_op_errors_name_the_argument():
         NATIVE(x, w1, None, w2, None, 0, 0, -2)
     with pytest.raises(ValueError, match="checkpoint_lvl must be 0, 1 or 2, got 3"):
         NATIVE(x, w1, None, w2, None, 1, 3, -2)
-    with pytest.raises(RuntimeError, match=r"weight1.size\(1\) must equal x.size\(1\) = 8"):
+    with pytest.raises(ValueError, match=r"weight1.size\(1\) must equal x.size\(1\) = 8"):
         NATIVE(x, torch.randn(16, 9), None, w2, None, 1, 0, -2)
-    with pytest.raises(RuntimeError, match=r"weight2.size\(1\) must equal weight1.size\(0\) = 16"):
+    with pytest.raises(ValueError, match=r"weight2.size\(1\) must equal weight1.size\(0\) = 16"):
         NATIVE(x, w1, None, torch.randn(4, 15), None, 1, 0, -2)
-    with pytest.raises(RuntimeError, match="x must be 2-D"):
+    with pytest.raises(ValueError, match="x must be 2-D"):
         NATIVE(x[None], w1, None, w2, None, 1, 0, -2)
-    with pytest.raises(RuntimeError, match="bias"):
+    with pytest.raises(ValueError, match="bias"):
         NATIVE(x, w1, torch.randn(15), w2, None, 1, 0, -2)
 
 

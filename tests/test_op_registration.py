@@ -147,3 +147,59 @@ def test_cpu_raw_backward_ops_refuse_requires_grad():
         OPS.act_linear_dgrad(w, g, None, 0, False, -1)
     with pytest.raises(RuntimeError, match="argument 'pre_act' requires grad"):
         OPS.act_forward(torch.randn(2, 3, requires_grad=True), 1)
+
+
+def _namespace_ops():
+    """Every op of the fused_dense namespace, with whether its schema takes a tensor."""
+    ops = {}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if qualified.startswith("fused_dense::"):
+            name = qualified.split("::")[1].split(".")[0]
+            schema = getattr(torch.ops.fused_dense, name).default._schema
+            ops[name] = any("Tensor" in str(a.type) for a in schema.arguments)
+    return ops
+
+
+def autograd_unguarded(ops):
+    """The ops among `ops` that take tensors and have neither an Autograd kernel (the guard of the
+    raw ops, or a C++ derivative) nor a CompositeImplicitAutograd one (a composite of guarded ops)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return sorted(name for name, takes_tensors in ops.items() if takes_tensors
+                  and not has(f"fused_dense::{name}", "Autograd")
+                  and not has(f"fused_dense::{name}", "CompositeImplicitAutograd"))
+
+
+def test_every_op_that_takes_tensors_has_an_autograd_kernel():
+    ops = _namespace_ops()
+    assert {"linear_act", "gated_linear", "fp8_quantize", "fp8_linear_act", "fused_mlp_fp8"} <= set(ops)
+    assert autograd_unguarded(ops) == []
+
+
+def test_unguarded_check_sees_a_missing_guard():
+    """An op defined without its guard (here a plain m.def from Python) is reported."""
+    lib = torch.library.Library("fused_dense", "FRAGMENT")
+    lib.define("unguarded_probe(Tensor x) -> Tensor")
+    lib.impl("unguarded_probe", lambda x: x.clone(), "CPU")
+    assert autograd_unguarded({"unguarded_probe": True, "linear_act": True}) == ["unguarded_probe"]
+    lib._destroy()
+
+
+@pytest.mark.parametrize("op", ["gated_linear", "fp8_quantize", "fp8_linear"])
+def test_cpu_guard_refuses_requires_grad_on_gated_and_fp8_ops(op):
+    x = torch.randn(4, 32, requires_grad=True)
+    call = {"gated_linear": lambda: OPS.gated_linear(x, torch.randn(16, 32), 4, False, -2),
+            "fp8_quantize": lambda: torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, False, False),
+            "fp8_linear": lambda: torch.ops.fused_dense.fp8_linear(
+                x.detach().to(torch.float8_e4m3fn), torch.randn(16, 32).to(torch.float8_e4m3fn),
+                torch.ones((), requires_grad=True), torch.ones(()), None, torch.float32, False, -2)}[op]
+    with pytest.raises(RuntimeError, match="requires grad.*no derivative"):
+        call()
+
+
+def test_fp8_format_max_is_the_formats_largest_finite_value():
+    """Published for Python (fused_dense.fp8): each format's largest finite value, as torch's own
+    float8 dtypes define it."""
+    assert torch.ops.fused_dense.fp8_format_max(0) == torch.finfo(torch.float8_e4m3fn).max
+    assert torch.ops.fused_dense.fp8_format_max(1) == torch.finfo(torch.float8_e5m2).max
+    with pytest.raises(ValueError, match="fp8_format must be 0 .* got 2"):
+        torch.ops.fused_dense.fp8_format_max(2)

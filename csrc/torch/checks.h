@@ -1,11 +1,12 @@
-// The torch layer's op vocabulary (activation and heuristic codes) and the argument checks shared
-// by the CPU, CUDA and Meta kernels, so every backend rejects the same inputs with the same
-// message; plus the output allocation they share.
+// The binding's op vocabulary (activation and heuristic codes, their ranges) and the argument-check
+// helpers every family's checks are built from (csrc/torch/README.md), so every op and every
+// backend rejects a mistake of one kind with the same exception type (docs/contract.md, "Errors")
+// and a message that names the op, the argument, the expected and the actual value.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <optional>
+#include <string>
 
 #include "core/common/types.h"  // plain C++, no CUDA: also usable in the CPU-only build
 
@@ -16,28 +17,41 @@ using ActivationCode = core::Activation;
 using core::kHeuristicAuto;
 using core::relu_mask_row_bytes;
 
+// The codes' ranges, from core::Activation: 0 none, the plain activations up to
+// kLastPlainActivation, then the gated ones up to kLastActivation.
+inline constexpr int64_t kNoActivation = static_cast<int64_t>(ActivationCode::kNone);
+inline constexpr int64_t kLastPlainActivation = static_cast<int64_t>(ActivationCode::kSquaredRelu);
+inline constexpr int64_t kLastActivation = static_cast<int64_t>(ActivationCode::kGeGLU);
+
 // Name of an activation code, "unknown" for a code outside the schema (for error messages).
 const char* activation_name(int64_t activation);
-// Whether an activation code is gated (swiglu, geglu: the gated ops and fused_mlp take it).
+// Whether a code is one of the schema's: 0 to kLastActivation.
+bool is_activation(int64_t activation);
+// Whether a code is plain (not gated): 0 (none) to kLastPlainActivation.
+bool is_plain_activation(int64_t activation);
+// Whether a code is gated (swiglu, geglu: the gated ops and the MLPs take it).
 bool is_gated_activation(int64_t activation);
 
-// Checks: each TORCH_CHECK names the argument, the expected and the actual value.
-// Return the validated activation.
-ActivationCode check_linear_act(const at::Tensor& input, const at::Tensor& weight,
-                                const std::optional<at::Tensor>& bias, int64_t activation,
-                                bool save_pre_act, int64_t heuristic);
-void check_wgrad(const at::Tensor& input, const at::Tensor& d_output);
-ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
-                                      const std::optional<at::Tensor>& pre_act, int64_t activation,
-                                      int64_t heuristic, bool return_act_out);
-ActivationCode check_act_forward(const at::Tensor& pre_act, int64_t activation);
+// The codes first..last as a message lists them: "1 (gelu_approx), 2 (relu) or 3 (sqrelu)".
+std::string activation_choices(int64_t first, int64_t last);
 
-// The gated ops (swiglu, geglu over the packed layout of core/common/types.h). Return the activation.
-ActivationCode check_gated_linear(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
-                                  int64_t heuristic);
-ActivationCode check_gated_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
-                                        const at::Tensor& pre_act, int64_t activation, int64_t heuristic);
-ActivationCode check_gated_act_forward(const at::Tensor& pre_act, int64_t activation);
+// `activation` among first..last, else a ValueError "<op>: activation must be <choices>, got
+// <code> (<name>)<note>". Returns it.
+ActivationCode check_activation_in(const char* op, int64_t activation, int64_t first, int64_t last,
+                                   const char* note = "");
+
+// Argument checks; each raises ValueError (TORCH_CHECK_VALUE) naming the argument.
+// t is defined, 2-D and contiguous.
+void check_matrix(const char* op, const char* name, const at::Tensor& t);
+// t is float16, bfloat16, float32 or float64.
+void check_float(const char* op, const char* name, const at::Tensor& t);
+// t has the dtype and the device of ref.
+void check_same(const char* op, const char* name, const at::Tensor& t, const char* ref_name, const at::Tensor& ref);
+// t is on the device of ref.
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref);
+// heuristic is -2 (auto), -1 (unfused) or an index >= 0 that fits in int32.
+void check_heuristic(const char* op, int64_t heuristic);
 
 // Output allocation shared by Meta and the real kernels: the saved pre-activation [rows, cols],
 // or for ReLU its bit-mask [rows, relu_mask_row_bytes(cols)] uint8.

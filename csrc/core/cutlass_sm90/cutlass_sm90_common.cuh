@@ -99,8 +99,8 @@ void set_scheduler(Arguments& args, int order, int device) {
 // configurations. 64 x 32 is CUTLASS's default for that tile (8 sub-tiles; ping-pong allows 64
 // rows only); 64 x 64 cuts a tile into 4, so half as many epilogue barriers and TMA issues per
 // tile, for twice the registers per sub-tile. Neither wins everywhere on the H200 (64 x 64 takes
-// fc2's data gradient and fc1's forward at d = 1024, 6% and 2.5% faster; 64 x 32 most shapes at
-// d = 2048 and 4096: docs/performance.md), so the tuner times both; 64 x 128 is the fastest
+// fc2's data gradient and fc1's forward at d = 1024, 64 x 32 most shapes at d = 2048 and 4096:
+// docs/performance.md, "Epilogue sub-tiles"), so the tuner times both; 64 x 128 is the fastest
 // nowhere and is not offered.
 inline constexpr int kNumEpilogueTiles = 2;
 

@@ -52,11 +52,9 @@ struct WarpAtomicMaxBits {
 };
 
 // The tile configuration and tile order, measured on the H200 against 2 x 1 clusters, 128 x 256
-// and 256 x 128 cooperative tiles and the three orders of cutlass_sm90_common.cuh (fc1 with its
-// whole epilogue, ms): 128 x 128 ping-pong, 1 x 2 clusters, tiles grouped 8 along M was the
-// fastest or within 5% at 16384 x 8192 -> 32768 (6.73 against 6.82-7.71), 8192 x 4096 -> 16384
-// (0.887 against 0.893-1.047), 16384 x 4096 -> 16384 (1.81 against 1.81-2.31) and 8192 x 2048 ->
-// 8192 (0.306 against 0.292-0.316). A fixed choice keeps the bits of a recomputation the
+// and 256 x 128 cooperative tiles and the three orders of cutlass_sm90_common.cuh: 128 x 128
+// ping-pong, 1 x 2 clusters, tiles grouped 8 along M (docs/performance.md, "FP8": the cutlass_sm90
+// FP8 fc1 GEMM's configuration). A fixed choice keeps the bits of a recomputation the
 // forward's without a tuner entry. Schedule: the mainloop's FP8 accumulation (the forward's fast
 // one, as the library's other forward FP8 GEMMs).
 template <class MainloopSchedule>

@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(kThreads)
           for (int j = 0; j < V; ++j) p[j] += b[j];
           // Activate the rounded sum so a recompute from the stored pre_act is bit-identical.
           // Without a bias x is that value already, and skipping the round trip matters: the
-          // 16-bit GELU kernels are issue-bound (bf16 in place at 16384 x 8192, H200: 141 us
-          // without a bias, 163 us with one).
+          // 16-bit GELU kernels are issue-bound (docs/performance.md, "Elementwise kernels and
+          // host time").
           floats_to_pack(pv, p);
           pack_to_floats(p, pv);
         }

@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads)
     act_backward_colsum_kernel(const T* grad, const void* pre_act, T* grad_in, T* act_out, float* partial, int64_t rows,
                                int64_t cols, int64_t rb, int64_t rows_per_chunk, int64_t nchunks, int64_t ntiles) {
   // Rows in flight per thread. Bytes in flight are what keep HBM busy; 4 measured best on H200
-  // for every activation (2 leaves bf16 ~15% short, 8 costs occupancy through registers).
+  // for every activation (docs/performance.md, "Elementwise kernels and host time").
   constexpr int R = 4;
   __shared__ float sh[kThreads * V];
   const int tx = threadIdx.x;

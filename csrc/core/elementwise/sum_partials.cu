@@ -23,7 +23,8 @@ namespace {
 // out[j] = sum over c < nparts of partial[c * stride + j], in a fixed order: part lane ty of the
 // block adds parts ty, ty + kPartLanes, ... in turn, then the kPartLanes sums are added in order
 // of ty. Several part lanes and an unrolled loop keep many loads in flight: one thread adding 64
-// parts one after the other waits out 64 L2 latencies, a large share of a 20 us pass.
+// parts one after the other waits out 64 L2 latencies, a large share of the pass
+// (docs/performance.md, "Elementwise kernels and host time").
 constexpr int kFinalizeCols = 32;
 constexpr int kPartLanes = kThreads / kFinalizeCols;
 

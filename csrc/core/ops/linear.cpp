@@ -434,8 +434,8 @@ void act_linear_dgrad(const LinearContext& ctx, const ActLinearDgradArgs& a) {
     return;
   }
   // Rule without measurement: unfused. On the H200 DGELU_BGRAD is slower than GEMM + one
-  // elementwise pass at every benchmarked shape (0.158 vs 0.124 ms at 8192x1024x4096:
-  // docs/performance.md).
+  // elementwise pass at every benchmarked shape (docs/performance.md, "The data gradient through
+  // the activation").
   // act_out is not part of the key: a call with it takes the choice of the call without it, so
   // checkpoint level 1 computes the same gradients as level 0, bit for bit.
   // Only 'auto' takes the cutlass_sm90 data gradient, and only where the tuner measured it faster.

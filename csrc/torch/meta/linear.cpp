@@ -1,8 +1,9 @@
-// Meta (fake) kernels: shapes and dtypes only, for torch.compile and FakeTensor. They run the
-// same checks as the real kernels so tracing rejects what execution would reject.
+// Meta (fake) kernels of the linear family: shapes and dtypes only, for torch.compile and
+// FakeTensor. They run the same checks as the real kernels so tracing rejects what execution would
+// reject.
 #include <torch/library.h>
 
-#include "checks.h"
+#include "torch/linear.h"
 
 namespace fused_dense {
 namespace {
@@ -39,28 +40,6 @@ at::Tensor act_forward_meta(const at::Tensor& pre_act, int64_t activation) {
   return at::empty_like(pre_act);
 }
 
-std::vector<at::Tensor> gated_linear_meta(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
-                                          bool save_pre_act, int64_t heuristic) {
-  check_gated_linear(input, weight, activation, heuristic);
-  auto out = at::empty({input.size(0), weight.size(0) / 2}, input.options());
-  if (!save_pre_act) return {out};
-  return {out, at::empty({input.size(0), weight.size(0)}, input.options())};
-}
-
-std::vector<at::Tensor> gated_linear_dgrad_meta(const at::Tensor& weight, const at::Tensor& d_output,
-                                                const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
-                                                bool return_act_out) {
-  check_gated_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
-  std::vector<at::Tensor> out{at::empty({d_output.size(0), 2 * weight.size(1)}, weight.options())};
-  if (return_act_out) out.push_back(at::empty({d_output.size(0), weight.size(1)}, weight.options()));
-  return out;
-}
-
-at::Tensor gated_act_forward_meta(const at::Tensor& pre_act, int64_t activation) {
-  check_gated_act_forward(pre_act, activation);
-  return at::empty({pre_act.size(0), pre_act.size(1) / 2}, pre_act.options());
-}
-
 }  // namespace
 }  // namespace fused_dense
 
@@ -69,7 +48,4 @@ TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
   m.impl("linear_bias_wgrad", &fused_dense::linear_bias_wgrad_meta);
   m.impl("act_linear_dgrad", &fused_dense::act_linear_dgrad_meta);
   m.impl("act_forward", &fused_dense::act_forward_meta);
-  m.impl("gated_linear", &fused_dense::gated_linear_meta);
-  m.impl("gated_linear_dgrad", &fused_dense::gated_linear_dgrad_meta);
-  m.impl("gated_act_forward", &fused_dense::gated_act_forward_meta);
 }

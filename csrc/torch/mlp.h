@@ -1,16 +1,27 @@
-// The MLP's checkpoint rules, one definition (MlpPlan), shared by the bf16 / fp16 autograd of
-// fused_mlp.cpp and the FP8 autograd of fused_mlp_fp8.cpp. The rules are stated in
-// docs/contract.md ("Checkpoint levels").
+// The mlp family (mlp.cpp): the MLP's argument checks and its checkpoint rules, one definition
+// (MlpPlan), shared by the bf16 / fp16 autograd (autograd/mlp.cpp) and the FP8 autograd
+// (autograd/mlp_fp8.cpp). The rules are stated in docs/contract.md ("Checkpoint levels").
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/List.h>
 #include <c10/util/Exception.h>
 
-#include "checks.h"
+#include <optional>
+
+#include "torch/checks.h"
 
 namespace fused_dense {
 
 inline constexpr int64_t kReluCode = static_cast<int64_t>(ActivationCode::kRelu);
+// The checkpoint levels are 0 to kMaxCheckpointLevel (the rules below).
+inline constexpr int64_t kMaxCheckpointLevel = 2;
+
+// The shapes of fused_mlp's x [B, K], weight1 [h, K] (gated: the packed [2h, K], no bias1) and
+// weight2 [N, h], in the op's own argument names; the general ops check the rest (dtypes,
+// devices, contiguity, bias shapes) as they are called (mlp.cpp).
+void check_mlp_shapes(const at::Tensor& x, const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
+                      const at::Tensor& weight2, int64_t activation, const char* op);
 
 // Which inputs need a gradient: x, weight1, bias1, weight2, bias2 (an absent bias: false).
 struct MlpNeeds {
@@ -23,12 +34,11 @@ inline MlpNeeds needs_from_list(const c10::List<bool>& needs, const char* op) {
   return MlpNeeds{needs.get(0), needs.get(1), needs.get(2), needs.get(3), needs.get(4)};
 }
 
+// The MLPs take every activation but none.
 inline void check_mlp_codes(int64_t activation, int64_t checkpoint_lvl, const char* op) {
-  TORCH_CHECK_VALUE(activation >= 1 && activation <= 5, op,
-                    ": activation must be 1 (gelu_approx), 2 (relu), 3 (sqrelu), 4 (swiglu) or 5 (geglu), got ",
-                    activation, " (", activation_name(activation), ")");
-  TORCH_CHECK_VALUE(checkpoint_lvl >= 0 && checkpoint_lvl <= 2, op, ": checkpoint_lvl must be 0, 1 or 2, got ",
-                    checkpoint_lvl);
+  check_activation_in(op, activation, kNoActivation + 1, kLastActivation);
+  TORCH_CHECK_VALUE(checkpoint_lvl >= 0 && checkpoint_lvl <= kMaxCheckpointLevel, op,
+                    ": checkpoint_lvl must be 0, 1 or 2, got ", checkpoint_lvl);
 }
 
 // The checkpoint rules.

@@ -1,5 +1,5 @@
-// The FP8 ops' shared pieces (fp8_ops.cpp: schemas, checks, CPU and Meta kernels; fp8_cuda.cpp:
-// CUDA kernels; fused_mlp_fp8.cpp: the FP8 autograd of the MLP and of one linear).
+// The FP8 family's checks, format helpers and output allocation (fp8.cpp), shared by its CPU,
+// Meta and CUDA kernels (cpu/, meta/, cuda/fp8.cpp) and the FP8 autograd (autograd/mlp_fp8.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,10 +8,11 @@
 #include <tuple>
 
 #include "core/common/types.h"
+#include "torch/checks.h"
 
 namespace fused_dense {
 
-// (data, data_t, scale, scale_inv, amax, column_sums): fp8_ops.cpp's header comment.
+// (data, data_t, scale, scale_inv, amax, column_sums): fp8.cpp's header comment.
 using Fp8QuantizeResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 core::Fp8Format fp8_format_of(int64_t code, const char* op, const char* name);
@@ -24,7 +25,7 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                       at::ScalarType out_dtype, const char* op = "fused_dense::fp8_linear");
 
-// (pre, data, data_t, scale, scale_inv, amax) of fp8_linear_act: fp8_ops.cpp's header comment.
+// (pre, data, data_t, scale, scale_inv, amax) of fp8_linear_act: fp8.cpp's header comment.
 using Fp8LinearActResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,

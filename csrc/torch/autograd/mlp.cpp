@@ -1,4 +1,5 @@
-// fused_dense::fused_mlp: fc2(act(fc1(x))) with the checkpoint rules written once, here.
+// The mlp family's kernels (mlp.cpp has the schemas and checks): fused_mlp, fc2(act(fc1(x))),
+// with its C++ autograd, and the halves the tensor-parallel Function calls.
 //
 // Three layers share one plan (MlpPlan: what the forward keeps for backward, what backward
 // recomputes) and one forward / backward body:
@@ -8,8 +9,8 @@
 //     fused_mlp_backward       — the same two halves as ops, for an autograd Function that adds
 //                                communication between them (fused_dense.functional.FusedMLPFunc,
 //                                the tensor-parallel path): it calls these and holds no rule;
-//   * fused_mlp_plan           — the plan itself, so that Function knows what to save and when
-//                                its input must be gathered.
+//   * fused_mlp_plan           — the plan itself (mlp.cpp), so that Function knows what to save
+//                                and when its input must be gathered.
 // Everything is composed of the general ops through the dispatcher, so it serves CPU, CUDA and
 // Meta alike. The rules are stated in docs/contract.md ("Checkpoint levels").
 // The gated activations (swiglu, geglu) run on the same plan and bodies: fc1 is then the gated
@@ -20,9 +21,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "mlp_plan.h"
-#include "op_calls.h"
-#include "reference.h"
+#include "torch/autograd/op_calls.h"
+#include "torch/mlp.h"
 
 namespace fused_dense {
 namespace {
@@ -31,34 +31,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Opt = std::optional<at::Tensor>;
 
-constexpr int64_t kNone = static_cast<int64_t>(ActivationCode::kNone);
-
 Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
-
-// The op's own argument names in its errors; the general ops check the rest (dtypes, devices,
-// contiguity, bias shapes) as they are called.
-// A gated MLP's weight1 is the packed [2 * hidden, in_features] and it has no fc1 bias.
-void check_shapes(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1, const at::Tensor& weight2,
-                  int64_t activation, const char* op) {
-  TORCH_CHECK(x.dim() == 2, op, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
-  TORCH_CHECK(weight1.dim() == 2 && weight2.dim() == 2, op, ": weight1 and weight2 must be 2-D, got shapes ",
-              weight1.sizes(), " and ", weight2.sizes());
-  TORCH_CHECK(weight1.size(1) == x.size(1), op, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
-              " (in_features), got weight1 shape ", weight1.sizes());
-  if (!is_gated_activation(activation)) {
-    TORCH_CHECK(weight2.size(1) == weight1.size(0), op, ": weight2.size(1) must equal weight1.size(0) = ",
-                weight1.size(0), " (hidden_features), got weight2 shape ", weight2.sizes());
-    return;
-  }
-  TORCH_CHECK(weight1.size(0) % 2 == 0, op, ": for ", activation_name(activation),
-              ", weight1 is the packed gate and up rows [2 * hidden, in_features], so weight1.size(0) must be even, "
-              "got weight1 shape ", weight1.sizes());
-  TORCH_CHECK(weight2.size(1) * 2 == weight1.size(0), op, ": for ", activation_name(activation),
-              ", weight2.size(1) must equal weight1.size(0) / 2 = ", weight1.size(0) / 2,
-              " (hidden_features), got weight2 shape ", weight2.sizes());
-  TORCH_CHECK_VALUE(!(bias1.has_value() && bias1->defined()), op, ": ", activation_name(activation),
-                    " takes no bias1 (the gated layers have no fc1 bias), got a tensor of shape ", bias1->sizes());
-}
 
 // fc1 and its activation: [act_out] (+ [pre_act] when save_pre_act).
 std::vector<at::Tensor> fc1_forward(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& bias1,
@@ -97,7 +70,7 @@ at::Tensor mlp_forward(const MlpPlan& p, const at::Tensor& x, const at::Tensor& 
                        const at::Tensor& weight2, const at::Tensor& bias2, int64_t activation, int64_t heuristic,
                        MlpSaved* saved) {
   auto fc1 = fc1_forward(x, weight1, bias1, activation, p.keep_pre, heuristic);
-  auto out = op_calls::linear_act(fc1[0], weight2, opt(bias2), kNone, false, kHeuristicAuto)[0];
+  auto out = op_calls::linear_act(fc1[0], weight2, opt(bias2), kNoActivation, false, kHeuristicAuto)[0];
   if (saved != nullptr) {
     saved->pre_act = p.keep_pre ? fc1[1] : at::Tensor();
     saved->act_out = p.keep_act_out ? fc1[0] : at::Tensor();
@@ -139,7 +112,7 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
   } else if (p.need.b2) {
     r.b2 = bias_grad(g);
   }
-  if (p.need.x) r.x = op_calls::act_linear_dgrad(weight1, r.d_pre, std::nullopt, kNone, false, kHeuristicAuto,
+  if (p.need.x) r.x = op_calls::act_linear_dgrad(weight1, r.d_pre, std::nullopt, kNoActivation, false, kHeuristicAuto,
                                                  false)[0];
   return r;
 }
@@ -201,7 +174,7 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
 at::Tensor fused_mlp_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                              const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
                              int64_t heuristic) {
-  check_shapes(x, weight1, bias1, weight2, activation, kOp);
+  check_mlp_shapes(x, weight1, bias1, weight2, activation, kOp);
   const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kOp);
   return mlp_forward(p, x, weight1, bias1.value_or(at::Tensor()), weight2, bias2.value_or(at::Tensor()),
                      activation, heuristic, nullptr);
@@ -210,7 +183,7 @@ at::Tensor fused_mlp_forward(const at::Tensor& x, const at::Tensor& weight1, con
 at::Tensor fused_mlp_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                               const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
                               int64_t heuristic) {
-  check_shapes(x, weight1, bias1, weight2, activation, kOp);
+  check_mlp_shapes(x, weight1, bias1, weight2, activation, kOp);
   check_mlp_codes(activation, checkpoint_lvl, kOp);
   const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
   if (!at::GradMode::is_enabled() ||
@@ -225,22 +198,15 @@ at::Tensor fused_mlp_autograd(const at::Tensor& x, const at::Tensor& weight1, co
 
 // ---- the halves as ops, for the tensor-parallel autograd Function ----
 
-constexpr const char* kPlanOp = "fused_dense::fused_mlp_plan";
 constexpr const char* kTrainForwardOp = "fused_dense::fused_mlp_train_forward";
 constexpr const char* kBackwardOp = "fused_dense::fused_mlp_backward";
-
-// [keep_pre, keep_act_out, recompute_fc1, save_x, save_weight1, save_bias1, save_weight2]
-c10::List<bool> fused_mlp_plan(int64_t activation, int64_t checkpoint_lvl, const c10::List<bool>& needs) {
-  const MlpPlan p = make_plan(activation, checkpoint_lvl, needs_from_list(needs, kPlanOp), kPlanOp);
-  return c10::List<bool>({p.keep_pre, p.keep_act_out, p.recompute_fc1, p.save_x, p.save_w1, p.save_b1, p.save_w2});
-}
 
 // [out] + [pre_act if keep_pre] + [act_out if keep_act_out]
 std::vector<at::Tensor> fused_mlp_train_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                                                 const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                                 int64_t checkpoint_lvl, int64_t heuristic,
                                                 const c10::List<bool>& needs) {
-  check_shapes(x, weight1, bias1, weight2, activation, kTrainForwardOp);
+  check_mlp_shapes(x, weight1, bias1, weight2, activation, kTrainForwardOp);
   const MlpPlan p =
       make_plan(activation, checkpoint_lvl, needs_from_list(needs, kTrainForwardOp), kTrainForwardOp);
   MlpSaved s;
@@ -286,21 +252,6 @@ std::vector<at::Tensor> fused_mlp_backward(const at::Tensor& grad_out, const Opt
 
 }  // namespace
 }  // namespace fused_dense
-
-TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  // fc2(act(fc1(x))) for 2-D x with a C++ derivative; activation 1, 2, 3, or gated 4 (swiglu) / 5 (geglu)
-  // with the packed weight1 [2h, K] and no bias1; checkpoint_lvl 0 / 1 / 2;
-  // heuristic applies to fc1's forward and the activation's backward.
-  m.def("fused_mlp(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
-        "int checkpoint_lvl, int heuristic) -> Tensor");
-  // needs_input_grad: x, weight1, bias1, weight2, bias2.
-  m.def("fused_mlp_plan(int activation, int checkpoint_lvl, bool[] needs_input_grad) -> bool[]",
-        &fused_dense::fused_mlp_plan);
-  m.def("fused_mlp_train_forward(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, "
-        "int activation, int checkpoint_lvl, int heuristic, bool[] needs_input_grad) -> Tensor[]");
-  m.def("fused_mlp_backward(Tensor grad_out, Tensor? x, Tensor? weight1, Tensor? bias1, Tensor? weight2, "
-        "Tensor[] saved, int activation, int checkpoint_lvl, int heuristic, bool[] needs_input_grad) -> Tensor[]");
-}
 
 TORCH_LIBRARY_IMPL(fused_dense, CompositeExplicitAutograd, m) {
   m.impl("fused_mlp", &fused_dense::fused_mlp_forward);

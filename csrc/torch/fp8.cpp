@@ -1,5 +1,6 @@
-// The FP8 ops: their schemas, argument checks, CPU reference kernels and Meta kernels (the CUDA
-// kernels: fp8_cuda.cpp). Per-tensor scaling, the rule of core/common/types.h (fp8_scale_from_amax).
+// The FP8 family: fp8_quantize, fp8_linear, fp8_linear_act: their schemas, argument checks and the
+// output allocation the kernels share (kernels: cpu/, meta/, cuda/fp8.cpp). Per-tensor scaling, the
+// rule of core/common/types.h (fp8_scale_from_amax).
 //
 //   fp8_quantize(input [R, C], pre_act?, activation, backward, fp8_format, scale?, rowwise,
 //                columnwise, column_sums)
@@ -24,11 +25,12 @@
 //     (delayed scaling) or one GEMM that records the amax of act(pre) and one cast pass (current
 //     scaling), else the two ops' kernels; the bytes of data / data_t and the amax are
 //     fp8_quantize's of pre either way.
+#include "torch/fp8.h"
+
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "checks.h"
-#include "fp8_ops.h"
-#include "reference.h"
+#include "torch/autograd/guard.h"
 
 namespace fused_dense {
 
@@ -66,9 +68,7 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
   TORCH_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, op,
                     ": input must be float16, bfloat16 or float32, got ", t);
   TORCH_CHECK_VALUE(input.is_contiguous(), op, ": input must be contiguous, got strides ", input.strides());
-  TORCH_CHECK_VALUE(activation >= 0 && activation <= 5, op,
-                    ": activation must be 0 (none), 1 (gelu_approx), 2 (relu), 3 (sqrelu), 4 (swiglu) or 5 (geglu), "
-                    "got ", activation, " (", activation_name(activation), ")");
+  check_activation_in(op, activation, kNoActivation, kLastActivation);
   const bool gated = is_gated_activation(activation);
   if (gated && !backward) {
     TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": a gated forward's input is the packed gu [rows, 2 hidden]; "
@@ -80,7 +80,8 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
   fp8_format_of(fp8_format, op, "fp8_format");
   const bool has_pre = pre_act.has_value() && pre_act->defined();
   if (backward) {
-    TORCH_CHECK_VALUE(activation != 0, op, ": backward=True needs an activation (1 to 5), got 0 (none)");
+    TORCH_CHECK_VALUE(activation != kNoActivation, op, ": backward=True needs an activation (",
+                      activation_choices(kNoActivation + 1, kLastActivation), "), got 0 (none)");
     TORCH_CHECK_VALUE(has_pre, op, ": backward=True needs pre_act (the activation's input), got None");
     if (gated) {
       TORCH_CHECK_VALUE(pre_act->dim() == 2 && pre_act->size(0) == input.size(0) &&
@@ -148,9 +149,8 @@ void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, con
   TORCH_CHECK_VALUE(input.scalar_type() == at::kFloat8_e4m3fn && weight.scalar_type() == at::kFloat8_e4m3fn, op,
                     ": input and weight must be float8_e4m3fn (the forward's format), got ", input.scalar_type(),
                     " and ", weight.scalar_type());
-  TORCH_CHECK_VALUE(activation >= 1 && activation <= 3, op,
-                    ": activation must be 1 (gelu_approx), 2 (relu) or 3 (sqrelu), got ", activation, " (",
-                    activation_name(activation), "); the gated MLPs use fp8_linear and fp8_quantize");
+  check_activation_in(op, activation, kNoActivation + 1, kLastPlainActivation,
+                      "; the gated MLPs use fp8_linear and fp8_quantize");
   if (scale.has_value() && scale->defined()) check_scalar_float(*scale, input, op, "scale");
 }
 
@@ -186,135 +186,15 @@ Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int6
           column_sums ? at::empty({C}, input.options()) : at::empty({0}, input.options())};
 }
 
-namespace {
-
-// v of the quantize pass, in fp32.
-at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
-                           bool backward) {
-  const at::Tensor x = input.to(at::kFloat);
-  const auto act = static_cast<ActivationCode>(activation);
-  if (is_gated_activation(activation))
-    return backward ? gated_value_grad(x, pre_act->to(at::kFloat), act) : gated_value(x, act);
-  if (backward) {
-    const at::Tensor p = pre_act->to(at::kFloat);
-    switch (act) {
-      case ActivationCode::kGeluTanh: return at::gelu_backward(x, p, "tanh");
-      case ActivationCode::kRelu: return x * (p > 0).to(at::kFloat);
-      default: return x * (2 * at::relu(p));
-    }
-  }
-  switch (act) {
-    case ActivationCode::kGeluTanh: return at::gelu(x, "tanh");
-    case ActivationCode::kRelu: return at::relu(x);
-    case ActivationCode::kSquaredRelu: return at::relu(x).square();
-    default: return x;
-  }
-}
-
-Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
-                                         int64_t activation, bool backward, int64_t fp8_format,
-                                         const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                         bool column_sums) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
-  const auto format = static_cast<core::Fp8Format>(fp8_format);
-  const float fmax = core::fp8_max(format);
-  const at::Tensor v = quantized_value(input, pre_act, activation, backward);
-  const auto f32 = input.options().dtype(at::kFloat);
-  const at::Tensor amax = v.numel() == 0 ? at::zeros({}, f32) : v.abs().max();
-  at::Tensor s;
-  if (scale.has_value() && scale->defined()) {
-    s = scale->reshape({}).clone();
-  } else {
-    // fp8_scale_from_amax: fp8_max / max(amax, kFp8MinAmax), NaN kept (clamp propagates it).
-    s = fmax / at::clamp(amax, core::kFp8MinAmax);
-  }
-  const at::Tensor q = at::clamp(v * s, -fmax, fmax).to(fp8_scalar_type(format));
-  const int64_t R = v.size(0), C = v.size(1);
-  at::Tensor data = rowwise ? q : at::empty({0}, input.options().dtype(fp8_scalar_type(format)));
-  at::Tensor data_t = at::empty({0}, data.options());
-  if (columnwise) {
-    at::Tensor t = at::zeros({C, core::fp8_padded_rows(R)}, f32);
-    t.narrow(1, 0, R).copy_(q.to(at::kFloat).t());
-    data_t = t.to(fp8_scalar_type(format));
-  }
-  at::Tensor sums = column_sums ? v.sum(0).to(input.scalar_type()) : at::empty({0}, input.options());
-  return {data, data_t, s, at::reciprocal(s), amax.reshape({}), sums};
-}
-
-at::Tensor fp8_linear_reference(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
-                                const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                                at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
-  (void)fast_accum;
-  (void)heuristic;
-  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
-  at::Tensor out = at::matmul(input.to(at::kFloat), weight.to(at::kFloat).t()) *
-                   (input_scale_inv.reshape({}) * weight_scale_inv.reshape({}));
-  if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);
-  return out.to(out_dtype);
-}
-
-Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::Tensor& weight,
-                                            const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
-                                            const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                                            int64_t activation, const std::optional<at::Tensor>& scale,
-                                            bool columnwise) {
-  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
-  const at::Tensor pre =
-      fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
-  auto [data, data_t, s, s_inv, amax, sums] =
-      fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false);
-  (void)sums;
-  return {pre, data, data_t, s, s_inv, amax};
-}
-
-Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
-                                    int64_t activation, bool backward, int64_t fp8_format,
-                                    const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                    bool column_sums) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
-  return empty_fp8_quantize(input, fp8_quantized_cols(input, activation, backward), fp8_format, rowwise, columnwise,
-                            column_sums);
-}
-
-at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
-                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                           at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
-  (void)fast_accum;
-  (void)heuristic;
-  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
-  return at::empty({input.size(0), weight.size(0)}, input.options().dtype(out_dtype));
-}
-
-Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor& weight,
-                                       const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
-                                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                                       int64_t activation, const std::optional<at::Tensor>& scale,
-                                       bool columnwise) {
-  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
-  return empty_fp8_linear_act(input, weight, out_dtype, columnwise);
-}
-
-}  // namespace
 }  // namespace fused_dense
 
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  m.def("fp8_quantize(Tensor input, Tensor? pre_act, int activation, bool backward, int fp8_format, Tensor? scale, "
-        "bool rowwise, bool columnwise, bool column_sums) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
-        "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
-  m.def("fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
-        "ScalarType out_dtype, int activation, Tensor? scale, bool columnwise) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
-  m.impl("fp8_quantize", &fused_dense::fp8_quantize_reference);
-  m.impl("fp8_linear", &fused_dense::fp8_linear_reference);
-  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_reference);
-}
-
-TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
-  m.impl("fp8_quantize", &fused_dense::fp8_quantize_meta);
-  m.impl("fp8_linear", &fused_dense::fp8_linear_meta);
-  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_meta);
+  using fused_dense::def_raw_op;
+  def_raw_op(m, "fp8_quantize(Tensor input, Tensor? pre_act, int activation, bool backward, int fp8_format, Tensor? scale, "
+             "bool rowwise, bool columnwise, bool column_sums) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  def_raw_op(m, "fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
+             "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
+  def_raw_op(m, "fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
+             "ScalarType out_dtype, int activation, Tensor? scale, bool columnwise) "
+             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -1,5 +1,6 @@
-// CUDA kernels of the FP8 ops (fp8_ops.cpp has their contract): validate, allocate from PyTorch's
-// caching allocator, hand raw pointers to the core (core/elementwise/fp8_quantize.h, core/ops/fp8_linear.h) on the tensors' device and stream.
+// CUDA kernels of the FP8 family (fp8.cpp has their contract): validate, allocate from PyTorch's
+// caching allocator, hand raw pointers to the core (core/elementwise/fp8_quantize.h,
+// core/ops/fp8_linear.h) on the tensors' device and stream.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -7,9 +8,8 @@
 #include "core/common/device_info.h"
 #include "core/elementwise/fp8_quantize.h"
 #include "core/ops/fp8_linear.h"
-#include "checks.h"
-#include "core_call.h"
-#include "fp8_ops.h"
+#include "torch/cuda/core_call.h"
+#include "torch/fp8.h"
 
 namespace fused_dense {
 namespace {
@@ -19,8 +19,8 @@ namespace core = ::fused_dense::core;
 void check_fp8_device(const at::Tensor& t, const char* op) {
   const auto& info = core::device_info(t.get_device());
   const int cc = info.cc_major() * 10 + info.cc_minor();
-  TORCH_CHECK(cc >= 89, op, ": FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper), but ",
-              t.device(), " has ", info.cc_major(), ".", info.cc_minor());
+  TORCH_CHECK_NOT_IMPLEMENTED(cc >= 89, op, ": FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper), but ",
+                              t.device(), " has ", info.cc_major(), ".", info.cc_minor());
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }

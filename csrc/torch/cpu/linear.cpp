@@ -1,22 +1,11 @@
-// The reference: plain ATen, device-generic. It is the CPU kernel of every op, the CUDA kernel
-// for float64, and the definition the CUDA kernels are tested against.
-#include "reference.h"
-
-#include <c10/core/impl/LocalDispatchKeySet.h>
+// The linear family's reference (cpu/reference.h): plain ATen, device-generic.
 #include <torch/library.h>
 
-#include "checks.h"
+#include "torch/cpu/reference.h"
+#include "torch/linear.h"
 
 namespace fused_dense {
 namespace {
-
-at::ScalarType math_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
-// The reference promises a precision of its choosing (fp32 math for 16-bit inputs); an enclosing
-// torch.autocast must not re-cast the matmuls inside it.
-struct NoAutocast {
-  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
-};
 
 // Bit (j % 8) of byte (j / 8) of row i is set exactly when bits[i, j] (see core/common/types.h).
 at::Tensor pack_mask(const at::Tensor& positive) {
@@ -41,10 +30,12 @@ at::Tensor apply_act(const at::Tensor& x, ActivationCode act) {
     case ActivationCode::kRelu: return at::relu(x);
     case ActivationCode::kSquaredRelu: return at::relu(x).square();
     case ActivationCode::kSwiGLU:
-    case ActivationCode::kGeGLU: break;  // refused by the checks: the gated ops below
+    case ActivationCode::kGeGLU: break;  // refused by the checks: the gated family (cpu/gated.cpp)
   }
   return x;
 }
+
+}  // namespace
 
 // d * gelu'(p), tanh approximation. ATen's formula takes 0 * inf (NaN) where p^2 overflows
 // (|p| >= ~2e19 in fp32, ~1e154 in fp64, and +-inf); the CUDA kernels give the limits 1 and 0
@@ -53,32 +44,6 @@ at::Tensor apply_act(const at::Tensor& x, ActivationCode act) {
 at::Tensor gelu_tanh_backward(const at::Tensor& d, const at::Tensor& p) {
   return at::gelu_backward(d, p.clamp(-20.0, 20.0), "tanh");
 }
-
-// The packed layout's columns of the units' gate and up values (core/common/types.h).
-std::pair<at::Tensor, at::Tensor> gated_columns(int64_t hidden, const at::Device& device) {
-  auto gate = at::empty({hidden}, at::TensorOptions().dtype(at::kLong));
-  auto up = at::empty({hidden}, at::TensorOptions().dtype(at::kLong));
-  auto* g = gate.data_ptr<int64_t>();
-  auto* u = up.data_ptr<int64_t>();
-  for (int64_t j = 0; j < hidden; ++j) {
-    g[j] = core::gated_gate_column(j);
-    u[j] = core::gated_up_column(j, hidden);
-  }
-  return {gate.to(device), up.to(device)};
-}
-
-// act(g) of the gate in math precision, for ATen's act (and its derivative below).
-at::Tensor gate_act(const at::Tensor& g, ActivationCode act) {
-  return act == ActivationCode::kSwiGLU ? at::silu(g) : at::gelu(g, "tanh");
-}
-
-// (act(g), act'(g) * d) of the gate in math precision.
-std::pair<at::Tensor, at::Tensor> gate_act_and_grad(const at::Tensor& g, const at::Tensor& d, ActivationCode act) {
-  if (act == ActivationCode::kSwiGLU) return {gate_act(g, act), at::silu_backward(d, g)};
-  return {gate_act(g, act), gelu_tanh_backward(d, g)};
-}
-
-}  // namespace
 
 std::vector<at::Tensor> linear_act_reference(const at::Tensor& input, const at::Tensor& weight,
                                              const std::optional<at::Tensor>& bias, int64_t activation,
@@ -123,7 +88,7 @@ std::vector<at::Tensor> act_linear_dgrad_reference(const at::Tensor& weight, con
     case ActivationCode::kRelu: d_pre = d_act * unpack_mask(*pre_act, weight.size(1)).to(mt); break;
     case ActivationCode::kSquaredRelu: d_pre = d_act * 2 * at::relu(pre_act->to(mt)); break;
     case ActivationCode::kSwiGLU:
-    case ActivationCode::kGeGLU: break;  // refused by the checks: the gated ops below
+    case ActivationCode::kGeGLU: break;  // refused by the checks: the gated family (cpu/gated.cpp)
   }
   std::vector<at::Tensor> out{d_pre.to(dtype).contiguous()};
   if (has_d_bias) out.push_back(out[0].to(mt).sum(0).to(dtype));
@@ -139,52 +104,6 @@ at::Tensor act_forward_reference(const at::Tensor& pre_act, int64_t activation) 
   return out.is_same(pre_act) ? out.clone() : out;
 }
 
-std::vector<at::Tensor> gated_linear_reference(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
-                                               bool save_pre_act, int64_t heuristic) {
-  NoAutocast no_autocast;
-  const ActivationCode act = check_gated_linear(input, weight, activation, heuristic);
-  const auto dtype = input.scalar_type();
-  auto gu = at::matmul(input.to(math_type(dtype)), weight.to(math_type(dtype)).t()).to(dtype).contiguous();
-  auto out = gated_act_forward_reference(gu, static_cast<int64_t>(act));
-  if (!save_pre_act) return {out};
-  return {out, gu};
-}
-
-std::vector<at::Tensor> gated_linear_dgrad_reference(const at::Tensor& weight, const at::Tensor& d_output,
-                                                     const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
-                                                     bool return_act_out) {
-  NoAutocast no_autocast;
-  const ActivationCode act = check_gated_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
-  const auto dtype = weight.scalar_type();
-  const auto mt = math_type(dtype);
-  auto d_h = at::matmul(d_output.to(mt), weight.to(mt)).to(dtype).to(mt);  // rounded GEMM result
-  auto d_pre = gated_value_grad(d_h, pre_act.to(mt), act).to(dtype);
-  if (!return_act_out) return {d_pre};
-  return {d_pre, gated_act_forward_reference(pre_act, activation)};
-}
-
-at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activation) {
-  NoAutocast no_autocast;
-  const ActivationCode act = check_gated_act_forward(pre_act, activation);
-  const auto dtype = pre_act.scalar_type();
-  return gated_value(pre_act.to(math_type(dtype)), act).to(dtype).contiguous();
-}
-
-at::Tensor gated_value(const at::Tensor& gu, ActivationCode act) {
-  const auto [gate_cols, up_cols] = gated_columns(gu.size(1) / 2, gu.device());
-  return gate_act(gu.index_select(1, gate_cols), act) * gu.index_select(1, up_cols);
-}
-
-at::Tensor gated_value_grad(const at::Tensor& d_h, const at::Tensor& gu, ActivationCode act) {
-  const auto [gate_cols, up_cols] = gated_columns(d_h.size(1), gu.device());
-  const at::Tensor g = gu.index_select(1, gate_cols), u = gu.index_select(1, up_cols);
-  auto [a, d_g] = gate_act_and_grad(g, d_h * u, act);
-  auto d_pre = at::empty_like(gu);
-  d_pre.index_copy_(1, gate_cols, d_g);
-  d_pre.index_copy_(1, up_cols, d_h * a);
-  return d_pre;
-}
-
 }  // namespace fused_dense
 
 TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
@@ -192,7 +111,4 @@ TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
   m.impl("linear_bias_wgrad", &fused_dense::linear_bias_wgrad_reference);
   m.impl("act_linear_dgrad", &fused_dense::act_linear_dgrad_reference);
   m.impl("act_forward", &fused_dense::act_forward_reference);
-  m.impl("gated_linear", &fused_dense::gated_linear_reference);
-  m.impl("gated_linear_dgrad", &fused_dense::gated_linear_dgrad_reference);
-  m.impl("gated_act_forward", &fused_dense::gated_act_forward_reference);
 }

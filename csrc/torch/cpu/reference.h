@@ -1,16 +1,15 @@
-// The ATen reference implementation of the ops: the CPU kernel of every op, the CUDA kernel for
-// float64 (a dtype cuBLASLt is not asked to serve), and the definition the CUDA kernels are
-// tested against.
+// The ATen reference implementation of the ops (cpu/<family>.cpp): the CPU kernel of every op,
+// the CUDA kernel for float64 (a dtype cuBLASLt is not asked to serve), and the definition the
+// CUDA kernels are tested against.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <optional>
 #include <vector>
 
-// The op vocabulary (ActivationCode, kHeuristicAuto, activation_name) and the argument checks
-// the reference runs, as every backend does.
-#include "checks.h"
+#include "torch/checks.h"
 
 namespace fused_dense {
 
@@ -39,5 +38,18 @@ at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activa
 // [R, h] of the packed gu [R, 2h], and the packed (d_h * u * act'(g), d_h * act(g)) [R, 2h].
 at::Tensor gated_value(const at::Tensor& gu, ActivationCode act);
 at::Tensor gated_value_grad(const at::Tensor& d_h, const at::Tensor& gu, ActivationCode act);
+
+// ---- shared by the reference's families
+
+inline at::ScalarType math_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The reference promises a precision of its choosing (fp32 math for 16-bit inputs); an enclosing
+// torch.autocast must not re-cast the matmuls inside it.
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
+
+// d * gelu'(p), tanh approximation, with the CUDA kernels' limits where p^2 overflows (cpu/linear.cpp).
+at::Tensor gelu_tanh_backward(const at::Tensor& d, const at::Tensor& p);
 
 }  // namespace fused_dense

@@ -1,6 +1,7 @@
-// The FP8 autograd of the MLP (fused_mlp_fp8) and of one linear layer (fp8_dense), composed of the
-// FP8 ops (fp8_ops.cpp) through the dispatcher, so it serves CPU, CUDA and Meta alike. The MLP
-// follows the checkpoint rules of mlp_plan.h, the same plan as the bf16 MLP.
+// The mlp_fp8 family's kernels (mlp_fp8.cpp has the schemas and checks): the FP8 autograd of the
+// MLP (fused_mlp_fp8) and of one linear layer (fp8_dense), composed of the FP8 ops (fp8.cpp)
+// through the dispatcher, so it serves CPU, CUDA and Meta alike. The MLP follows the checkpoint
+// rules of mlp.h, the same plan as the bf16 MLP.
 //
 // Per step, with per-tensor scales (current: from each tensor's amax; delayed: `scales`); for the
 // gated activations (swiglu, geglu) pre is the packed gu [B, 2h] (core/common/types.h), act(pre) is
@@ -26,9 +27,10 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "fp8_ops.h"
-#include "mlp_plan.h"
-#include "op_calls.h"
+#include "torch/autograd/op_calls.h"
+#include "torch/fp8.h"
+#include "torch/mlp.h"
+#include "torch/mlp_fp8.h"
 
 namespace fused_dense {
 namespace {
@@ -63,13 +65,6 @@ void record_amax(const Opt& amax_out, int64_t i, const at::Tensor& amax) {
   if (amax_out.has_value() && amax_out->defined()) amax_out->select(0, i).copy_(amax);
 }
 
-void check_vector(const Opt& t, int64_t n, const at::Tensor& x, const char* op, const char* name) {
-  if (!t.has_value() || !t->defined()) return;
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kFloat, op, ": ", name,
-                    " must be a float32 vector of ", n, " elements, got ", t->scalar_type(), " of shape ", t->sizes());
-  TORCH_CHECK_VALUE(t->device() == x.device(), op, ": ", name, " must be on ", x.device(), ", got ", t->device());
-}
-
 // The scaling state an FP8 Function keeps for backward (not differentiable inputs: kept as values).
 void save_scaling(AutogradContext* ctx, const Opt& scales, const Opt& amax_out) {
   ctx->saved_data["scales"] = scales.has_value() ? c10::IValue(*scales) : c10::IValue();
@@ -79,27 +74,6 @@ void save_scaling(AutogradContext* ctx, const Opt& scales, const Opt& amax_out) 
 std::pair<Opt, Opt> saved_scaling(AutogradContext* ctx) {
   const auto opt_of = [](const c10::IValue& i) { return i.isTensor() ? Opt(i.toTensor()) : std::nullopt; };
   return {opt_of(ctx->saved_data["scales"]), opt_of(ctx->saved_data["amax_out"])};
-}
-
-// A weight's FP8 copies, made by fp8_quantize(weight, rowwise and columnwise).
-struct Fp8Weight {
-  at::Tensor data, data_t, scale_inv;
-};
-
-Fp8Weight weight_at(at::TensorList w, size_t i, const at::Tensor& weight, const char* op) {
-  const at::Tensor& d = w[3 * i];
-  const at::Tensor& t = w[3 * i + 1];
-  const at::Tensor& s = w[3 * i + 2];
-  TORCH_CHECK_VALUE(d.sizes() == weight.sizes(), op, ": weights_fp8[", 3 * i, "] must be weight", i + 1,
-                    "'s FP8 copy of shape ", weight.sizes(), ", got ", d.sizes());
-  TORCH_CHECK_VALUE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": weights_fp8[", 3 * i + 2,
-                    "] must be weight", i + 1, "'s float32 scale_inv, got ", s.scalar_type(), " of shape ", s.sizes());
-  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && t.scalar_type() == at::kFloat8_e4m3fn, op,
-                    ": weights_fp8 must hold float8_e4m3fn weights, got ", d.scalar_type(), " and ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == weight.size(1) && t.size(1) == weight.size(0), op,
-                    ": weights_fp8[", 3 * i + 1, "] must be weight", i + 1, "'s transposed FP8 copy [", weight.size(1),
-                    ", ", weight.size(0), "] (FP8 layers need widths that are multiples of 16), got ", t.sizes());
-  return Fp8Weight{d, t, s};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -117,27 +91,6 @@ struct Fp8MlpSaved {
   at::Tensor pre;                       // keep_pre
   at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
 };
-
-void check_mlp(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& weight2, int64_t activation,
-               int64_t grad_format, const Opt& scales, const Opt& amax_out) {
-  TORCH_CHECK_VALUE(x.dim() == 2, kMlpOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
-  TORCH_CHECK_VALUE(weight1.dim() == 2 && weight2.dim() == 2, kMlpOp, ": weight1 and weight2 must be 2-D, got shapes ",
-                    weight1.sizes(), " and ", weight2.sizes());
-  TORCH_CHECK_VALUE(weight1.size(1) == x.size(1), kMlpOp, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
-                    ", got weight1 shape ", weight1.sizes());
-  check_mlp_codes(activation, 0, kMlpOp);
-  if (is_gated_activation(activation)) {
-    TORCH_CHECK_VALUE(weight1.size(0) == 2 * weight2.size(1), kMlpOp, ": a gated MLP's weight1 is the packed gate / "
-                      "up weight [2 hidden, in_features] for weight2 [out_features, hidden = ", weight2.size(1),
-                      "], so weight1.size(0) must be ", 2 * weight2.size(1), ", got weight1 shape ", weight1.sizes());
-  } else {
-    TORCH_CHECK_VALUE(weight2.size(1) == weight1.size(0), kMlpOp, ": weight2.size(1) must equal weight1.size(0) = ",
-                      weight1.size(0), ", got weight2 shape ", weight2.sizes());
-  }
-  fp8_format_of(grad_format, kMlpOp, "grad_format");
-  check_vector(scales, 4, x, kMlpOp, "scales");
-  check_vector(amax_out, 4, x, kMlpOp, "amax_out");
-}
 
 // fc1 and the quantize of its activation as one op (fp8_linear_act, one GEMM's epilogue writing
 // the activation (delayed scaling) or its amax (current) where the device allows) for the plain
@@ -233,7 +186,8 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     need.b2 = has_b2 && ctx->needs_input_grad(edge++);
     const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
     const MlpPlan p = make_plan(activation, checkpoint_lvl, need, kMlpOp);
-    const Fp8Weight w1 = weight_at(weights_fp8, 0, weight1, kMlpOp), w2 = weight_at(weights_fp8, 1, weight2, kMlpOp);
+    const Fp8Weight w1 = fp8_weight_at(weights_fp8, 0, weight1, kMlpOp);
+    const Fp8Weight w2 = fp8_weight_at(weights_fp8, 1, weight2, kMlpOp);
     Fp8MlpSaved s;
     at::Tensor out = mlp_forward(p, c, x, w1, bias1, w2, bias2, scales, amax_out, &s);
     ctx->saved_data["needs"] = c10::List<bool>({need.x, need.w1, need.b1, need.w2, need.b2});
@@ -277,23 +231,19 @@ at::Tensor fused_mlp_fp8_forward(const at::Tensor& x, const at::Tensor& weight1,
                                  const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                  int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
                                  const Opt& scales, const Opt& amax_out) {
-  check_mlp(x, weight1, weight2, activation, grad_format, scales, amax_out);
-  TORCH_CHECK_VALUE(weights_fp8.size() == 6, kMlpOp, ": weights_fp8 must hold 6 tensors (data, data_t, scale_inv of "
-                    "weight1, then of weight2), got ", weights_fp8.size());
+  check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
   const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kMlpOp);
   const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
-  return mlp_forward(p, c, x, weight_at(weights_fp8, 0, weight1, kMlpOp), bias1, weight_at(weights_fp8, 1, weight2, kMlpOp),
-                     bias2, scales, amax_out, nullptr);
+  return mlp_forward(p, c, x, fp8_weight_at(weights_fp8, 0, weight1, kMlpOp), bias1,
+                     fp8_weight_at(weights_fp8, 1, weight2, kMlpOp), bias2, scales, amax_out, nullptr);
 }
 
 at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                                   const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                   int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
                                   const Opt& scales, const Opt& amax_out) {
-  check_mlp(x, weight1, weight2, activation, grad_format, scales, amax_out);
+  check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
   check_mlp_codes(activation, checkpoint_lvl, kMlpOp);
-  TORCH_CHECK_VALUE(weights_fp8.size() == 6, kMlpOp, ": weights_fp8 must hold 6 tensors (data, data_t, scale_inv of "
-                    "weight1, then of weight2), got ", weights_fp8.size());
   const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight1.requires_grad() || requires(bias1) ||
                                        weight2.requires_grad() || requires(bias2))) {
@@ -310,18 +260,6 @@ at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1
 
 constexpr const char* kDenseOp = "fused_dense::fp8_dense";
 
-void check_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad_format, const Opt& scales,
-                 const Opt& amax_out, at::TensorList weights_fp8) {
-  TORCH_CHECK_VALUE(x.dim() == 2, kDenseOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), kDenseOp,
-                    ": weight must be [out_features, in_features = ", x.size(1), "], got shape ", weight.sizes());
-  fp8_format_of(grad_format, kDenseOp, "grad_format");
-  check_vector(scales, 2, x, kDenseOp, "scales");
-  check_vector(amax_out, 2, x, kDenseOp, "amax_out");
-  TORCH_CHECK_VALUE(weights_fp8.size() == 3, kDenseOp,
-                    ": weights_fp8 must hold 3 tensors (the weight's data, data_t, scale_inv), got ", weights_fp8.size());
-}
-
 struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Opt& bias,
                             at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out) {
@@ -329,7 +267,7 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     const bool has_b = bias.has_value() && bias->defined();
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(2);
-    const Fp8Weight w = weight_at(weights_fp8, 0, weight, kDenseOp);
+    const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
     const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, need_w, false);
     record_amax(amax_out, 0, xq.amax);
     at::Tensor out = op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
@@ -369,8 +307,8 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
 
 at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
                              int64_t grad_format, const Opt& scales, const Opt& amax_out) {
-  check_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
-  const Fp8Weight w = weight_at(weights_fp8, 0, weight, kDenseOp);
+  check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
+  const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
   const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, false, false);
   record_amax(amax_out, 0, xq.amax);
   return op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
@@ -378,7 +316,7 @@ at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, cons
 
 at::Tensor fp8_dense_autograd(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
                               int64_t grad_format, const Opt& scales, const Opt& amax_out) {
-  check_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
+  check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
   const bool b_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || b_grad)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -389,20 +327,6 @@ at::Tensor fp8_dense_autograd(const at::Tensor& x, const at::Tensor& weight, con
 
 }  // namespace
 }  // namespace fused_dense
-
-TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
-  // FP8 fc2(act(fc1(x))) with a C++ derivative; activation 1 to 5 (4, 5: gated, weight1 the packed
-  // gate / up weight); checkpoint_lvl 0 / 1 / 2;
-  // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3);
-  // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
-  // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward).
-  m.def("fused_mlp_fp8(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
-        "int checkpoint_lvl, Tensor[] weights_fp8, int grad_format, Tensor? scales, Tensor(a!)? amax_out) -> Tensor");
-  // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv];
-  // scales / amax_out: [x, grad_out].
-  m.def("fp8_dense(Tensor x, Tensor weight, Tensor? bias, Tensor[] weights_fp8, int grad_format, Tensor? scales, "
-        "Tensor(a!)? amax_out) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(fused_dense, CompositeExplicitAutograd, m) {
   m.impl("fused_mlp_fp8", &fused_dense::fused_mlp_fp8_forward);

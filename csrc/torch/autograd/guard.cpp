@@ -4,9 +4,12 @@
 // would record an autograd graph of theirs: gradients on CPU, silently none on CUDA. Here it is a
 // clear error instead; with grad mode off (as inside autograd.Function.forward) the call
 // simply continues below autograd.
+#include "torch/autograd/guard.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
-#include <torch/library.h>
+
+#include <string>
 
 namespace fused_dense {
 namespace {
@@ -28,12 +31,13 @@ void autograd_guard(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
 }
 
 }  // namespace
-}  // namespace fused_dense
 
-TORCH_LIBRARY_IMPL(fused_dense, Autograd, m) {
-  for (const char* name : {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "gated_linear",
-                           "gated_linear_dgrad", "gated_act_forward", "fp8_quantize", "fp8_linear",
-                           "fp8_linear_act"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&fused_dense::autograd_guard>());
-  }
+void def_raw_op(torch::Library& m, const char* schema) {
+  m.def(schema);
+  const std::string s(schema);
+  const std::string name = s.substr(0, s.find('('));
+  m.impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd,
+                                       torch::CppFunction::makeFromBoxedFunction<&autograd_guard>()));
 }
+
+}  // namespace fused_dense

@@ -1,0 +1,97 @@
+// The FP8 family's reference (fp8.cpp has the ops' contract): plain ATen, fp32 math, the scaling
+// rule of core/common/types.h (fp8_scale_from_amax).
+#include <torch/library.h>
+
+#include "torch/cpu/reference.h"
+#include "torch/fp8.h"
+
+namespace fused_dense {
+namespace {
+
+// v of the quantize pass, in fp32.
+at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
+                           bool backward) {
+  const at::Tensor x = input.to(at::kFloat);
+  const auto act = static_cast<ActivationCode>(activation);
+  if (is_gated_activation(activation))
+    return backward ? gated_value_grad(x, pre_act->to(at::kFloat), act) : gated_value(x, act);
+  if (backward) {
+    const at::Tensor p = pre_act->to(at::kFloat);
+    switch (act) {
+      case ActivationCode::kGeluTanh: return at::gelu_backward(x, p, "tanh");
+      case ActivationCode::kRelu: return x * (p > 0).to(at::kFloat);
+      default: return x * (2 * at::relu(p));
+    }
+  }
+  switch (act) {
+    case ActivationCode::kGeluTanh: return at::gelu(x, "tanh");
+    case ActivationCode::kRelu: return at::relu(x);
+    case ActivationCode::kSquaredRelu: return at::relu(x).square();
+    default: return x;
+  }
+}
+
+Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
+                                         int64_t activation, bool backward, int64_t fp8_format,
+                                         const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
+                                         bool column_sums) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+  const auto format = static_cast<core::Fp8Format>(fp8_format);
+  const float fmax = core::fp8_max(format);
+  const at::Tensor v = quantized_value(input, pre_act, activation, backward);
+  const auto f32 = input.options().dtype(at::kFloat);
+  const at::Tensor amax = v.numel() == 0 ? at::zeros({}, f32) : v.abs().max();
+  at::Tensor s;
+  if (scale.has_value() && scale->defined()) {
+    s = scale->reshape({}).clone();
+  } else {
+    // fp8_scale_from_amax: fp8_max / max(amax, kFp8MinAmax), NaN kept (clamp propagates it).
+    s = fmax / at::clamp(amax, core::kFp8MinAmax);
+  }
+  const at::Tensor q = at::clamp(v * s, -fmax, fmax).to(fp8_scalar_type(format));
+  const int64_t R = v.size(0), C = v.size(1);
+  at::Tensor data = rowwise ? q : at::empty({0}, input.options().dtype(fp8_scalar_type(format)));
+  at::Tensor data_t = at::empty({0}, data.options());
+  if (columnwise) {
+    at::Tensor t = at::zeros({C, core::fp8_padded_rows(R)}, f32);
+    t.narrow(1, 0, R).copy_(q.to(at::kFloat).t());
+    data_t = t.to(fp8_scalar_type(format));
+  }
+  at::Tensor sums = column_sums ? v.sum(0).to(input.scalar_type()) : at::empty({0}, input.options());
+  return {data, data_t, s, at::reciprocal(s), amax.reshape({}), sums};
+}
+
+at::Tensor fp8_linear_reference(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                                const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                                at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
+  (void)fast_accum;
+  (void)heuristic;
+  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
+  at::Tensor out = at::matmul(input.to(at::kFloat), weight.to(at::kFloat).t()) *
+                   (input_scale_inv.reshape({}) * weight_scale_inv.reshape({}));
+  if (bias.has_value() && bias->defined()) out = out + bias->to(at::kFloat);
+  return out.to(out_dtype);
+}
+
+Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::Tensor& weight,
+                                            const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
+                                            const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                            int64_t activation, const std::optional<at::Tensor>& scale,
+                                            bool columnwise) {
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+  const at::Tensor pre =
+      fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
+  auto [data, data_t, s, s_inv, amax, sums] =
+      fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false);
+  (void)sums;
+  return {pre, data, data_t, s, s_inv, amax};
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
+  m.impl("fp8_quantize", &fused_dense::fp8_quantize_reference);
+  m.impl("fp8_linear", &fused_dense::fp8_linear_reference);
+  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_reference);
+}

@@ -1,0 +1,43 @@
+// Meta (fake) kernels of the FP8 family: shapes and dtypes only, with the real kernels' checks.
+#include <torch/library.h>
+
+#include "torch/fp8.h"
+
+namespace fused_dense {
+namespace {
+
+Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
+                                    int64_t activation, bool backward, int64_t fp8_format,
+                                    const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
+                                    bool column_sums) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+  return empty_fp8_quantize(input, fp8_quantized_cols(input, activation, backward), fp8_format, rowwise, columnwise,
+                            column_sums);
+}
+
+at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
+                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
+                           at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
+  (void)fast_accum;
+  (void)heuristic;
+  check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
+  return at::empty({input.size(0), weight.size(0)}, input.options().dtype(out_dtype));
+}
+
+Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor& weight,
+                                       const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
+                                       const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
+                                       int64_t activation, const std::optional<at::Tensor>& scale,
+                                       bool columnwise) {
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+  return empty_fp8_linear_act(input, weight, out_dtype, columnwise);
+}
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
+  m.impl("fp8_quantize", &fused_dense::fp8_quantize_meta);
+  m.impl("fp8_linear", &fused_dense::fp8_linear_meta);
+  m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_meta);
+}
