@@ -7,9 +7,11 @@ The quantizer here is the rule of docs/contract.md in plain PyTorch: v in float3
 fp8_max / amax in float32 (or the delayed scale given), saturate(v * scale) to the format's
 largest finite value, then round to nearest even (torch's float8 casts). Where v is exact in
 float32 (no activation, ReLU, squared ReLU and their gradients of 16-bit inputs) the bytes must
-be equal; where the op computes a transcendental function in float32 (GELU, SiLU) the reference
-computes it in float64, and a byte may differ only where v * scale lies within 1e-5 (relative) of
-an FP8 rounding boundary, far above float32's few ulps and far below one FP8 step (2^-4).
+be equal. Where v holds a transcendental function (GELU, SiLU) the reference computes it with
+torch's float32 functions, in another order than the op (a few ulps apart), and a byte may
+differ only where v * scale lies within 1e-5 (relative) of an FP8 rounding boundary: far above
+those ulps, far below an FP8 spacing (2^-3 of the value for e4m3). How close the op's v is to the
+exact one is test_fp8.py's test_quantize_matches_reference (float64, FP8_CPU_TOL).
 """
 import math
 
@@ -18,8 +20,8 @@ import torch
 
 from conftest import rel_err
 from fused_dense import Float8Recipe, FusedDense
-from test_fp8 import (ACTS, F8, FMAX, FP8_CPU_TOL, QUANTIZED, StepQuantizer, assert_fp8_close, cuda, fp8_gpu, make_mlp,
-                      randn, ref_act, ref_act_grad, ref_mlp, run_step)
+from test_fp8 import (ACTS, F8, FMAX, FP8_CPU_TOL, QUANTIZED, StepQuantizer, assert_fp8_close, cuda, devices, fp8_gpu,
+                      make_mlp, randn, ref_act, ref_act_grad, ref_mlp, run_step)
 from test_fp8_gated import GATED, gated_value, gated_value_grad, make_gated, ref_gated_mlp, run_gated_step
 
 # ---- fp8_quantize's bytes ----
@@ -107,7 +109,8 @@ def test_quantize_bytes_match_reference_quantizer(fmt, mode, scaling, dtype):
     assert torch.all(data_t[:, rows:].view(torch.uint8) == 0)
 
 
-def test_quantize_rounds_to_nearest_even_and_saturates():
+@pytest.mark.parametrize("device", devices())
+def test_quantize_rounds_to_nearest_even_and_saturates(device):
     """Values placed on and next to e4m3's rounding boundaries, quantized with scale 1 (given):
     the boundary itself rounds to the even neighbour, everything else to the nearest, and what lies
     beyond 448 (e4m3) or 57344 (e5m2) saturates to it, with the sign."""
@@ -115,12 +118,12 @@ def test_quantize_rounds_to_nearest_even_and_saturates():
     # (the values are exact in bf16)
     vals = [1.0, 1.0625, 1.0625 + 2 ** -7, 1.0625 - 2 ** -7, 1.1875, 464.0, 1e4, -1e4, -1.0625, 0.0]
     expect = [1.0, 1.0, 1.125, 1.0, 1.25, 448.0, 448.0, -448.0, -1.0, 0.0]
-    x = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=torch.bfloat16).reshape(1, 16)
-    one = torch.tensor(1.0)
+    x = torch.tensor(vals + [0.0] * (16 - len(vals)), dtype=torch.bfloat16, device=device).reshape(1, 16)
+    one = torch.tensor(1.0, device=device)
     data = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, one, True, False, False)[0]
     assert data.float()[0, :len(vals)].tolist() == expect
     # e5m2: 1 + 1/8 lies between 1 (even) and 1.25; beyond 57344 saturates
-    x = torch.tensor([1.125, 1.375, 6e4, -7e4] + [0.0] * 4, dtype=torch.float32).reshape(1, 8)
+    x = torch.tensor([1.125, 1.375, 6e4, -7e4] + [0.0] * 4, dtype=torch.float32, device=device).reshape(1, 8)
     data = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 1, one, True, False, False)[0]
     assert data.float()[0, :4].tolist() == [1.0, 1.5, 57344.0, -57344.0]
 
