@@ -11,8 +11,8 @@ References: a single-process float64 model built from nn.Linear / F.gelu with th
 initial weights; each rank compares its outputs and gradients with the slice of the reference
 that it owns (rows for sequence parallelism, features for tensor parallelism), within the
 tolerance of the dtype it ran in (docs/contract.md, "Accuracy"). The FP8 layers are compared with
-the single-process FP8 layers on the full weights instead (the tolerances at FP8_SHARD_TOL), and
-FSDP2 over FP8 layers with the same model in one process (FSDP_FP8_TOL).
+the single-process FP8 layers on the full weights instead (the tolerances at FP8_SHARD_TOL_OUTPUT and
+the two below it), and FSDP2 over FP8 layers with the same model in one process (FSDP_FP8_TOL).
 """
 import os
 import queue
@@ -913,17 +913,33 @@ _FP8_WHOLE_SLOTS = {"column": [0], "dense_pg": [0], "row": [1], "mlp": [0, 2], "
 # * otherwise the scales differ by a ratio that is no power of two, which puts the shard's
 #   elements on an offset FP8 grid: each side's value is within half a spacing of the exact one,
 #   and their difference has an RMS of about 2^-m / sqrt(6 E[mantissa^2]) of the element (m
-#   mantissa bits, E[mantissa^2] = 7/3 over [1, 2)): 3.3% for e4m3, 6.7% for e5m2, the format
-#   of the gradients; a result's relative error (norm over norm) is of that size. Measured here
-#   (gloo, float32, 3 steps of both recipes; FD_FP8_ERRORS=1 prints them): up to 3.3% for the
-#   outputs and 9.1% for the gradients. FP8_SHARD_TOL = 0.15 leaves a factor 1.6 on the
-#   largest, and still fails a wrong shard, a missing reduction, or fc2's bias added on every
-#   rank (36% on the MLP output here).
-FP8_SHARD_TOL = 0.15
+#   mantissa bits, E[mantissa^2] = 7/3 over [1, 2)): 3.3% for e4m3, 6.7% for e5m2; a result's
+#   relative error (norm over norm) is of that size. The outputs see only e4m3 values (x, the
+#   weights, the hidden activation); the gradients also the e5m2 output gradient and gradient at
+#   the activation. With delayed scaling the MLPs' hidden shards take their scales from their own
+#   amax history, the single process from the whole tensor's: where a step's values exceed the
+#   history's max, each side saturates other elements.
+#   Measured here (gloo, float32, 3 steps of both recipes, 7 sets of weights and data (a seed
+#   offset added to the generator's and the weights'), FD_FP8_ERRORS=1 prints them): outputs up
+#   to 4.0e-2 and gradients up to 9.4e-2, except the MLPs' delayed scaling: 1.05e-1 and 1.2e-1
+#   (the gated MLP, on the step after the history was made). So FP8_SHARD_TOL_OUTPUT = 0.08 (a
+#   factor 2), FP8_SHARD_TOL_GRAD = 0.15 (1.6 on the largest, 2.2 on the e5m2 RMS: the RMS of a
+#   32-token sum fluctuates by tens of percent, so it cannot come closer), and for the MLPs'
+#   delayed scaling FP8_SHARD_TOL_DELAYED_MLP = 0.25 (a factor 2.1). All fail a wrong shard, a
+#   missing reduction, or fc2's bias added on every rank (36% on the MLP output here).
+FP8_SHARD_TOL_OUTPUT = 0.08
+FP8_SHARD_TOL_GRAD = 0.15
+FP8_SHARD_TOL_DELAYED_MLP = 0.25
+_FP8_MLP_KINDS = ("mlp", "mlp_pg", "gated")
 
 
-def _fp8_tolerance(kind, aligned, dtype):
-    return TOL[dtype] if aligned and kind not in ("mlp", "mlp_pg", "gated") else FP8_SHARD_TOL
+def _fp8_tolerance(kind, aligned, dtype, scaling, what):
+    """The tolerance of result `what` ('output' or 'grad ...') of an FP8 layer on shards."""
+    if aligned and kind not in _FP8_MLP_KINDS:
+        return TOL[dtype]
+    if scaling == "delayed" and kind in _FP8_MLP_KINDS:
+        return FP8_SHARD_TOL_DELAYED_MLP
+    return FP8_SHARD_TOL_OUTPUT if what == "output" else FP8_SHARD_TOL_GRAD
 
 
 def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
@@ -938,7 +954,6 @@ def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
     recipe = Float8Recipe(scaling=scaling, min_features=0)
     single, layer, cut, (x_at, out_at), kwargs = _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned)
     in_f, out_f = _FP8_KINDS[kind]
-    tol = _fp8_tolerance(kind, aligned, dtype)
     for step, first in enumerate((None, True, False)):
         gen = torch.Generator().manual_seed(10 + step)
         x_full = torch.randn(32, in_f, generator=gen, dtype=torch.float64)
@@ -954,6 +969,7 @@ def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
         results += [(f"grad {n}", g, ref_grads[n][cut[n]]) for n, g in grads.items()]
         for what, got, ref in results:
             err = rel_err(got, ref)
+            tol = _fp8_tolerance(kind, aligned, dtype, scaling, what)
             if os.environ.get("FD_FP8_ERRORS"):
                 print(f"FP8ERR {kind} {aligned} {sequence_parallel} {scaling} {what} {err:.3e}", flush=True)
             assert err <= tol, (f"rank {_RANK}/{_WORLD}: {kind} {scaling} step {step}: {what}: relative error "
