@@ -8,6 +8,8 @@ CUDA kernels, instead of silently testing the reference.
 Helpers (import with `from conftest import rel_err, TOL, ...`):
     TOL                    relative-error tolerance per dtype, the one table every test uses
                            (docs/contract.md gives the contract these numbers encode)
+    rounding_tol(dtype, k, roundings) the tolerance of a result from its dtype, its reduction
+                           length and the roundings it went through (the MLP, gated and fuzz tests)
     rel_err(out, ref)      ||out - ref|| / ||ref|| computed in float64
     assert_close_rel(...)  rel_err <= TOL[dtype], with a readable message; results that
                            underflow into their dtype's subnormals judged by its spacing
@@ -17,11 +19,15 @@ Helpers (import with `from conftest import rel_err, TOL, ...`):
                            outputs an op allocates start as NaN (float) / all-ones (uint8)
     saved_bytes(fn)        (fn(), bytes of the tensors autograd keeps for the graph fn builds)
     capture_training_step(...) a module's forward + backward captured into a CUDA graph
-Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration).
+Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration); _seeded (autouse: torch
+and Python's random seeded per test from FUSED_DENSE_TEST_SEED and the test's id, the seed named
+in a failure's report).
 The raw ops' float64 references and checkers are in tests/op_checks.py.
 """
 import math
 import os
+import random
+import zlib
 
 import pytest
 import torch
@@ -34,6 +40,32 @@ TOL = {
     torch.float32: 1e-4,
     torch.float64: 1e-10,
 }
+
+
+def rounding_tol(dtype, k, roundings=1):
+    """The relative-error tolerance of a result that went through `roundings` roundings to `dtype`
+    and sums of up to `k` terms accumulated in float32 (float64 for float64):
+    u * sqrt(roundings) + u_acc * sqrt(k), with u and u_acc the unit roundoffs (eps / 2).
+
+    Where it comes from: rounding a random normal tensor to bf16, fp16 or fp32 moves it by 0.425 u
+    in norm (measured on 10^5 elements, the same factor for the three); independent roundings add
+    in quadrature; a sum of k random-sign terms accumulated in a wider type is off by about
+    u_acc * sqrt(k). The derivatives along a chain amplify some roundings, so each test states the
+    `roundings` it passes from the error it measured (MLP_ROUNDINGS below).
+    bf16 stays below 1e-2 up to 6 roundings (9.6e-3), so a tolerance from here sees a 1% error."""
+    fi = torch.finfo(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return fi.eps / 2 * math.sqrt(roundings) + torch.finfo(acc).eps / 2 * math.sqrt(max(k, 1))
+
+
+# rounding_tol's `roundings` for every result (output and each gradient) of the MLP and the gated MLP
+# at a few hundred elements per result and more: the worst relative error measured on the CPU over
+# the five activations, three checkpoint levels and all gradients (tests/test_mlp_reference.py's
+# SHAPE, 3 seeds) is 1.14 u in bf16 and fp16 (sqrelu's output and weight2 gradient; gelu_approx
+# 1.01 u, relu 0.74 u, the gated ones 1.05 u), against u * sqrt(3) = 1.73 u: bf16 6.8e-3, fp16
+# 8.5e-4. float32 / float64 measured up to 4.6 u / 5.1 u, mostly the K term (k = 61:
+# u * sqrt(61) = 7.8 u), against 9.5 u.
+MLP_ROUNDINGS = 3
 
 
 def subnormal_floor(dtype, numel, tol):
@@ -145,6 +177,38 @@ def capture_training_step(module, static_x, static_g, warmup=3):
         static_out = module(static_x)
         static_out.backward(static_g)
     return graph, static_out, [p.grad for p in module.parameters()]
+
+
+def test_seed(nodeid):
+    """The seed a test starts from: FUSED_DENSE_TEST_SEED (default 0) plus the CRC-32 of its pytest
+    node id, so every test has its own inputs, the same in every run, and any run can be replayed
+    or varied by setting the base."""
+    base = os.environ.get("FUSED_DENSE_TEST_SEED", "0")
+    try:
+        base = int(base)
+    except ValueError:
+        raise pytest.UsageError(f"FUSED_DENSE_TEST_SEED must be an integer, got {base!r}") from None
+    return (base + zlib.crc32(nodeid.encode())) % 2**31
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Seeds torch (CPU and CUDA) and Python's random from test_seed(node id) before each test;
+    a failing test's report names the seed (pytest_runtest_makereport below)."""
+    value = test_seed(request.node.nodeid)
+    torch.manual_seed(value)
+    random.seed(value)
+    return value
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        base = os.environ.get("FUSED_DENSE_TEST_SEED", "0")
+        report.sections.append(("seed", f"seed {test_seed(item.nodeid)} (FUSED_DENSE_TEST_SEED={base} "
+                                        f"plus the CRC-32 of {item.nodeid!r})"))
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fp64_reference_on_cpu
+import fused_dense.tuning
 from conftest import TOL, capture_training_step, needs_caching_allocator, rel_err
 from fused_dense import FusedMLP
 
@@ -106,16 +107,34 @@ def test_two_streams_forward_backward_at_once():
                 assert rel_err(got, want) <= TOL[torch.bfloat16], f"rows {rows}: gradient of {name}"
 
 
-def test_two_host_threads():
-    m = FusedMLP(768, 3072, device="cuda", dtype=torch.bfloat16)
+@pytest.fixture
+def tuning_on():
+    """Measuring on, unbudgeted and unpaced, exact-M keys, no cache file and no shipped table, for
+    one test: every new problem is measured. The previous settings come back afterwards."""
+    previous = fused_dense.tuning.configure(enabled=True, budget_s=1e6, pace=1.0, buckets=0, cache="", table="")
+    yield
+    fused_dense.tuning.configure(**previous)
+
+
+# fc1 [768 -> 2880] and fc2 [2880 -> 768]: widths the shipped table (fused_dense/tuning_tables/) holds
+# no choice for, so 'auto' measures them
+THREAD_WIDTHS = (768, 2880)
+
+
+def test_two_host_threads(tuning_on):
+    """Two host threads plan and tune the same new problems at once (three token counts each, the
+    same in both threads) and every output matches its reference; the tuner measured them."""
+    d, hidden = THREAD_WIDTHS
+    m = FusedMLP(d, hidden, device="cuda", dtype=torch.bfloat16)
     errors = []
+    measured = fused_dense.tuning.stats()["problems_measured"]
 
     def work(seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         s = torch.cuda.Stream()
         with torch.cuda.stream(s):
-            for rows in (128, 1000, 4096):  # new shapes: the threads plan and tune concurrently
-                x = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for rows in (128, 1000, 4096):  # new problems: the threads plan and tune them concurrently
+                x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                 out = m(x)
                 s.synchronize()
                 err = rel_err(out, reference_mlp(m, x))
@@ -135,3 +154,7 @@ def test_two_host_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+    # at least fc1's GELU forward at each of the three token counts was measured (fc2's plain GEMM
+    # may add three more)
+    measured = fused_dense.tuning.stats()["problems_measured"] - measured
+    assert measured >= 3, f"the threads measured {measured} new problems, expected at least 3"

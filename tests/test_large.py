@@ -1,11 +1,12 @@
-"""Large problems on the GPU: 2^20 token rows at d=1024 and tensors past 2^31 elements.
+"""Large problems on the GPU: 2^20 token rows at d=1024 and tensors past 2^31 elements, for the
+GELU / ReLU ops and the MLP, the gated ops and FP8 quantization and GEMM.
 
 An [2^20, 4096] hidden activation holds 2^32 elements, so every index into it (the elementwise
 kernels, the bit-mask, the bias-gradient reduction, cuBLASLt's leading dimensions times rows)
 must be 64-bit. Each test compares the whole result with a float32 reference computed in row
 chunks, so an element written to the wrong place (a wrapped 32-bit index) or never written
 (outputs start NaN-poisoned) fails it. About 60 GiB of GPU memory at peak; skipped on cards with
-less than 80 GiB.
+less than 80 GiB. The FP8 tests skip below compute capability 8.9 (no FP8 there).
 """
 import math
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mlp_reference as R
 from conftest import TOL, poison_cuda_cache
 from fused_dense import ops
 from fused_dense.functional import fused_mlp_func
@@ -32,6 +34,10 @@ def _needs_big_gpu():
         pytest.skip(f"needs a GPU with >= 80 GiB (this one has {total / 2**30:.0f} GiB)")
     yield
     torch.cuda.empty_cache()
+
+
+fp8_gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                             reason="FP8 needs a GPU of compute capability 8.9+")
 
 
 def _act(h, activation):
@@ -149,3 +155,111 @@ def test_fused_mlp_forward_backward_2_20_tokens(activation):
         e = _ErrAccumulator()
         e.add(got, ref)
         assert e.rel() <= tol, f"grad {name}: relative error {e.rel():.3e}"
+
+
+# ---- the gated ops and FP8 past 2^31 elements ----
+
+GATED_HIDDEN = 2056  # ROWS * GATED_HIDDEN = 2^31 + 2^23 elements; not a multiple of 16 units (a short
+#                      interleave block at the end of each row)
+
+
+def test_gated_ops_past_2_31_elements():
+    """gated_linear (the packed gu [2^20, 4112] saved, act(g) * u [2^20, 2056]: 4.3e9 and 2.2e9
+    elements) and gated_linear_dgrad (the packed d_gu and the rebuilt act(g) * u) against float32
+    references over row chunks, the packed columns from tests/mlp_reference.py. About 40 GiB."""
+    torch.manual_seed(3)
+    dtype, k, n, h = torch.bfloat16, 64, 64, GATED_HIDDEN
+    x = torch.randn(ROWS, k, device="cuda", dtype=dtype)
+    w1 = torch.randn(2 * h, k, device="cuda", dtype=dtype) / math.sqrt(k)
+    poison_cuda_cache(large_bytes=20 << 30)
+    out, gu = ops.gated_linear(x, w1, "swiglu", True, "auto")
+    torch.cuda.synchronize()
+    assert out.numel() == ROWS * h > 2**31 and gu.shape == (ROWS, 2 * h)
+    w2 = torch.randn(n, h, device="cuda", dtype=dtype) / math.sqrt(h)
+    d_out = torch.randn(ROWS, n, device="cuda", dtype=dtype)
+    poison_cuda_cache(large_bytes=20 << 30)
+    d_gu, act_out = torch.ops.fused_dense.gated_linear_dgrad(w2, d_out, gu, 4, -2, True)
+    torch.cuda.synchronize()
+    gate, up = (torch.tensor(c, device="cuda") for c in R.gated_columns(h))
+    errs = {name: _ErrAccumulator() for name in ("gu", "out", "d_gu", "act_out")}
+    w1f, w2f = w1.float(), w2.float()
+    for r0 in range(0, ROWS, CHUNK):
+        rows = slice(r0, r0 + CHUNK)
+        gu_ref = x[rows].float() @ w1f.t()
+        errs["gu"].add(gu[rows], gu_ref)
+        errs["out"].add(out[rows], R.act(gu_ref[:, gate], "swiglu") * gu_ref[:, up])
+        # the backward from the saved (rounded) gu, as the op computes it
+        g = gu[rows][:, gate].float().requires_grad_()
+        u = gu[rows][:, up].float().requires_grad_()
+        hidden = R.act(g, "swiglu") * u
+        d_g, d_u = torch.autograd.grad(hidden, [g, u], d_out[rows].float() @ w2f)
+        d_ref = torch.empty_like(gu_ref)
+        d_ref[:, gate], d_ref[:, up] = d_g, d_u
+        errs["d_gu"].add(d_gu[rows], d_ref)
+        errs["act_out"].add(act_out[rows], hidden.detach())
+    for name, e in errs.items():
+        assert e.rel() <= TOL[dtype], f"{name}: relative error {e.rel():.3e}"
+
+
+@fp8_gpu
+def test_fp8_quantize_past_2_31_elements():
+    """fp8_quantize of a bf16 [2^20 + 48, 2056] tensor (2.2e9 elements), current scaling, row- and
+    column-wise: amax exact, the column-wise copy the row-wise bytes transposed, and the bytes
+    within e4m3's rounding (unit roundoff 2^-4) of the scaled input. About 10 GiB."""
+    torch.manual_seed(4)
+    rows, cols = ROWS + 48, 2056
+    assert rows * cols > 2**31
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    poison_cuda_cache(large_bytes=8 << 30)
+    data, data_t, scale, scale_inv, amax, _ = torch.ops.fused_dense.fp8_quantize(
+        x, None, 0, False, 0, None, True, True, False)
+    torch.cuda.synchronize()
+    assert data.shape == (rows, cols) and data_t.shape[0] == cols and data_t.shape[1] >= rows
+    assert amax.item() == x.abs().max().float().item()
+    err = _ErrAccumulator()
+    for r0 in range(0, rows, CHUNK):
+        r = slice(r0, r0 + CHUNK)
+        assert torch.equal(data_t[:, r].view(torch.uint8), data[r].t().view(torch.uint8)), f"rows {r0}: data_t"
+        err.add(data[r].float(), x[r].float() * scale.float())
+    assert err.rel() <= 2.0 ** -4, f"data: relative error {err.rel():.3e} > e4m3's unit roundoff"
+
+
+@fp8_gpu
+def test_fp8_linear_and_gated_quantize_past_2_31_elements():
+    """fp8_linear writing a bf16 [2^20, 2064] output (2.2e9 elements) and fp8_quantize of the swiglu
+    gating of a packed gu [2^20, 4112] (act(g) * u quantized, [2^20, 2056] bytes), against float32
+    references over row chunks. About 30 GiB."""
+    torch.manual_seed(5)
+    q = torch.ops.fused_dense.fp8_quantize
+    k, n = 64, 2064
+    xq, _, _, x_si, _, _ = q(torch.randn(ROWS, k, device="cuda"), None, 0, False, 0, None, True, False, False)
+    wq, _, _, w_si, _, _ = q(torch.randn(n, k, device="cuda") / math.sqrt(k), None, 0, False, 0, None, True, False,
+                             False)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    poison_cuda_cache(large_bytes=20 << 30)
+    out = torch.ops.fused_dense.fp8_linear(xq, wq, x_si, w_si, bias, torch.bfloat16, False, -2)
+    torch.cuda.synchronize()
+    assert out.shape == (ROWS, n) and out.numel() > 2**31
+    err = _ErrAccumulator()
+    wf = wq.float() * w_si
+    for r0 in range(0, ROWS, CHUNK):
+        r = slice(r0, r0 + CHUNK)
+        err.add(out[r], (xq[r].float() * x_si) @ wf.t() + bias.float())
+    assert err.rel() <= TOL[torch.bfloat16], f"fp8_linear: relative error {err.rel():.3e}"
+    del out
+
+    h = GATED_HIDDEN
+    gu = torch.randn(ROWS, 2 * h, device="cuda", dtype=torch.bfloat16)
+    poison_cuda_cache(large_bytes=8 << 30)
+    data, _, scale, _, amax, _ = q(gu, None, 4, False, 0, None, True, False, False)
+    torch.cuda.synchronize()
+    assert data.shape == (ROWS, h) and data.numel() > 2**31
+    gate, up = (torch.tensor(c, device="cuda") for c in R.gated_columns(h))
+    err, ref_amax = _ErrAccumulator(), 0.0
+    for r0 in range(0, ROWS, CHUNK):
+        r = slice(r0, r0 + CHUNK)
+        gated = R.act(gu[r][:, gate].float(), "swiglu") * gu[r][:, up].float()
+        ref_amax = max(ref_amax, gated.abs().max().item())
+        err.add(data[r].float(), gated * scale.float())
+    assert err.rel() <= 2.0 ** -4, f"gated fp8_quantize: relative error {err.rel():.3e} > e4m3's unit roundoff"
+    assert abs(amax.item() - ref_amax) <= 1e-5 * ref_amax, (amax.item(), ref_amax)

@@ -1,7 +1,8 @@
 """The MLP's one autograd: the C++ checkpoint plan (csrc/torch/mlp.h), the op
 fused_dense::fused_mlp with its C++ derivative, and FusedMLPFunc, which adds only tensor-parallel
 communication around the same C++ halves (fused_mlp_train_forward / fused_mlp_backward). Rules
-under test: docs/contract.md, "Checkpoint levels"."""
+under test: docs/contract.md, "Checkpoint levels". These tests compare the two entries with each other;
+tests/test_mlp_reference.py compares every checkpoint path of both with float64 references."""
 import itertools
 
 import pytest
