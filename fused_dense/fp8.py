@@ -58,10 +58,6 @@ __all__ = ["Float8Recipe", "fp8_autocast", "convert_to_fp8", "DEFAULT_MIN_FEATUR
 # run of record, docs/results/fp8-*.md, shows where FP8 wins on the H200).
 DEFAULT_MIN_FEATURES = 2048
 
-_FORMATS = {"e4m3": 0, "e5m2": 1}
-# The largest finite value of each format, where saturation clamps: the formats' own (torch's
-# float8_e4m3fn and float8_e5m2), which the kernels use too (csrc/core/common/types.h, fp8_max).
-_FORMAT_MAX = {"e4m3": torch.finfo(torch.float8_e4m3fn).max, "e5m2": torch.finfo(torch.float8_e5m2).max}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +88,8 @@ class Float8Recipe:
     def __post_init__(self):
         if self.scaling not in ("current", "delayed"):
             raise ValueError(f"Float8Recipe: scaling must be 'current' or 'delayed', got {self.scaling!r}")
-        if self.grad_format not in _FORMATS:
-            raise ValueError(f"Float8Recipe: grad_format must be 'e5m2' or 'e4m3', got {self.grad_format!r}")
+        if self.grad_format not in ops.FP8_FORMATS:
+            raise ValueError(f"Float8Recipe: grad_format must be one of {sorted(ops.FP8_FORMATS)}, got {self.grad_format!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"Float8Recipe: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if self.amax_compute not in ("max", "most_recent"):
@@ -110,7 +106,7 @@ class Float8Recipe:
 
     @property
     def grad_format_code(self) -> int:
-        return _FORMATS[self.grad_format]
+        return ops.FP8_FORMATS[self.grad_format]
 
     def applies(self, widths: Sequence[int]) -> bool:
         """Whether a layer of these widths runs in FP8 under this recipe (the size rule)."""
@@ -241,7 +237,7 @@ def ensure_delayed_buffers(module: torch.nn.Module, recipe: Float8Recipe, slots:
 
 
 def fp8_max_of_slots(recipe: Float8Recipe, slots: Sequence[str], device) -> Tensor:
-    return torch.tensor([_FORMAT_MAX[recipe.grad_format if s.startswith("grad") else "e4m3"] for s in slots],
+    return torch.tensor([ops.FP8_FORMAT_MAX[recipe.grad_format if s.startswith("grad") else "e4m3"] for s in slots],
                         dtype=torch.float32, device=device)
 
 

@@ -25,6 +25,11 @@ GATED_ACTIVATIONS = tuple(_ACTIVATION_NAMES[code] for code in _GATED_CODES)
 MLP_ACTIVATIONS = tuple(name for name in _ACTIVATION_NAMES
                         if ACTIVATIONS[name] != ACTIVATIONS["none"] and name not in GATED_ACTIVATIONS)
 
+# The FP8 formats by name -> schema code (the ops' `fp8_format` / `grad_format` arguments), and the
+# largest finite value of each, where saturation clamps.
+FP8_FORMATS = {name: code for code, name in enumerate(torch.ops.fused_dense.fp8_formats())}
+FP8_FORMAT_MAX = {name: torch.ops.fused_dense.fp8_format_max(code) for name, code in FP8_FORMATS.items()}
+
 Heuristic = Union[int, str]
 
 

@@ -96,17 +96,22 @@ def gated_mlp(x, w1, w2, b2, activation):
     return F.linear(act(F.linear(x, wg), activation) * F.linear(x, wu), w2, b2)
 
 
-def relu_pattern(pre64, mask, rss, k):
+def relu_pattern(pre64, mask, rss, k, product64=None, dtype=torch.float32):
     """The units whose ReLU gradient passes, for a float64 reference of a rounded computation.
 
-    The float64 pre-activation pre64 decides every unit whose |pre64| is above
-    16 u_fp32 sqrt(k) rss, rss the root-sum-square of the unit's k products (16 times the typical
-    error of a float32-accumulated sum of random-sign terms: a sign it decides is the GEMM's); the
-    bits of the library's own forward `mask` are taken only for the near-ties below it. A mask bit
+    The float64 pre-activation pre64 decides every unit whose |pre64| is above a band: 16 times the
+    typical error of a float32-accumulated sum of k random-sign terms (16 u_fp32 sqrt(k) rss, rss
+    the root-sum-square of the unit's k products), plus, for a 16-bit `dtype`, twice the rounding
+    error of the fc1 product `product64` (x @ w1^T in float64) rounded to dtype before the bias is
+    added (eps(dtype) |product64|); the library may take the sign after that rounding. The bits of
+    the library's own forward `mask` are taken only for the near-ties inside the band. A mask bit
     that disagrees with a clear float64 sign fails here, so the mask cannot make the reference
     agree with a wrong result."""
     bits = relu_mask_bits(mask.to(pre64.device), pre64.shape[-1])
-    clear = pre64.abs() > rss * 2.0 ** -20 * max(k, 1) ** 0.5
+    band = rss * 2.0 ** -20 * max(k, 1) ** 0.5
+    if product64 is not None and dtype in (torch.float16, torch.bfloat16):
+        band = band + product64.abs() * torch.finfo(dtype).eps
+    clear = pre64.abs() > band
     wrong = (bits != (pre64 >= 0)) & clear
     assert not wrong.any(), f"{int(wrong.sum())} ReLU mask bits disagree with a clear float64 sign"
     return torch.where(clear, pre64 >= 0, bits)

@@ -94,7 +94,8 @@ def check_case(device, dtype, lead, in_f, hidden, out_f, bias1, bias2, activatio
             pre2d = pre64.detach().reshape(-1, hidden)
             rss = (x64.detach().reshape(-1, in_f).square() @ w1_64.detach().square().T
                    + (0 if b1_64 is None else b1_64.detach().square())).sqrt()
-            active = R.relu_pattern(pre2d, mask, rss, in_f).reshape(pre64.shape)
+            product = x64.detach().reshape(-1, in_f) @ w1_64.detach().T
+            active = R.relu_pattern(pre2d, mask, rss, in_f, product, x.dtype).reshape(pre64.shape)
         act64 = pre64 * active.to(torch.float64)
     else:
         act64 = ref_act(pre64, activation)

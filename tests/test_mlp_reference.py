@@ -30,6 +30,12 @@ NAMES = ("x", "weight1", "bias1", "weight2", "bias2")
 # error of a norm is close to its expected value; hidden not a multiple of 8 (the gated layout's
 # short last block, the ReLU mask's partial last byte)
 SHAPE = (48, 40, 61, 24)
+# The CUDA paths round more often than the CPU reference: the pre-activation is stored in 16 bits
+# before the activation's derivative reads it, and that derivative is rounded before its product
+# with fc2's data gradient. Measured on the H200 (test_every_checkpoint_path_cuda, all cases): up to
+# 1.80 u (fp16 sqrelu, bias1's gradient, 8.77e-4), over MLP_ROUNDINGS' 1.73 u; 5 roundings give
+# 2.24 u (bf16 8.7e-3, fp16 1.1e-3), which still sees a 1% error (check_path asserts it).
+CUDA_MLP_ROUNDINGS = 5
 
 
 def inputs(dtype, activation, grads, device="cpu", shape=SHAPE):
@@ -71,7 +77,7 @@ def reference(ts, activation, heuristic, gelu=None):
             _, mask = ops.linear_act(ts[0].detach(), ts[1].detach(), None if ts[2] is None else ts[2].detach(),
                                      "relu", True, heuristic)
             rss = (x.square() @ w1.square().T + (0 if b1 is None else b1.square())).sqrt()
-            active = R.relu_pattern(F.linear(x, w1, b1), mask, rss, x.shape[-1])
+            active = R.relu_pattern(F.linear(x, w1, b1), mask, rss, x.shape[-1], F.linear(x, w1), ts[0].dtype)
     if gelu is not None:
         return F.linear(gelu(F.linear(x, w1, b1)), w2, b2), leaves
     return R.mlp(x, w1, b1, w2, b2, activation, active), leaves
@@ -84,7 +90,8 @@ def results(out, ts, g):
     return [("out", out.detach(), None)] + [(n, gr, t) for (n, t), gr in zip(wants, got)]
 
 
-def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="cpu", shape=SHAPE):
+def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="cpu", shape=SHAPE,
+               roundings=MLP_ROUNDINGS):
     ts = inputs(dtype, activation, grads, device, shape)
     out = run_library(entry, ts, activation, lvl, heuristic)
     g = torch.randn(out.shape, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -92,7 +99,7 @@ def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="c
     ref, leaves = reference(ts, activation, heuristic)
     wants = [leaf for leaf, t in zip(leaves, ts) if t is not None and t.requires_grad]
     ref_grads = torch.autograd.grad(ref, wants, g.double()) if wants else []
-    tol = rounding_tol(dtype, max(shape), MLP_ROUNDINGS)
+    tol = rounding_tol(dtype, max(shape), roundings)
     ctx = f"{entry} {activation} lvl={lvl} {dtype} requires_grad={dict(zip(NAMES, grads))}"
     for (name, t, _), r in zip(got, [ref, *ref_grads]):
         err = rel_err(t, r)
@@ -182,15 +189,10 @@ def test_library_layouts_match_the_references(hidden):
 @pytest.mark.parametrize("activation", list(CODES))
 @pytest.mark.parametrize("lvl", [0, 1, 2])
 @pytest.mark.parametrize("heuristic", ["auto", -1, 0])
-def test_every_checkpoint_path_cuda(request, dtype, activation, lvl, heuristic):
+def test_every_checkpoint_path_cuda(dtype, activation, lvl, heuristic):
     """The CUDA paths at widths the fused kernels take (multiples of 8 / 128 for the ReLU mask) and a
-    ragged one, each subset of the gradients asked for."""
-    if activation in ("relu", "sqrelu") and dtype in (torch.bfloat16, torch.float16):
-        # relu_pattern's near-tie band is sized for a float32-accumulated pre-activation; a 16-bit
-        # pre-activation rounded before the sign is taken needs a band of its dtype's spacing.
-        request.applymarker(pytest.mark.xfail(reason="relu_pattern's tie band ignores 16-bit rounding of pre",
-                                              strict=False))
+    ragged one, each subset of the gradients asked for. Tolerance: CUDA_MLP_ROUNDINGS."""
     for shape in [(256, 128, 384, 128), (37, 72, 21, 40)]:
         for grads in grad_subsets(activation):
             for entry in ("op", "function"):
-                check_path(dtype, activation, lvl, grads, entry, heuristic, "cuda", shape)
+                check_path(dtype, activation, lvl, grads, entry, heuristic, "cuda", shape, CUDA_MLP_ROUNDINGS)

@@ -9,6 +9,7 @@ import torch
 
 from op_checks import ACT_CODE, OPS, random_mask, tensor
 from conftest import TOL, rel_err
+from fused_dense import ops
 
 LA, AD, WG, AF = OPS.linear_act, OPS.act_linear_dgrad, OPS.linear_bias_wgrad, OPS.act_forward
 
@@ -203,3 +204,12 @@ def test_fp8_format_max_is_the_formats_largest_finite_value():
     assert torch.ops.fused_dense.fp8_format_max(1) == torch.finfo(torch.float8_e5m2).max
     with pytest.raises(ValueError, match="fp8_format must be 0 .* got 2"):
         torch.ops.fused_dense.fp8_format_max(2)
+
+
+def test_fp8_formats_are_published_in_code_order():
+    """fused_dense.ops reads the FP8 format names and maxima from the library, never restates them:
+    code 0 is e4m3 (float8_e4m3fn), code 1 e5m2."""
+    assert torch.ops.fused_dense.fp8_formats() == ["e4m3", "e5m2"]
+    assert ops.FP8_FORMATS == {"e4m3": 0, "e5m2": 1}
+    assert ops.FP8_FORMAT_MAX == {"e4m3": torch.finfo(torch.float8_e4m3fn).max,
+                                  "e5m2": torch.finfo(torch.float8_e5m2).max}

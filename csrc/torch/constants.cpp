@@ -1,7 +1,7 @@
 // The constants family: the codes and numbers of the op schemas, published once for Python to
 // read (fused_dense/ops.py, fused_dense/fp8.py): the activation names in code order, the heuristic
 // codes, the MLP's checkpoint levels, the gated codes and the gated layout, the ReLU bit-mask's
-// bytes per row, the FP8 formats' largest values, and whether the build holds the cutlass_sm90
+// bytes per row, the FP8 formats' names and largest values, and whether the build holds the cutlass_sm90
 // kernels. They are defined in csrc/core/common/types.h, checks.h and mlp.h; nothing else spells
 // them out. Tensor-free ops: each is defined with its function.
 #include <torch/library.h>
@@ -47,6 +47,14 @@ double fp8_format_max(int64_t fp8_format) {
   return core::fp8_max(fp8_format_of(fp8_format, "fused_dense::fp8_format_max", "fp8_format"));
 }
 
+// The FP8 format names indexed by code (core::fp8_format_name).
+std::vector<std::string> fp8_formats() {
+  std::vector<std::string> names;
+  for (int code = 0; code < core::kFp8FormatCount; ++code)
+    names.push_back(core::fp8_format_name(static_cast<core::Fp8Format>(code)));
+  return names;
+}
+
 bool cutlass_gemms_compiled() {
 #if defined(FUSED_DENSE_WITH_CUTLASS_SM90A)
   return true;
@@ -66,7 +74,8 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("gated_columns(int hidden) -> (int[] gate, int[] up)", &fused_dense::gated_columns);
   // Bytes per row of the ReLU bit-mask for a pre-activation of `cols` columns (docs/contract.md).
   m.def("relu_mask_row_bytes(int cols) -> int", [](int64_t cols) { return fused_dense::core::relu_mask_row_bytes(cols); });
-  // The largest finite value of fp8_format 0 (e4m3) or 1 (e5m2).
+  // The FP8 format names in code order, and the largest finite value of fp8_format 0 (e4m3) or 1 (e5m2).
+  m.def("fp8_formats() -> str[]", &fused_dense::fp8_formats);
   m.def("fp8_format_max(int fp8_format) -> float", &fused_dense::fp8_format_max);
   // Whether this build holds the library's cutlass_sm90 kernels (csrc/core/cutlass_sm90/), more
   // candidates of 'auto' on compute capability 9.0.

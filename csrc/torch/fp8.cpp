@@ -48,7 +48,7 @@ void check_scalar_float(const at::Tensor& t, const at::Tensor& like, const char*
 }  // namespace
 
 core::Fp8Format fp8_format_of(int64_t code, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(code == 0 || code == 1, op, ": ", name, " must be 0 (e4m3) or 1 (e5m2), got ", code);
+  TORCH_CHECK_VALUE(code >= 0 && code < core::kFp8FormatCount, op, ": ", name, " must be 0 (e4m3) or 1 (e5m2), got ", code);
   return static_cast<core::Fp8Format>(code);
 }
 

@@ -44,9 +44,10 @@ FD_HOST_DEVICE inline int64_t gated_up_column(int64_t unit, int64_t hidden) {
   return gated_gate_column(unit) + width;
 }
 
-// FP8 element formats (fp8.h). Integer codes are part of the op schemas (the `fp8_format`
-// arguments): keep them stable.
+// FP8 element formats (elementwise/fp8_quantize.h). Integer codes are part of the op schemas (the
+// `fp8_format` arguments): keep them stable. Codes run 0 .. kFp8FormatCount - 1.
 enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+inline constexpr int kFp8FormatCount = 2;
 
 // The largest finite value of each format (e4m3fn: 448, e5m2: 57344): saturation clamps to it.
 FD_HOST_DEVICE inline float fp8_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.f : 57344.f; }
