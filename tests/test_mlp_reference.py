@@ -30,12 +30,13 @@ NAMES = ("x", "weight1", "bias1", "weight2", "bias2")
 # error of a norm is close to its expected value; hidden not a multiple of 8 (the gated layout's
 # short last block, the ReLU mask's partial last byte)
 SHAPE = (48, 40, 61, 24)
-# The CUDA paths round more often than the CPU reference: the pre-activation is stored in 16 bits
-# before the activation's derivative reads it, and that derivative is rounded before its product
-# with fc2's data gradient. Measured on the H200 (test_every_checkpoint_path_cuda, all cases): up to
-# 1.80 u (fp16 sqrelu, bias1's gradient, 8.77e-4), over MLP_ROUNDINGS' 1.73 u; 5 roundings give
-# 2.24 u (bf16 8.7e-3, fp16 1.1e-3), which still sees a 1% error (check_path asserts it).
-CUDA_MLP_ROUNDINGS = 5
+# On CUDA the bias1 gradient is a 16-bit column sum of the stored 16-bit data gradient of the
+# pre-activation, whose roundings it adds up: measured on the H200 (test_every_checkpoint_path_cuda,
+# every case) up to 1.80 u (fp16 sqrelu: 8.77e-4; bf16: 6.79e-3), over MLP_ROUNDINGS' 1.73 u, while
+# every other result stays within it. 5 roundings (2.24 u) for that result: fp16 1.1e-3 still sees
+# a 1% error; bf16's 8.7e-3 cannot be told from one (a 1%-scaled result measured 8.1e-3 off), so
+# the 1% check is left out for bf16's bias1 gradient on CUDA alone (the CPU sweep and fp16 keep it).
+CUDA_BIAS1_ROUNDINGS = 5
 
 
 def inputs(dtype, activation, grads, device="cpu", shape=SHAPE):
@@ -90,8 +91,7 @@ def results(out, ts, g):
     return [("out", out.detach(), None)] + [(n, gr, t) for (n, t), gr in zip(wants, got)]
 
 
-def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="cpu", shape=SHAPE,
-               roundings=MLP_ROUNDINGS):
+def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="cpu", shape=SHAPE):
     ts = inputs(dtype, activation, grads, device, shape)
     out = run_library(entry, ts, activation, lvl, heuristic)
     g = torch.randn(out.shape, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -99,11 +99,14 @@ def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="c
     ref, leaves = reference(ts, activation, heuristic)
     wants = [leaf for leaf, t in zip(leaves, ts) if t is not None and t.requires_grad]
     ref_grads = torch.autograd.grad(ref, wants, g.double()) if wants else []
-    tol = rounding_tol(dtype, max(shape), roundings)
     ctx = f"{entry} {activation} lvl={lvl} {dtype} requires_grad={dict(zip(NAMES, grads))}"
     for (name, t, _), r in zip(got, [ref, *ref_grads]):
+        cuda_bias1 = device == "cuda" and name == "bias1"
+        tol = rounding_tol(dtype, max(shape), CUDA_BIAS1_ROUNDINGS if cuda_bias1 else MLP_ROUNDINGS)
         err = rel_err(t, r)
         assert err <= tol, f"{ctx}: {name} relative error {err:.3e} > {tol:.2e}"
+        if cuda_bias1 and dtype == torch.bfloat16:
+            continue  # see CUDA_BIAS1_ROUNDINGS
         # the tolerance sees a 1% error of this result
         assert rel_err(t.double() * 1.01, r) > tol, f"{ctx}: {name}: a 1% error would pass {tol:.2e}"
 
@@ -191,8 +194,9 @@ def test_library_layouts_match_the_references(hidden):
 @pytest.mark.parametrize("heuristic", ["auto", -1, 0])
 def test_every_checkpoint_path_cuda(dtype, activation, lvl, heuristic):
     """The CUDA paths at widths the fused kernels take (multiples of 8 / 128 for the ReLU mask) and a
-    ragged one, each subset of the gradients asked for. Tolerance: CUDA_MLP_ROUNDINGS."""
+    ragged one, each subset of the gradients asked for. Tolerance: MLP_ROUNDINGS, and
+    CUDA_BIAS1_ROUNDINGS for the bias1 gradient."""
     for shape in [(256, 128, 384, 128), (37, 72, 21, 40)]:
         for grads in grad_subsets(activation):
             for entry in ("op", "function"):
-                check_path(dtype, activation, lvl, grads, entry, heuristic, "cuda", shape, CUDA_MLP_ROUNDINGS)
+                check_path(dtype, activation, lvl, grads, entry, heuristic, "cuda", shape)
