@@ -227,8 +227,7 @@ def part_passes(args):
 
 def part_buckets(args):
     from fused_dense import tuning
-    tuning.configure(buckets=2)
-    reps = {tuning.m_bucket(m)[1] for m in range(1024, 16384)}
+    reps = set(tuning.representatives(1024, 16384))  # the default grid's
     counts = token_counts(args.bucket_counts, 1024, 16384, seed=29, exclude=reps)
     out = {}
     for d in (1024, 4096):

@@ -1,14 +1,17 @@
-"""Measures 'auto''s choices for FusedMLP widths across the token-count buckets and writes them as
+"""Measures 'auto''s choices for MLP widths at the representative token counts and writes them as
 a table of choices (the format of the tuning cache file), such as the one shipped in
 fused_dense/tuning_tables/choices.txt:
 
     python -m fused_dense.tune --out fused_dense/tuning_tables/choices.txt
 
-Each item is one forward + backward of FusedMLP(d, 4d) (biases on, as the module's default) at a
-bucket's representative token count, which measures its six problems (fc1 and fc2 forward, both
-data gradients, both weight gradients). Widths, dtypes, activations and the token range are
-options; --minutes bounds the sitting (the items are ordered so that what is cut is the largest
-token counts of the last dtype). A table only serves GPUs of the compute capability and cuBLASLt
+Each item is one forward + backward of FusedMLP(d, 4d) (biases on, as the module's default) or,
+with --gated, FusedGatedMLP(d, h) for the --gated-hidden widths, at a representative token count
+(fused_dense.tuning.representatives), which measures its problems (forward, data and weight
+gradients of both GEMMs) the way the runtime measures, with a longer per-problem budget. Widths,
+dtypes, activations and the token range are options; --minutes bounds the sitting (the items are
+ordered so that what is cut is the largest token counts of the last dtype). The output is merged
+with the lines already in --out, so a table can be measured in pieces (other widths, dtypes or
+token ranges) that merge. A table only serves GPUs of the compute capability and cuBLASLt
 major.minor it was measured with (its lines' tag); regenerate it on each.
 """
 import argparse
@@ -39,9 +42,15 @@ def parse_args(argv=None):
     p.add_argument("--min-tflop", type=float, default=0.0,
                    help="skip items whose fc1 GEMM is at most this many TFLOP (extends a table measured "
                         "with --max-tflop of that value)")
-    p.add_argument("--buckets", type=int, default=2, choices=[1, 2, 4, 8],
-                   help="buckets per octave of M (2: the grid 'auto' uses by default)")
-    p.add_argument("--problem-budget-ms", type=float, default=120.0, help="measuring time per problem")
+    p.add_argument("--gated", nargs="*", default=[], choices=["swiglu", "geglu"],
+                   help="also measure FusedGatedMLP with these activations (hidden from --gated-hidden)")
+    p.add_argument("--gated-hidden", nargs="+", default=["8/3", "3.5"],
+                   help="gated hidden widths as multiples of d: 8/3 (Llama's 8/3 d rounded up to a multiple "
+                        "of 256), 3.5, or any number")
+    p.add_argument("--buckets", type=int, default=4, choices=[1, 2, 4, 8],
+                   help="representatives per octave of M (4: the grid 'auto' uses by default)")
+    p.add_argument("--problem-budget-ms", type=float, default=1000.0,
+                   help="measuring time per problem (the runtime's default is 100)")
     p.add_argument("--minutes", type=float, default=25.0, help="stop starting items after this long")
     p.add_argument("--fresh", action="store_true", help="drop the existing lines of --out")
     args = p.parse_args(argv)
@@ -55,24 +64,12 @@ def parse_args(argv=None):
     return args
 
 
-def bucket_representatives(lo, hi, per_octave):
-    """The representative token counts of the buckets that meet [lo, hi], in order (the buckets
-    are csrc/core/tuning/tuner.h's, on the current grid: probing next to each boundary 2^(i/b) finds
-    every one)."""
-    from fused_dense import tuning
-    probes = {lo, hi}
-    i = 0
-    while 2 ** (i / per_octave) <= hi:
-        for m in (math.floor(2 ** (i / per_octave)), math.ceil(2 ** (i / per_octave))):
-            if lo <= m <= hi:
-                probes.add(m)
-        i += 1
-    reps = []
-    for m in sorted(probes):
-        rep = tuning.m_bucket(m)[1]
-        if rep not in reps:
-            reps.append(rep)
-    return reps
+def gated_hidden(d, spec):
+    """The gated hidden width for model width d: '8/3' is Llama's rule (8/3 d rounded up to a
+    multiple of 256), a number r gives r * d rounded to a multiple of 256."""
+    if spec == "8/3":
+        return -(-8 * d // 3 // 256) * 256
+    return max(256, round(float(spec) * d / 256) * 256)
 
 
 def work_items(args):
@@ -85,16 +82,20 @@ def work_items(args):
 
 
 def _work_items(args):
+    from fused_dense import tuning
     items = []
+    reps = tuning.representatives(args.min_tokens, args.max_tokens)
     for dtype in args.dtypes:
         for d in args.dims:
-            for act in args.activations:
-                for rep in bucket_representatives(args.min_tokens, args.max_tokens, args.buckets):
-                    if args.min_tflop < 2.0 * rep * d * 4 * d / 1e12 <= args.max_tflop:
-                        items.append((dtype, d, act, rep))
+            kinds = [(act, 4 * d) for act in args.activations]
+            kinds += [(act, gated_hidden(d, spec)) for act in args.gated for spec in args.gated_hidden]
+            for act, hidden in dict.fromkeys(kinds):
+                for rep in reps:
+                    if args.min_tflop < 2.0 * rep * d * hidden / 1e12 <= args.max_tflop:
+                        items.append((dtype, d, act, hidden, rep))
     # smallest work first within each dtype: a sitting cut short loses the largest items
     order = {dt: i for i, dt in enumerate(args.dtypes)}
-    items.sort(key=lambda it: (order[it[0]], it[3] * it[1] * it[1]))
+    items.sort(key=lambda it: (order[it[0]], it[4] * it[1] * it[3]))
     return items
 
 
@@ -117,14 +118,14 @@ def merge(lines):
 def main(argv=None):
     args = parse_args(argv)
     import fused_dense
-    from fused_dense import FusedMLP, tuning
+    from fused_dense import FusedGatedMLP, FusedMLP, tuning
     if not (fused_dense.has_cuda_kernels() and torch.cuda.is_available()):
         sys.exit("python -m fused_dense.tune: needs a CUDA build of fused_dense and a GPU")
     items = work_items(args)
     fd, scratch = tempfile.mkstemp(prefix="fused_dense_tune_", suffix=".txt")
     os.close(fd)
     previous = tuning.configure(enabled=True, budget_s=1e9, pace=1.0, problem_budget_ms=args.problem_budget_ms,
-                                buckets=args.buckets, cache=scratch, table="")
+                                buckets=args.buckets, cache=scratch, table="", deterministic=False)
     device = torch.device("cuda")
     print(f"fused_dense.tune: {len(items)} items on {torch.cuda.get_device_name(device)}, "
           f"at most {args.minutes:g} min", flush=True)
@@ -132,16 +133,17 @@ def main(argv=None):
     done = 0
     try:
         modules = {}
-        for i, (dtype_name, d, act, rep) in enumerate(items):
+        for i, (dtype_name, d, act, hidden, rep) in enumerate(items):
             elapsed = time.perf_counter() - t0
             if elapsed > args.minutes * 60:
                 print(f"fused_dense.tune: --minutes reached after {done} of {len(items)} items", flush=True)
                 break
-            key = (dtype_name, d, act)
+            key = (dtype_name, d, act, hidden)
             if key not in modules:
                 modules.clear()  # one module at a time: the widest take GiBs
                 torch.manual_seed(0)
-                modules[key] = FusedMLP(d, 4 * d, activation=act, device=device, dtype=DTYPES[dtype_name])
+                kind = FusedGatedMLP if act in ("swiglu", "geglu") else FusedMLP
+                modules[key] = kind(d, hidden, activation=act, device=device, dtype=DTYPES[dtype_name])
             mlp = modules[key]
             x = torch.randn(rep, d, device=device, dtype=DTYPES[dtype_name], requires_grad=True)
             t_item = time.perf_counter()
@@ -150,7 +152,7 @@ def main(argv=None):
             torch.cuda.synchronize()
             done += 1
             eta = (time.perf_counter() - t0) / done * (len(items) - done)
-            print(f"[{done}/{len(items)}] {dtype_name} d={d} {act} M={rep}: {time.perf_counter() - t_item:.2f} s "
+            print(f"[{done}/{len(items)}] {dtype_name} d={d} h={hidden} {act} M={rep}: {time.perf_counter() - t_item:.2f} s "
                   f"(elapsed {time.perf_counter() - t0:.0f} s, at most {eta:.0f} s left)", flush=True)
             del x, out
     finally:
@@ -163,7 +165,7 @@ def main(argv=None):
     with open(args.out, "w") as f:
         f.write("# fused_dense tuning table: heuristic='auto' choices measured by python -m fused_dense.tune\n")
         f.write(f"# on {torch.cuda.get_device_name(device)}; line: tag, key (op dtype bucket K N activation "
-                "flag flag tf32 buckets-per-octave), choice (fused algorithm cutlass has_algo, 8 words of the algorithm)\n")
+                "flag flag tf32 representatives-per-octave), choice (fused algorithm cutlass has_algo, 8 words of the algorithm)\n")
         f.write("\n".join(table) + ("\n" if table else ""))
     stats = tuning.stats()
     print(f"fused_dense.tune: {len(lines)} choices measured in {time.perf_counter() - t0:.0f} s "

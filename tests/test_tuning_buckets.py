@@ -51,35 +51,46 @@ def mlp_step_checked(mlp, m, gen):
 def unpaced_without_table():
     """Measuring unpaced and unbounded, without the shipped table or a cache file; restored after."""
     cuda_or_skip()
-    previous = tuning.configure(enabled=True, budget_s=1e6, pace=1.0, buckets=2, table="", cache="")
+    previous = tuning.configure(enabled=True, budget_s=1e6, pace=1.0, buckets=4, table="", cache="",
+                                deterministic=False)
     yield
     tuning.configure(**previous)
+
+
+def nearest_round_count(m, b):
+    """The bucket rule of docs/contract.md written out: counts below 16 are their own; above, the
+    representatives are 2^k (1 + j / b) and m takes the nearest by ratio (the lower on a tie)."""
+    if m < 16 or b == 0:
+        return m
+    octave = 1 << (m.bit_length() - 1)
+    step = octave // b
+    lo = octave + (m - octave) // step * step
+    hi = lo + step
+    return lo if m * m <= lo * hi else hi
 
 
 @pytest.mark.cuda
 def test_bucket_rule():
     cuda_or_skip()
-    previous = tuning.configure(buckets=2)
+    previous = tuning.configure(buckets=4)
     try:
-        last_index = -1
-        for m in list(range(1, 600)) + list(range(600, 70000, 97)):
-            index, rep = tuning.m_bucket(m)
-            assert index >= last_index, f"bucket index fell from {last_index} to {index} at M={m}"
-            last_index = index
-            assert tuning.m_bucket(rep)[0] == index, f"M={m}: representative {rep} lies outside its bucket {index}"
-            assert max(m, rep) / min(m, rep) <= 2 ** 0.5 * 1.05, f"M={m} is far from its representative {rep}"
-            if rep >= 64:
-                assert rep % 8 == 0, f"representative {rep} (M={m}) is not a multiple of 8"
-        assert tuning.m_bucket(1) == (0, 1)
-        assert tuning.m_bucket(1500)[0] == tuning.m_bucket(2040)[0] != tuning.m_bucket(1400)[0]
-        for b in (1, 4, 8):  # finer grids: nested in the coarser ones, representatives inside
+        counts = list(range(1, 600)) + list(range(600, 70000, 97)) + [2048, 3072, 4096, 6144, 8192, 12288, 16384,
+                                                                     24576, 32768, 10240, 14336, 8191, 8193, 9216]
+        for b in (1, 2, 4, 8, 0):
             tuning.configure(buckets=b)
-            for m in (1, 3, 64, 100, 1500, 4097, 12345, 65535):
+            reps = set(tuning.representatives(1, 70000))
+            for m in counts:
                 index, rep = tuning.m_bucket(m)
-                assert tuning.m_bucket(rep)[0] == index and 2 ** (index / b) <= m * (1 + 1e-12) < 2 ** ((index + 1) / b), \
-                    (b, m, index, rep)
-        tuning.configure(buckets=0)
-        assert all(tuning.m_bucket(m) == (m, m) for m in (1, 7, 1500, 12345))
+                assert rep == index == nearest_round_count(m, b), (b, m, rep)
+                assert rep in reps and tuning.m_bucket(rep)[1] == rep, f"b={b}: representative {rep} of M={m}"
+            if b >= 2:  # the token counts people use are measured at their exact M
+                for m in (2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768):
+                    assert tuning.m_bucket(m)[1] == m, (b, m)
+        tuning.configure(buckets=4)
+        assert tuning.representatives(8000, 17000) == [8192, 10240, 12288, 14336, 16384]
+        assert tuning.m_bucket(9000)[1] == 8192 and tuning.m_bucket(9300)[1] == 10240
+        with pytest.raises(ValueError, match="lo"):
+            tuning.representatives(10, 5)
     finally:
         tuning.configure(**previous)
 
@@ -93,7 +104,7 @@ def test_new_token_count_in_a_tuned_bucket_measures_nothing_and_queries_nothing(
     mlp_step_checked(mlp, 1500, gen)
     tuned = tuning.stats()
     assert tuned["problems_measured"] > before["problems_measured"], "the first M of a bucket measured nothing"
-    for m in (1460, 1601, 1799, 2040):
+    for m in (1460, 1536, 1601, 1650):
         assert tuning.m_bucket(m)[0] == tuning.m_bucket(1500)[0]
         mlp_step_checked(mlp, m, gen)
     after = tuning.stats()
@@ -199,7 +210,7 @@ def test_table_written_by_the_tool_serves_without_measuring(tmp_path):
 def test_configure_checks_its_arguments():
     cuda_or_skip()
     for bad in (dict(budget_s=-1.0), dict(problem_budget_ms=float("nan")), dict(pace="fast"), dict(enabled=1),
-                dict(buckets="yes"), dict(buckets=3), dict(buckets=True), dict(cache=3)):
+                dict(buckets="yes"), dict(buckets=3), dict(buckets=True), dict(cache=3), dict(deterministic=1)):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             tuning.configure(**bad)
@@ -217,7 +228,7 @@ def test_tuning_module_in_this_build():
     """A CUDA build reports its settings; a CPU-only build says it has no tuner."""
     if fused_dense.has_cuda_kernels():
         assert set(tuning.settings()) == {"enabled", "budget_s", "problem_budget_ms", "pace", "buckets", "cache",
-                                          "table"}
+                                          "table", "deterministic"}
     else:
         with pytest.raises(RuntimeError, match="no CUDA kernels"):
             tuning.settings()

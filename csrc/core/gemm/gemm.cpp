@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <list>
 #include <unordered_map>
 #include <vector>
 
@@ -113,6 +114,7 @@ struct AlgoKeyHash {
 // stored algorithm runs without it, after one cublasLtMatmulAlgoCheck per problem). Shared by
 // threads: the layouts are immutable, the list is built once, the checks sit behind a lock.
 struct PlannedGemm {
+  uint64_t id = 0;  // unique in the process: the thread's descriptor cache is keyed by it
   Layout a, b, d;
   std::once_flag listed;
   std::vector<cublasLtMatmulHeuristicResult_t> algorithms;
@@ -122,6 +124,13 @@ struct PlannedGemm {
 constexpr std::size_t kRejected = ~std::size_t{0};
 
 std::atomic<int64_t> heuristic_queries{0};
+std::atomic<uint64_t> next_plan_id{1};
+
+// Plans held at once (each a few layouts and a ranked algorithm list, ~2 KB): the least recently
+// used goes first, so a process meeting ever new token counts stays within this many. 2048 holds
+// the distinct problems of a model's step (a handful per layer width, times the epilogue
+// variants) at several hundred token counts.
+constexpr std::size_t kMaxPlans = 2048;
 
 constexpr int kRequestedAlgorithms = 16;
 
@@ -152,8 +161,9 @@ Layout make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) 
   return Layout(raw);
 }
 
-std::unique_ptr<PlannedGemm> plan(const GemmProblem& p) {
-  auto planned = std::make_unique<PlannedGemm>();
+std::shared_ptr<PlannedGemm> plan(const GemmProblem& p) {
+  auto planned = std::make_shared<PlannedGemm>();
+  planned->id = next_plan_id.fetch_add(1, std::memory_order_relaxed);
   const cudaDataType_t ta = p.fp8 ? cuda_fp8_type(p.a_format) : cuda_type(p.dtype);
   const cudaDataType_t tb = p.fp8 ? cuda_fp8_type(p.b_format) : cuda_type(p.dtype);
   planned->a = p.trans_a ? make_layout(ta, p.k, p.m, p.lda) : make_layout(ta, p.m, p.k, p.lda);
@@ -204,24 +214,43 @@ const std::vector<cublasLtMatmulHeuristicResult_t>& algorithms_of(PlannedGemm& p
   return planned.algorithms;
 }
 
+// The plans by problem, bounded (kMaxPlans, least recently used dropped). A caller holds the
+// shared_ptr while it uses the plan, so dropping one from the cache never frees it under a call.
 class PlanCache {
  public:
-  PlannedGemm& get(const GemmProblem& problem, const CacheKey& key) {
+  std::shared_ptr<PlannedGemm> get(const GemmProblem& problem, const CacheKey& key) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = plans_.find(key);
-      if (it != plans_.end()) return *it->second;
+      if (it != plans_.end()) {
+        order_.splice(order_.begin(), order_, it->second);  // most recently used first
+        return it->second->second;
+      }
     }
     // Plan outside the lock; a racing thread's duplicate is dropped.
     auto planned = plan(problem);
     std::lock_guard<std::mutex> lock(mutex_);
-    auto [it, inserted] = plans_.emplace(key, std::move(planned));
-    return *it->second;
+    auto it = plans_.find(key);
+    if (it != plans_.end()) return it->second->second;
+    order_.emplace_front(key, std::move(planned));
+    plans_.emplace(key, order_.begin());
+    while (order_.size() > kMaxPlans) {
+      plans_.erase(order_.back().first);
+      order_.pop_back();
+    }
+    return order_.front().second;
+  }
+
+  std::size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return order_.size();
   }
 
  private:
+  using Order = std::list<std::pair<CacheKey, std::shared_ptr<PlannedGemm>>>;
   std::mutex mutex_;
-  std::unordered_map<CacheKey, std::unique_ptr<PlannedGemm>, CacheKeyHash> plans_;
+  Order order_;
+  std::unordered_map<CacheKey, Order::iterator, CacheKeyHash> plans_;
 };
 
 PlanCache& plan_cache() {
@@ -253,11 +282,15 @@ std::string describe(const GemmProblem& p) {
 
 // The matmul descriptor of a plan, built once per thread: everything in it but the operand
 // pointers is fixed by the plan, and the pointers are set on each call, which is why it is not
-// shared between threads. Plans are never destroyed, so their addresses are stable keys.
+// shared between threads. Keyed by the plan's id (never reused); emptied when it would pass
+// kMaxPlans, as the plans themselves are bounded.
 cublasLtMatmulDesc_t thread_matmul_desc(PlannedGemm& planned, const GemmProblem& p) {
-  thread_local std::unordered_map<const PlannedGemm*, MatmulDesc> descs;
-  auto it = descs.find(&planned);
-  if (it == descs.end()) it = descs.emplace(&planned, make_matmul_desc(p)).first;
+  thread_local std::unordered_map<uint64_t, MatmulDesc> descs;
+  auto it = descs.find(planned.id);
+  if (it == descs.end()) {
+    if (descs.size() >= kMaxPlans) descs.clear();
+    it = descs.emplace(planned.id, make_matmul_desc(p)).first;
+  }
   return it->second.get();
 }
 
@@ -296,7 +329,8 @@ Outcome run(const GemmProblem& p, const GemmPointers& ptrs, int heuristic, const
             cudaStream_t stream) {
   if (heuristic < 0) throw Error("fused_dense: internal error: negative heuristic reached gemm()");
   const CacheKey key = make_key(p, &ptrs, ws.bytes);
-  PlannedGemm& planned = plan_cache().get(p, key);
+  const std::shared_ptr<PlannedGemm> held = plan_cache().get(p, key);
+  PlannedGemm& planned = *held;
   const auto& algorithms = algorithms_of(planned, p, key);
   const int count = static_cast<int>(algorithms.size());
   if (count == 0) return Outcome::kRefused;
@@ -341,12 +375,14 @@ std::size_t gemm_workspace_bytes(int device) {
 
 int gemm_algorithm_count(const GemmProblem& problem) {
   const CacheKey key = make_key(problem, nullptr, gemm_workspace_bytes(problem.device));
-  return static_cast<int>(algorithms_of(plan_cache().get(problem, key), problem, key).size());
+  const std::shared_ptr<PlannedGemm> held = plan_cache().get(problem, key);
+  return static_cast<int>(algorithms_of(*held, problem, key).size());
 }
 
 bool gemm_algorithm(const GemmProblem& problem, int index, cublasLtMatmulAlgo_t* algo) {
   const CacheKey key = make_key(problem, nullptr, gemm_workspace_bytes(problem.device));
-  const auto& algorithms = algorithms_of(plan_cache().get(problem, key), problem, key);
+  const std::shared_ptr<PlannedGemm> held = plan_cache().get(problem, key);
+  const auto& algorithms = algorithms_of(*held, problem, key);
   if (index < 0 || index >= static_cast<int>(algorithms.size())) return false;
   *algo = algorithms[index].algo;
   return true;
@@ -354,12 +390,15 @@ bool gemm_algorithm(const GemmProblem& problem, int index, cublasLtMatmulAlgo_t*
 
 bool try_gemm_algorithm(const GemmProblem& problem, const GemmPointers& ptrs, const cublasLtMatmulAlgo_t& algo,
                         const Workspace& workspace, cudaStream_t stream) {
-  PlannedGemm& planned = plan_cache().get(problem, make_key(problem, &ptrs, workspace.bytes));
+  const std::shared_ptr<PlannedGemm> held = plan_cache().get(problem, make_key(problem, &ptrs, workspace.bytes));
+  PlannedGemm& planned = *held;
   if (!algorithm_fits(planned, problem, ptrs, algo, workspace.bytes)) return false;
   return launch(planned, problem, ptrs, algo, workspace, stream) == Outcome::kDone;
 }
 
 int64_t gemm_heuristic_queries() { return heuristic_queries.load(std::memory_order_relaxed); }
+
+int64_t gemm_plans_cached() { return static_cast<int64_t>(plan_cache().size()); }
 
 bool try_gemm(const GemmProblem& problem, const GemmPointers& ptrs, int heuristic,
               const Workspace& workspace, cudaStream_t stream) {

@@ -94,6 +94,8 @@ bool try_gemm_algorithm(const GemmProblem& problem, const GemmPointers& ptrs, co
 // How many times this process asked cuBLASLt's heuristic for an algorithm list (one per distinct
 // problem, alignment and workspace): what a new token count costs on the per-call path.
 int64_t gemm_heuristic_queries();
+// GEMM plans now held (bounded: the least recently used are dropped).
+int64_t gemm_plans_cached();
 
 // Returns false instead of throwing when cuBLASLt offers no algorithm or reports
 // CUBLAS_STATUS_NOT_SUPPORTED at launch, so a caller can take its unfused path.

@@ -133,7 +133,8 @@ void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, 
     out.description = describe(name, ctx, bucket.representative, K, N, act);
     return out;
   };
-  Choice choice = choose(ctx.device, ctx.stream, tuning_key(op, ctx, bucket, K, N, act, flag_a, flag_b), rule, trial);
+  Choice choice = choose(ctx.device, ctx.stream, tuning_key(op, ctx, bucket, K, N, act, flag_a, flag_b),
+                         ctx.deterministic, rule, trial);
   if (!setup.aligned && choice.has_algo) {
     choice.has_algo = false;
     choice.algorithm = 0;

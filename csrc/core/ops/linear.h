@@ -29,6 +29,8 @@ struct LinearContext {
   bool allow_tf32 = false;
   Workspace workspace;  // gemm_workspace_bytes(device) at least, plus reduction bytes if asked
   cudaStream_t stream = nullptr;
+  // Deterministic mode (tuner.h, choose()'s `fixed`): 'auto' takes no choice timed in this process.
+  bool deterministic = false;
 };
 
 // The GEMM's part of the context's workspace: its first gemm_workspace_bytes(device) bytes (the

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,12 +35,16 @@ bool Choice::operator==(const Choice& o) const {
 
 namespace {
 
-// Bounds on one problem's tuning: a handful of candidates, timed in a few rounds of a couple of
-// runs each after a warm-up, within the problem's budget.
+// Bounds on one problem's tuning: a handful of candidates, each run timed alone after an L2 flush,
+// in rounds over all of them (at least kMinRounds, at most kMaxRounds) after a warm-up, within the
+// problem's budget. From kMinRounds on, a round stops the measuring when the winner's margin over
+// the runner-up exceeds the spread of either one's runs; a candidate whose best run is kDropAbove
+// times the winner's median or more is not run again.
 constexpr int kMaxFusedCandidates = 8;
 constexpr int kMaxPlainCandidates = 4;
-constexpr int kTimedRuns = 2;
-constexpr int kRounds = 3;
+constexpr int kMinRounds = 3;
+constexpr int kMaxRounds = 15;
+constexpr float kDropAbove = 1.10f;
 constexpr float kWarmupMs = 20.0f;
 constexpr int kMaxWarmupRuns = 100;
 constexpr double kWarmGapS = 0.2;  // a GPU that measured this recently is still at its clocks
@@ -50,7 +55,7 @@ constexpr double kInitialAllowanceS = 0.1;
 // Versions of what a stored line means: raise kChoiceFormat when the key, the line or the
 // numbering of the cutlass_sm90 variants changes, so files written by another build are ignored
 // rather than read as other choices.
-constexpr int kChoiceFormat = 4;
+constexpr int kChoiceFormat = 5;
 
 struct TuningKeyHash {
   std::size_t operator()(const TuningKey& k) const { return IntArrayHash{}(k.v); }
@@ -113,12 +118,19 @@ TunerState& state() {
 void initialize_locked(TunerState& st) {
   if (st.initialized) return;
   st.settings.enabled = env_flag("FUSED_DENSE_TUNING", true);
+  // A process launched as one rank of several (torchrun, and the launchers that follow it, set
+  // WORLD_SIZE) starts in deterministic mode: ranks that timed their own problems could choose
+  // differently and compute different bits. FUSED_DENSE_TUNING_DETERMINISTIC=0 (or
+  // fused_dense.tuning's configure / measure_and_share) says otherwise.
+  const char* world = env("WORLD_SIZE");
+  const bool one_of_many_ranks = world != nullptr && std::atol(world) > 1;
+  st.settings.deterministic = env_flag("FUSED_DENSE_TUNING_DETERMINISTIC", one_of_many_ranks);
   st.settings.budget_s = env_number("FUSED_DENSE_TUNING_BUDGET", st.settings.budget_s, 0.0);
   st.settings.problem_budget_ms = env_number("FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS", st.settings.problem_budget_ms, 0.0);
   st.settings.pace = env_number("FUSED_DENSE_TUNING_PACE", st.settings.pace, 0.0);
   const double buckets = env_number("FUSED_DENSE_TUNING_BUCKETS", st.settings.buckets, 0.0);
   if (!valid_bucket_grid(buckets))
-    throw Error("fused_dense: FUSED_DENSE_TUNING_BUCKETS must be 0, 1, 2, 4 or 8 (buckets per octave of M), got '" +
+    throw Error("fused_dense: FUSED_DENSE_TUNING_BUCKETS must be 0, 1, 2, 4 or 8 (representatives per octave of M), got '" +
                 std::string(env("FUSED_DENSE_TUNING_BUCKETS")) + "'");
   st.settings.buckets = static_cast<int>(buckets);
   if (const char* c = env("FUSED_DENSE_TUNING_CACHE")) st.settings.cache_path = c;
@@ -175,66 +187,172 @@ bool read_choice(std::istream& in, Choice* c) {
 
 enum class CachedKind { kNone, kProvisional, kFinal };
 
-// The choices of this process, per device: kFinal measured (here, in the cache file or in the
-// table); kProvisional the rule's choice, kept while measuring is not allowed (the budget,
-// CUDA-graph capture) and measured later when it is.
+// Where a cached choice came from.
+enum class Source { kMeasured, kRule, kProvisional, kFile, kImported };
+
+bool from_outside(Source s) { return s == Source::kFile || s == Source::kImported; }
+
+// Bounds the choices made in this process per device (measured, the rule's, provisional; and the
+// rule's choices of deterministic mode), least recently made dropped first: with exact-M keys a
+// process meeting ever new token counts would otherwise grow without end. Entries read from files
+// or imported are what the user gave and are not dropped.
+constexpr std::size_t kMaxProcessChoices = 4096;
+
+// The choices of this process, per device: measured here, in the cache file, in the table or
+// imported (final); the rule's choice kept while measuring is not allowed (provisional: the budget,
+// CUDA-graph capture), measured later when it is; and, apart, the rule's choices of deterministic
+// mode, which never reads a choice timed in this process.
 class ChoiceCache {
  public:
-  CachedKind lookup(int device, const TuningKey& key, Choice* out) {
+  CachedKind lookup(int device, const TuningKey& key, bool fixed, Choice* out) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& table = table_for(device);
-    auto it = table.find(key);
-    if (it == table.end()) return CachedKind::kNone;
-    *out = it->second.choice;
-    return it->second.provisional ? CachedKind::kProvisional : CachedKind::kFinal;
+    Tables& t = tables_for(device);
+    auto it = t.choices.find(key);
+    if (it != t.choices.end() && (!fixed || from_outside(it->second.source))) {
+      *out = it->second.choice;
+      return it->second.source == Source::kProvisional ? CachedKind::kProvisional : CachedKind::kFinal;
+    }
+    if (!fixed) return CachedKind::kNone;
+    auto r = t.fixed_rules.find(key);
+    if (r == t.fixed_rules.end()) return CachedKind::kNone;
+    *out = r->second.choice;
+    return CachedKind::kFinal;
   }
 
-  // provisional: the rule's choice taken because measuring was not allowed; replaced once it is.
-  // persist = false: kept for this process only (the rule's choice where no candidate applied or
-  // ran says nothing another process, with other settings, should reuse).
-  void insert(int device, const TuningKey& key, const Choice& choice, bool provisional, bool persist = true) {
+  // source kProvisional: the rule's choice taken because measuring was not allowed; replaced once
+  // it is. persist = false: kept for this process only (the rule's choice where no candidate
+  // applied or ran says nothing another process, with other settings, should reuse).
+  void insert(int device, const TuningKey& key, const Choice& choice, Source source, bool persist = true) {
     std::lock_guard<std::mutex> lock(mutex_);
-    table_for(device)[key] = Entry{choice, provisional};
-    if (provisional || !persist) return;
+    Tables& t = tables_for(device);
+    put(t, t.choices, key, choice, source);
+    if (source != Source::kMeasured || !persist) return;
     const std::string path = current_settings().cache_path;
     if (path.empty()) return;
     std::ofstream file(path, std::ios::app);
     if (!file) return;  // persistence is an optimisation; an unwritable path only costs re-tuning
-    file << tags_[device];
-    for (int64_t x : key.v) file << ' ' << x;
-    file << ' ';
-    write_choice(file, choice);
-    file << '\n';
+    write_line(file, t.tag, key, choice);
+  }
+
+  // The rule's choice of deterministic mode for key.
+  void insert_fixed_rule(int device, const TuningKey& key, const Choice& choice) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Tables& t = tables_for(device);
+    put(t, t.fixed_rules, key, choice, Source::kRule);
+  }
+
+  std::vector<std::string> export_lines(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Tables& t = tables_for(device);
+    std::vector<std::string> lines;
+    for (const auto& [key, e] : t.choices) {
+      if (e.source == Source::kRule || e.source == Source::kProvisional) continue;
+      std::ostringstream line;
+      write_line(line, t.tag, key, e.choice);
+      std::string text = line.str();
+      text.pop_back();  // the newline
+      lines.push_back(std::move(text));
+    }
+    std::sort(lines.begin(), lines.end());
+    return lines;
+  }
+
+  int64_t import_lines(int device, const std::vector<std::string>& lines) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Tables& t = tables_for(device);
+    int64_t taken = 0;
+    for (const std::string& line : lines) {
+      TuningKey key;
+      Choice choice;
+      if (!parse_line(line, t.tag, &key, &choice)) continue;
+      put(t, t.choices, key, choice, Source::kImported);
+      ++taken;
+    }
+    return taken;
+  }
+
+  int64_t process_choices() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t n = 0;
+    for (const auto& [device, t] : tables_) n += static_cast<int64_t>(t.order.size());
+    return n;
   }
 
  private:
   struct Entry {
     Choice choice;
-    bool provisional = false;
-    bool file = false;  // read from the table or the cache file
+    Source source = Source::kMeasured;
+    bool in_order = false;                        // counted in Tables::order
+    std::list<std::pair<bool, TuningKey>>::iterator order_it;
   };
   using Table = std::unordered_map<TuningKey, Entry, TuningKeyHash>;
+  struct Tables {
+    Table choices, fixed_rules;
+    // The process-made entries of both tables, least recently made first: (in fixed_rules, key).
+    std::list<std::pair<bool, TuningKey>> order;
+    std::string tag;
+    uint64_t generation = 0;
+  };
+
+  // Caller holds mutex_. Stores (choice, source) for key in `table` (t.choices or t.fixed_rules), keeping the
+  // process-made entries within kMaxProcessChoices.
+  static void put(Tables& t, Table& table, const TuningKey& key, const Choice& choice, Source source) {
+    Entry e;
+    e.choice = choice;
+    e.source = source;
+    const bool fixed_table = &table == &t.fixed_rules;
+    auto it = table.find(key);
+    if (it != table.end() && it->second.in_order) t.order.erase(it->second.order_it);
+    if (!from_outside(e.source)) {
+      t.order.emplace_back(fixed_table, key);
+      e.in_order = true;
+      e.order_it = std::prev(t.order.end());
+    }
+    table[key] = e;
+    while (t.order.size() > kMaxProcessChoices) {
+      const auto [in_fixed, old] = t.order.front();
+      (in_fixed ? t.fixed_rules : t.choices).erase(old);
+      t.order.pop_front();
+    }
+  }
+
+  static void write_line(std::ostream& out, const std::string& tag, const TuningKey& key, const Choice& choice) {
+    out << tag;
+    for (int64_t x : key.v) out << ' ' << x;
+    out << ' ';
+    write_choice(out, choice);
+    out << '\n';
+  }
+
+  static bool parse_line(const std::string& line, const std::string& tag, TuningKey* key, Choice* choice) {
+    if (line.empty() || line[0] == '#') return false;
+    std::istringstream in(line);
+    std::string line_tag;
+    in >> line_tag;
+    for (auto& x : key->v) in >> x;
+    return in && line_tag == tag && read_choice(in, choice);  // else another GPU or build, or a torn line
+  }
 
   // Caller holds mutex_. The files are read on a device's first lookup, and again after
-  // set_tuning_settings changed their paths (measured choices are kept).
-  Table& table_for(int device) {
+  // set_tuning_settings changed their paths (choices made here and imported ones are kept).
+  Tables& tables_for(int device) {
     const uint64_t generation = files_generation();
-    auto it = tables_.find(device);
-    if (it != tables_.end() && generations_[device] == generation) return it->second;
-    Table& table = tables_[device];
-    for (auto e = table.begin(); e != table.end();)
-      e = e->second.file ? table.erase(e) : std::next(e);
-    generations_[device] = generation;
-    tags_[device] = device_tag(device);
+    auto found = tables_.find(device);
+    if (found != tables_.end() && found->second.generation == generation) return found->second;
+    Tables& t = tables_[device];
+    for (auto e = t.choices.begin(); e != t.choices.end();)
+      e = e->second.source == Source::kFile ? t.choices.erase(e) : std::next(e);
+    t.generation = generation;
+    t.tag = device_tag(device);
     const TuningSettings settings = current_settings();
     // the cache file's lines (this GPU's own measurements) win over the shipped table's
-    const int64_t from_table = load(settings.table_path, tags_[device], &table, /*overwrite=*/false);
-    const int64_t from_cache = load(settings.cache_path, tags_[device], &table, /*overwrite=*/true);
+    const int64_t from_table = load(settings.table_path, t, /*overwrite=*/false);
+    const int64_t from_cache = load(settings.cache_path, t, /*overwrite=*/true);
     TunerState& st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     st.stats.table_choices += from_table;
     st.stats.cache_choices += from_cache;
-    return table;
+    return t;
   }
 
   static uint64_t files_generation() {
@@ -243,36 +361,26 @@ class ChoiceCache {
     return st.files_generation;
   }
 
-  static int64_t load(const std::string& path, const std::string& tag, Table* table, bool overwrite) {
+  // A file's lines for this tag; an entry already there that was imported is kept.
+  static int64_t load(const std::string& path, Tables& t, bool overwrite) {
     if (path.empty()) return 0;
     std::ifstream file(path);
     std::string line;
     int64_t read = 0;
     while (std::getline(file, line)) {
-      if (line.empty() || line[0] == '#') continue;
-      std::istringstream in(line);
-      std::string line_tag;
       TuningKey key;
       Choice choice;
-      in >> line_tag;
-      for (auto& x : key.v) in >> x;
-      if (!in || line_tag != tag || !read_choice(in, &choice)) continue;  // another GPU or build, or a torn line
-      Entry entry{choice, false};
-      entry.file = true;
-      if (overwrite) {
-        (*table)[key] = entry;
-      } else {
-        table->emplace(key, entry);
-      }
+      if (!parse_line(line, t.tag, &key, &choice)) continue;
       ++read;
+      auto it = t.choices.find(key);
+      if (it != t.choices.end() && (it->second.source == Source::kImported || !overwrite)) continue;
+      put(t, t.choices, key, choice, Source::kFile);
     }
     return read;
   }
 
   std::mutex mutex_;
-  std::map<int, Table> tables_;
-  std::map<int, std::string> tags_;
-  std::map<int, uint64_t> generations_;
+  std::map<int, Tables> tables_;
 };
 
 ChoiceCache& choice_cache() {
@@ -359,14 +467,9 @@ const char* choice_kind(const Choice& c) {
 
 namespace {
 
-// Index of M's bucket on a grid of b per octave: the largest i with 2^(i/b) <= M.
-int64_t bucket_index(int64_t m, int b) {
-  int k = 0;
-  while ((int64_t{1} << (k + 1)) <= m) ++k;
-  int j = b - 1;
-  while (j > 0 && static_cast<long double>(m) < std::ldexp(std::pow(2.0L, static_cast<long double>(j) / b), k)) --j;
-  return static_cast<int64_t>(b) * k + j;
-}
+// Counts below this are their own representatives on every grid (2^k (1 + j / b) is an integer
+// for 2^k >= b; 16 leaves room for b = 8).
+constexpr int64_t kExactBelow = 16;
 
 // The bucket grid of the settings, read without copying them (m_bucket runs on every 'auto' call).
 int bucket_grid() {
@@ -376,16 +479,40 @@ int bucket_grid() {
   return st.settings.buckets;
 }
 
+// The representatives next to m >= kExactBelow on grid b: lo <= m < hi.
+std::pair<int64_t, int64_t> neighbours(int64_t m, int b) {
+  int64_t octave = 1;
+  while (octave * 2 <= m) octave *= 2;
+  const int64_t step = octave / b;
+  const int64_t lo = octave + (m - octave) / step * step;
+  return {lo, lo + step};
+}
+
 }  // namespace
 
 MBucket m_bucket(int64_t m) {
   const int b = bucket_grid();
-  if (m <= 0 || b == 0) return {m, m, 0};
-  const int64_t index = bucket_index(m, b);
-  int64_t rep = std::llround(std::pow(2.0, (static_cast<double>(index) + 0.5) / b));
-  const int64_t rep8 = (rep + 4) / 8 * 8;
-  if (rep >= 64 && bucket_index(rep8, b) == index) rep = rep8;
-  return {index, rep, b};
+  if (m < kExactBelow || b == 0) return {m, m, b == 0 ? 0 : b};
+  const auto [lo, hi] = neighbours(m, b);
+  // nearest by ratio: lo where m / lo <= hi / m (in integers: m * m <= lo * hi, no overflow below 2^31)
+  const int64_t rep = (m == lo || static_cast<long double>(m) * m <= static_cast<long double>(lo) * hi) ? lo : hi;
+  return {rep, rep, b};
+}
+
+std::vector<int64_t> m_representatives(int64_t lo, int64_t hi) {
+  const int b = bucket_grid();
+  std::vector<int64_t> reps;
+  for (int64_t m = std::max<int64_t>(lo, 1); m <= hi && m < kExactBelow; ++m) reps.push_back(m);
+  if (b == 0) {
+    for (int64_t m = std::max(lo, kExactBelow); m <= hi; ++m) reps.push_back(m);
+    return reps;
+  }
+  for (int64_t octave = kExactBelow; octave <= hi; octave *= 2)
+    for (int j = 0; j < b; ++j) {
+      const int64_t r = octave + j * (octave / b);
+      if (r >= lo && r <= hi) reps.push_back(r);
+    }
+  return reps;
 }
 
 TuningSettings tuning_settings() { return current_settings(); }
@@ -418,15 +545,26 @@ void set_default_tuning_table(const std::string& path) {
 }
 
 TuningStats tuning_stats() {
+  // the choice cache's lock is taken before the state's wherever both are held (tables_for)
+  const int64_t process_choices = choice_cache().process_choices();
   TunerState& st = state();
   std::lock_guard<std::mutex> lock(st.mutex);
   TuningStats stats = st.stats;
+  stats.process_choices = process_choices;
   stats.measuring_s = st.spent_s;
   stats.heuristic_queries = gemm_heuristic_queries();
+  stats.plans_cached = gemm_plans_cached();
   return stats;
 }
 
 namespace {
+
+bool deterministic_setting() {
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  initialize_locked(st);
+  return st.settings.deterministic;
+}
 
 // Whether a problem may be measured now on this stream: enabled, not capturing a CUDA graph, and
 // the process's budget (with its pacing) not spent.
@@ -446,7 +584,7 @@ bool may_measure(cudaStream_t stream) {
 
 // Keeps `rule` for key without measuring (provisional: measured later when allowed).
 void keep_rule_choice(int device, const TuningKey& key, const Choice& rule) {
-  choice_cache().insert(device, key, rule, /*provisional=*/true);
+  choice_cache().insert(device, key, rule, Source::kProvisional);
   TunerState& st = state();
   std::lock_guard<std::mutex> lock(st.mutex);
   ++st.stats.rule_choices;
@@ -455,8 +593,25 @@ void keep_rule_choice(int device, const TuningKey& key, const Choice& rule) {
 // Measures the candidates with `run` (which runs them on synthetic operands at the bucket's
 // representative M) and caches the best for key: the rule's choice stays unless another beats it
 // by kMinGain. Called only when may_measure(stream).
+// A buffer of twice the GPU's L2 cache, written before each timed run so that no run finds its
+// operands there (null when the arena could not hold it: runs are then timed as they come).
+struct L2Flush {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  unsigned salt = 0;
+};
+
+L2Flush l2_flush_buffer(int device, TuningArena& arena) {
+  int l2 = 0;
+  FD_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+  L2Flush f;
+  f.bytes = 2 * static_cast<std::size_t>(std::max(l2, 1 << 20));
+  f.ptr = arena.scratch(f.bytes);
+  return f;
+}
+
 Choice tune(int device, const TuningKey& key, const std::string& description, const std::vector<Choice>& all,
-            const Choice& rule, const CandidateRunner& run, cudaStream_t stream) {
+            const Choice& rule, const CandidateRunner& run, cudaStream_t stream, L2Flush l2_flush) {
   announce_first_tuning();
   const auto t0 = std::chrono::steady_clock::now();
   double problem_budget_ms = 0.0;
@@ -486,7 +641,7 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
   // When no candidate applies or runs, the rule's choice is kept for the process (not persisted,
   // and not measured again: another call would find the same), so later calls skip all of this.
   auto give_rule_choice = [&] {
-    choice_cache().insert(device, key, rule, /*provisional=*/false, /*persist=*/false);
+    choice_cache().insert(device, key, rule, Source::kRule, /*persist=*/false);
     charge(false);
     return rule;
   };
@@ -513,9 +668,12 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
   if (candidates.empty()) return give_rule_choice();
 
   Event start = make_event(), stop = make_event();
-  // One timed batch of `c`; negative when it is rejected.
-  auto time_ms = [&](const Choice& c, int runs) -> float {
+  // One timed batch of `runs` runs of `c` (after an L2 flush where `flush`); negative when it is
+  // rejected.
+  auto time_ms = [&](const Choice& c, int runs, bool flush) -> float {
     try {
+      if (flush && l2_flush.ptr != nullptr)
+        FD_CUDA_CHECK(cudaMemsetAsync(l2_flush.ptr, static_cast<int>(l2_flush.salt++ & 0xff), l2_flush.bytes, stream));
       FD_CUDA_CHECK(cudaEventRecord(start.get(), stream));
       for (int r = 0; r < runs; ++r)
         if (!run(c)) return -1.f;
@@ -533,37 +691,74 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
   // Run the first accepted candidate (the rule's choice where it is one) for kWarmupMs before
   // timing anything, unless the GPU measured something a moment ago.
   Choice warm = candidates.front();
-  float warm_ms = time_ms(warm, 1);
-  for (std::size_t i = 1; warm_ms < 0.f && i < candidates.size(); ++i) warm_ms = time_ms(warm = candidates[i], 1);
+  float warm_ms = time_ms(warm, 1, false);
+  for (std::size_t i = 1; warm_ms < 0.f && i < candidates.size(); ++i) warm_ms = time_ms(warm = candidates[i], 1, false);
   // Every candidate rejected at launch: measuring again would not change that.
   if (warm_ms < 0.f) return give_rule_choice();
   if (!warm_gpu) {
     const int warm_runs = std::clamp(static_cast<int>(kWarmupMs / std::max(warm_ms, 1e-3f)), 0, kMaxWarmupRuns);
-    if (warm_runs > 0) time_ms(warm, warm_runs);
+    if (warm_runs > 0) time_ms(warm, warm_runs, false);
   }
 
-  // Rounds over all candidates, keeping each one's best batch: a transient slowdown (another
-  // process, a clock dip) then costs a candidate one round, not the decision. Once the problem's
-  // budget is spent, what has been measured decides (the first two candidates always are).
-  std::vector<float> best_of(candidates.size(), std::numeric_limits<float>::infinity());
-  std::vector<bool> rejected(candidates.size(), false);
+  // Rounds over all candidates, one L2-flushed run each, as the benchmark times: a transient
+  // slowdown (another process, a clock dip) then moves one run of a candidate, not the decision,
+  // which takes each candidate's median. Once the problem's budget is spent, what has been
+  // measured decides (the first two candidates always are).
+  const std::size_t n = candidates.size();
+  std::vector<std::vector<float>> runs_of(n);
+  std::vector<bool> rejected(n, false), dropped(n, false);
+  auto median = [](std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5f * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
+  // spread of a candidate's runs: their range, less the one slowest run once there are 4 or more
+  auto spread = [](std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    if (v.size() >= 4) v.pop_back();
+    return v.back() - v.front();
+  };
   int rounds = 0;
-  bool out_of_budget = false;
-  for (; rounds < kRounds && !out_of_budget; ++rounds) {
-    for (std::size_t i = 0; i < candidates.size(); ++i) {
-      if (rejected[i]) continue;
+  bool out_of_budget = false, settled = false;
+  for (; rounds < kMaxRounds && !out_of_budget && !settled; ++rounds) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if (rejected[i] || dropped[i]) continue;
       if ((rounds > 0 || i >= 2) && spent_ms() > problem_budget_ms) {
         out_of_budget = true;
         break;
       }
-      const float ms = time_ms(candidates[i], kTimedRuns);
+      const float ms = time_ms(candidates[i], 1, true);
       if (ms < 0.f) {
         rejected[i] = true;
         continue;
       }
-      best_of[i] = std::min(best_of[i], ms);
+      runs_of[i].push_back(ms);
     }
+    if (rounds + 1 < kMinRounds || out_of_budget) continue;
+    // winner and runner-up by median; stop once the margin between them exceeds both spreads
+    std::size_t w = n, u = n;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (rejected[i] || runs_of[i].empty()) continue;
+      if (w == n || median(runs_of[i]) < median(runs_of[w])) {
+        u = w;
+        w = i;
+      } else if (u == n || median(runs_of[i]) < median(runs_of[u])) {
+        u = i;
+      }
+    }
+    if (w == n || u == n) {
+      settled = true;
+      continue;
+    }
+    const float winner = median(runs_of[w]);
+    settled = median(runs_of[u]) - winner > std::max(spread(runs_of[w]), spread(runs_of[u]));
+    for (std::size_t i = 0; i < n; ++i)
+      if (i != w && !runs_of[i].empty() &&
+          *std::min_element(runs_of[i].begin(), runs_of[i].end()) >= kDropAbove * winner)
+        dropped[i] = true;
   }
+  std::vector<float> best_of(n, std::numeric_limits<float>::infinity());
+  for (std::size_t i = 0; i < n; ++i)
+    if (!rejected[i] && !runs_of[i].empty()) best_of[i] = median(runs_of[i]);
   Choice best = rule;
   float best_ms = std::numeric_limits<float>::infinity();
   float rule_ms = std::numeric_limits<float>::quiet_NaN();
@@ -598,28 +793,44 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
                      candidates[i].cutlass >= 0 ? candidates[i].cutlass : candidates[i].algorithm,
                      cutlass_variant_detail(candidates[i]).c_str(), rejected[i] ? -1.f : best_of[i]);
   }
-  choice_cache().insert(device, key, best, /*provisional=*/false);
+  choice_cache().insert(device, key, best, Source::kMeasured);
   charge(true);
   return best;
 }
 
 }  // namespace
 
-Choice choose(int device, cudaStream_t stream, const TuningKey& key, FunctionRef<Choice()> rule,
+Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed, FunctionRef<Choice()> rule,
               FunctionRef<std::optional<TuningTrial>(TuningArena&)> trial) {
   // Once the key has a choice, this lookup is the per-call cost of 'auto' (and, at a new M, one
   // cublasLtMatmulAlgoCheck per algorithm in gemm.h).
+  fixed = fixed || deterministic_setting();
   Choice choice;
-  const CachedKind cached = choice_cache().lookup(device, key, &choice);
+  const CachedKind cached = choice_cache().lookup(device, key, fixed, &choice);
   if (cached == CachedKind::kFinal || (cached == CachedKind::kProvisional && !may_measure(stream))) return choice;
   const Choice rule_choice = rule();
+  if (fixed) {
+    choice_cache().insert_fixed_rule(device, key, rule_choice);
+    return rule_choice;
+  }
   if (may_measure(stream)) {
     TuningArena arena(stream);
-    if (const std::optional<TuningTrial> t = trial(arena))
-      return tune(device, key, t->description, t->candidates, rule_choice, t->run, stream);
+    if (const std::optional<TuningTrial> t = trial(arena))  // the flush buffer after the operands:
+      return tune(device, key, t->description, t->candidates, rule_choice, t->run, stream,
+                  l2_flush_buffer(device, arena));  // without room for it, runs are timed unflushed
   }
   keep_rule_choice(device, key, rule_choice);
   return rule_choice;
+}
+
+std::vector<std::string> export_choices(int device) { return choice_cache().export_lines(device); }
+
+int64_t import_choices(int device, const std::vector<std::string>& lines) {
+  const int64_t taken = choice_cache().import_lines(device, lines);
+  TunerState& st = state();
+  std::lock_guard<std::mutex> lock(st.mutex);
+  st.stats.imported_choices += taken;
+  return taken;
 }
 
 }  // namespace fused_dense::core

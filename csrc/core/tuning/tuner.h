@@ -1,19 +1,21 @@
-// Measured choice for heuristic = auto. A problem is keyed by its op, dtype, widths, flags and a
-// bucket of its token count M (m_bucket: half-octave buckets by default, each measured once at its
-// representative M on synthetic operands of that size, and the choice reused for every M in it).
-// The candidates are the fused epilogue with several of cuBLASLt's algorithms, plain GEMM +
+// Measured choice for heuristic = auto. A problem is keyed by its op, dtype, widths, flags and the
+// representative of its token count M (m_bucket: the token counts people use, 2^k and the round
+// counts between, each measured at its exact M; another M takes the nearest of them). The
+// candidates are the fused epilogue with several of cuBLASLt's algorithms, plain GEMM +
 // elementwise kernel with several plain algorithms, and where it applies each variant of the
 // library's cutlass_sm90 kernels (cutlass_sm90_dgrad.h, cutlass_sm90_forward.h); they are timed on
-// the caller's stream and the fastest is kept, process-wide. A choice stores the cuBLASLt
-// algorithm itself (cublasLtMatmulAlgo_t), which gemm.h checks for each new M of the bucket.
+// the caller's stream as the benchmark times (L2 flushed before every run, candidates interleaved
+// round after round, repeated until the winner's margin over the runner-up exceeds the spread or
+// the problem's budget is spent) and the fastest is kept, process-wide. A choice stores the
+// cuBLASLt algorithm itself (cublasLtMatmulAlgo_t), which gemm.h checks for each new M.
 //
 // The one entry is choose(): an op (linear.cpp's dispatch, for linear_act and the other ops of
 // linear.h and gated.h) builds its key, a builder of the rule's choice and a builder of the
 // measurement, and asks once. choose() returns, in order:
-//   1. the key's choice in this process: measured here, or read from the user's cache file
+//   1. the key's choice in this process: measured here, read from the user's cache file
 //      (FUSED_DENSE_TUNING_CACHE) or the table shipped with the package for the GPU's compute
 //      capability and cuBLASLt major.minor (FUSED_DENSE_TUNING_TABLE=0 leaves it out, =path reads
-//      another; both files are read on a device's first lookup);
+//      another; both files are read on a device's first lookup), or imported (import_choices);
 //   2. a provisional choice (the rule's, kept while measuring was not allowed) as long as measuring
 //      is still not allowed (disabled, CUDA-graph capture, the budget of TuningSettings spent);
 //   3. else, with the rule's choice built (rule()), where measuring is allowed now: the op's
@@ -22,15 +24,22 @@
 //   4. else the rule's choice (the fused epilogue or plain GEMM with cuBLASLt's first algorithm
 //      at the representative M; where measuring is not allowed or the arena cannot hold the
 //      operands), kept as provisional and measured on a later call that may.
-// On a key's cached choice (1, 2) choose() allocates nothing and builds neither the rule's choice
-// nor the candidates.
+// With `fixed` (deterministic mode: torch.use_deterministic_algorithms(True), or
+// TuningSettings::deterministic) nothing is timed and no choice timed in this process is used:
+// only the table, the cache file and imported choices, else the rule's choice (kept for the key).
+// Two processes with the same files then choose alike, whatever their timings.
+// On a key's cached choice choose() allocates nothing and builds neither the rule's choice nor
+// the candidates. The choices made in this process are bounded (kMaxProcessChoices per device,
+// least recently made dropped first); those read from files or imported are not counted.
 //
 // Environment (read once; TuningSettings set from Python override them):
 //   FUSED_DENSE_TUNING=0                   never measure (table, cache and rule only)
+//   FUSED_DENSE_TUNING_DETERMINISTIC=1|0   deterministic mode for every call (see `fixed` above);
+//                                          default 1 where WORLD_SIZE > 1 (one rank of several)
 //   FUSED_DENSE_TUNING_BUDGET=s            seconds of measuring per process (default 30)
 //   FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS=ms  per problem (default 100)
 //   FUSED_DENSE_TUNING_PACE=f              share of wall time measuring may take (default 0.05)
-//   FUSED_DENSE_TUNING_BUCKETS=b           buckets per octave: 1, 2 (default), 4, 8; 0: exact M
+//   FUSED_DENSE_TUNING_BUCKETS=b           representatives per octave: 1, 2, 4 (default), 8; 0: exact M
 //   FUSED_DENSE_TUNING_CACHE=path          persist choices across processes (one line each)
 //   FUSED_DENSE_TUNING_TABLE=0|path        leave the shipped table out, or read another
 //   FUSED_DENSE_TUNING_VERBOSE=1|2         print each choice (2: every candidate's time)
@@ -64,16 +73,18 @@ struct Choice {
   bool operator==(const Choice& o) const;
 };
 
-// The bucket of a token count M, with b = TuningSettings::buckets per octave: buckets
-// [2^(i/b), 2^((i+1)/b)), each represented by its geometric middle 2^((i + 1/2) / b), rounded to a
-// multiple of 8 from 64 up where that stays in the bucket (cuBLASLt's and the cutlass_sm90
-// kernels' fast paths want it). With b = 0, M is its own bucket and representative.
+// The bucket of a token count M on a grid of b representatives per octave: the counts below 16
+// are their own; from 16 up the representatives are 2^k (1 + j / b), j = 0 .. b - 1 (b = 4: 8192,
+// 10240, 12288, 14336, 16384, ...; every power of two and 1.5 * 2^k for b >= 2), and M takes the
+// nearest one by ratio (M itself where it is one). With b = 0, M is its own bucket.
 struct MBucket {
-  int64_t index = 0;           // what the tuning key holds
+  int64_t index = 0;           // what the tuning key holds: the representative
   int64_t representative = 0;  // the M measured for the whole bucket
   int per_octave = 0;          // the grid it was taken on (0: exact M)
 };
 MBucket m_bucket(int64_t m);
+// The representatives of the current grid in [lo, hi], ascending (what a table is measured at).
+std::vector<int64_t> m_representatives(int64_t lo, int64_t hi);
 
 struct TuningSettings {
   bool enabled = true;             // measure at all
@@ -84,9 +95,11 @@ struct TuningSettings {
   // step spends a bounded share of its time measuring and later steps measure what earlier ones
   // could not.
   double pace = 0.05;
-  // Buckets per octave of M: 2 (the default, and the shipped table's grid), 1, 4 or 8; 0 keys by
-  // the exact M. A choice is stored for the grid it was measured on.
-  int buckets = 2;
+  // Representatives per octave of M: 4 (the default, and the shipped table's grid), 1, 2 or 8; 0
+  // keys by the exact M. A choice is stored for the grid it was measured on.
+  int buckets = 4;
+  // Deterministic mode for every call (choose()'s `fixed`), beside torch's own switch.
+  bool deterministic = false;
   std::string cache_path;   // empty: none
   std::string table_path;   // empty: none
 };
@@ -105,6 +118,9 @@ struct TuningStats {
   int64_t cache_choices = 0;      // entries read from the cache file
   double measuring_s = 0.0;       // time spent measuring
   int64_t heuristic_queries = 0;  // cuBLASLt algorithm lists built (gemm.h)
+  int64_t imported_choices = 0;   // entries taken by import_choices
+  int64_t process_choices = 0;    // choices made in this process now held (bounded)
+  int64_t plans_cached = 0;       // GEMM plans now held (gemm.h, bounded)
 };
 TuningStats tuning_stats();
 
@@ -131,7 +147,16 @@ struct TuningTrial {
 // representative M; trial(arena): the candidates and their runner on operands taken from arena
 // (which frees them when choose() returns), or nullopt when arena.ok() turned false. Each is
 // called only where the key has no choice to return as it is, and trial() only when measuring.
-Choice choose(int device, cudaStream_t stream, const TuningKey& key, FunctionRef<Choice()> rule,
+// fixed: deterministic mode (above).
+Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed, FunctionRef<Choice()> rule,
               FunctionRef<std::optional<TuningTrial>(TuningArena&)> trial);
+
+// The final choices this device holds (measured here, read from files, imported) as lines of the
+// cache file's format, for sharing one process's choices with others (a process group).
+std::vector<std::string> export_choices(int device);
+// Takes lines of export_choices (another process's) for this device: lines of another tag are
+// skipped. They serve deterministic mode too, and win over this process's own. Returns how many
+// were taken.
+int64_t import_choices(int device, const std::vector<std::string>& lines);
 
 }  // namespace fused_dense::core

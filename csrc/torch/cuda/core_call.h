@@ -58,6 +58,8 @@ inline core::LinearContext make_context(const at::Tensor& like, const at::Tensor
   ctx.allow_tf32 = at::globalContext().allowTF32CuBLAS();
   ctx.workspace = core::Workspace{workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())};
   ctx.stream = at::cuda::getCurrentCUDAStream(ctx.device).stream();
+  // torch.use_deterministic_algorithms(True): 'auto' never takes a choice timed in this process
+  ctx.deterministic = at::globalContext().deterministicAlgorithms();
   return ctx;
 }
 

@@ -5,6 +5,9 @@
 
 #include <string>
 #include <tuple>
+#include <vector>
+
+#include <cuda_runtime.h>
 
 #include "core/tuning/tuner.h"
 #include "core/common/types.h"
@@ -12,7 +15,7 @@
 namespace fused_dense {
 namespace {
 
-using Settings = std::tuple<bool, double, double, double, int64_t, std::string, std::string>;
+using Settings = std::tuple<bool, double, double, double, int64_t, std::string, std::string, bool>;
 
 // Core errors (a bad budget) reach Python as RuntimeError with the core's message.
 template <class Fn>
@@ -27,12 +30,13 @@ auto translated(Fn&& fn) -> decltype(fn()) {
 Settings get_settings() {
   return translated([] {
     const core::TuningSettings s = core::tuning_settings();
-    return Settings{s.enabled, s.budget_s, s.problem_budget_ms, s.pace, s.buckets, s.cache_path, s.table_path};
+    return Settings{s.enabled, s.budget_s, s.problem_budget_ms, s.pace, s.buckets, s.cache_path, s.table_path,
+                    s.deterministic};
   });
 }
 
 void set_settings(bool enabled, double budget_s, double problem_budget_ms, double pace, int64_t buckets, const std::string& cache,
-                  const std::string& table) {
+                  const std::string& table, bool deterministic) {
   translated([&] {
     core::TuningSettings s;
     s.enabled = enabled;
@@ -42,14 +46,38 @@ void set_settings(bool enabled, double budget_s, double problem_budget_ms, doubl
     s.buckets = static_cast<int>(buckets);
     s.cache_path = cache;
     s.table_path = table;
+    s.deterministic = deterministic;
     core::set_tuning_settings(s);
     return 0;
   });
 }
 
-std::tuple<int64_t, int64_t, int64_t, int64_t, double, int64_t> stats() {
+std::tuple<int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t, int64_t> stats() {
   const core::TuningStats s = core::tuning_stats();
-  return {s.problems_measured, s.rule_choices, s.table_choices, s.cache_choices, s.measuring_s, s.heuristic_queries};
+  return {s.problems_measured, s.rule_choices,      s.table_choices,   s.cache_choices, s.measuring_s,
+          s.heuristic_queries, s.imported_choices, s.process_choices, s.plans_cached};
+}
+
+std::vector<int64_t> representatives(int64_t lo, int64_t hi) {
+  TORCH_CHECK_VALUE(lo >= 1 && lo <= hi, "fused_dense::tuning_representatives: need 1 <= lo <= hi, got lo=", lo,
+                    ", hi=", hi);
+  return translated([&] { return core::m_representatives(lo, hi); });
+}
+
+void check_device(const char* op, int64_t device) {
+  int count = 0;
+  TORCH_CHECK(cudaGetDeviceCount(&count) == cudaSuccess, op, ": no CUDA device");
+  TORCH_CHECK_VALUE(device >= 0 && device < count, op, ": device must be in [0, ", count, "), got ", device);
+}
+
+std::vector<std::string> export_choices(int64_t device) {
+  check_device("fused_dense::tuning_export_choices", device);
+  return translated([&] { return core::export_choices(static_cast<int>(device)); });
+}
+
+int64_t import_choices(int64_t device, const std::vector<std::string>& lines) {
+  check_device("fused_dense::tuning_import_choices", device);
+  return translated([&] { return core::import_choices(static_cast<int>(device), lines); });
 }
 
 std::tuple<int64_t, int64_t> bucket(int64_t m) {
@@ -68,4 +96,7 @@ TORCH_LIBRARY_IMPL(fused_dense, CompositeImplicitAutograd, m) {
   m.impl("set_default_tuning_table", [](const std::string& path) { fused_dense::core::set_default_tuning_table(path); });
   m.impl("tuning_stats", &fused_dense::stats);
   m.impl("tuning_m_bucket", &fused_dense::bucket);
+  m.impl("tuning_representatives", &fused_dense::representatives);
+  m.impl("tuning_export_choices", &fused_dense::export_choices);
+  m.impl("tuning_import_choices", &fused_dense::import_choices);
 }
