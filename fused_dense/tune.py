@@ -32,7 +32,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="table to write (merged with its existing lines unless --fresh)")
     p.add_argument("--dims", type=int, nargs="+", default=list(DEFAULT_DIMS), help="model widths d (hidden 4d)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    p.add_argument("--activations", nargs="+", default=["gelu_approx", "relu"],
+    p.add_argument("--activations", nargs="*", default=["gelu_approx", "relu"],
                    choices=["gelu_approx", "relu", "sqrelu"])
     p.add_argument("--min-tokens", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=65536)
@@ -164,7 +164,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("# fused_dense tuning table: heuristic='auto' choices measured by python -m fused_dense.tune\n")
-        f.write(f"# on {torch.cuda.get_device_name(device)}; line: tag, key (op dtype bucket K N activation "
+        f.write(f"# on {torch.cuda.get_device_name(device)}; line: tag, key (op dtype representative-M K N activation "
                 "flag flag tf32 representatives-per-octave), choice (fused algorithm cutlass has_algo, 8 words of the algorithm)\n")
         f.write("\n".join(table) + ("\n" if table else ""))
     stats = tuning.stats()

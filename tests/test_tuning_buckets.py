@@ -78,7 +78,7 @@ def test_bucket_rule():
                                                                      24576, 32768, 10240, 14336, 8191, 8193, 9216]
         for b in (1, 2, 4, 8, 0):
             tuning.configure(buckets=b)
-            reps = set(tuning.representatives(1, 70000))
+            reps = set(tuning.representatives(1, 140000))
             for m in counts:
                 index, rep = tuning.m_bucket(m)
                 assert rep == index == nearest_round_count(m, b), (b, m, rep)

@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "core/common/cuda_check.h"
+#include "core/common/cuda_context.h"
 #include "core/common/device_info.h"
 #include "core/common/cutlass_variants.h"
 
@@ -141,6 +142,7 @@ bool launch(typename Gemm::Arguments const& args, void* workspace, std::size_t w
             cudaStream_t stream) {
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+  ensure_current_context(args.hw_info.device_id);  // initialize() encodes TMA descriptors (driver API)
   if (Gemm::get_workspace_size(args) > workspace_bytes) return false;
   cutlass::Status status = gemm.initialize(args, workspace, stream);
   if (status != cutlass::Status::kSuccess)
