@@ -30,12 +30,16 @@ NAMES = ("x", "weight1", "bias1", "weight2", "bias2")
 # error of a norm is close to its expected value; hidden not a multiple of 8 (the gated layout's
 # short last block, the ReLU mask's partial last byte)
 SHAPE = (48, 40, 61, 24)
-# On CUDA the bias1 gradient is a 16-bit column sum of the stored 16-bit data gradient of the
-# pre-activation, whose roundings it adds up: measured on the H200 (test_every_checkpoint_path_cuda,
-# every case) up to 1.80 u (fp16 sqrelu: 8.77e-4; bf16: 6.79e-3), over MLP_ROUNDINGS' 1.73 u, while
-# every other result stays within it. 5 roundings (2.24 u) for that result: fp16 1.1e-3 still sees
-# a 1% error; bf16's 8.7e-3 cannot be told from one (a 1%-scaled result measured 8.1e-3 off), so
-# the 1% check is left out for bf16's bias1 gradient on CUDA alone (the CPU sweep and fp16 keep it).
+# On CUDA the pre-activation is stored in 16 bits before the activation reads it (the unfused path,
+# checkpoint level 1's rebuild), which the CPU reference does not do. sqrelu squares it, doubling
+# that rounding: measured on the H200 up to 1.78 u on its output (bf16 6.95e-3, 'auto', level 1)
+# against MLP_ROUNDINGS' 1.73 u; 4 roundings (2 u: bf16 7.8e-3, fp16 9.8e-4) for sqrelu on CUDA.
+# The bias1 gradient is a 16-bit column sum of the stored 16-bit data gradient of the
+# pre-activation, whose roundings it adds up: up to 1.80 u (fp16 sqrelu: 8.77e-4; bf16: 6.79e-3);
+# 5 roundings (2.24 u) for that result on CUDA: fp16 1.1e-3 still sees a 1% error; bf16's 8.7e-3
+# cannot be told from one (a 1%-scaled result measured 8.1e-3 off), so the 1% check is left out
+# for bf16's bias1 gradient on CUDA alone (the CPU sweep and fp16 keep it).
+CUDA_SQRELU_ROUNDINGS = 4
 CUDA_BIAS1_ROUNDINGS = 5
 
 
@@ -102,7 +106,12 @@ def check_path(dtype, activation, lvl, grads, entry, heuristic="auto", device="c
     ctx = f"{entry} {activation} lvl={lvl} {dtype} requires_grad={dict(zip(NAMES, grads))}"
     for (name, t, _), r in zip(got, [ref, *ref_grads]):
         cuda_bias1 = device == "cuda" and name == "bias1"
-        tol = rounding_tol(dtype, max(shape), CUDA_BIAS1_ROUNDINGS if cuda_bias1 else MLP_ROUNDINGS)
+        roundings = MLP_ROUNDINGS
+        if device == "cuda" and activation == "sqrelu":
+            roundings = CUDA_SQRELU_ROUNDINGS
+        if cuda_bias1:
+            roundings = CUDA_BIAS1_ROUNDINGS
+        tol = rounding_tol(dtype, max(shape), roundings)
         err = rel_err(t, r)
         assert err <= tol, f"{ctx}: {name} relative error {err:.3e} > {tol:.2e}"
         if cuda_bias1 and dtype == torch.bfloat16:
@@ -195,7 +204,7 @@ def test_library_layouts_match_the_references(hidden):
 def test_every_checkpoint_path_cuda(dtype, activation, lvl, heuristic):
     """The CUDA paths at widths the fused kernels take (multiples of 8 / 128 for the ReLU mask) and a
     ragged one, each subset of the gradients asked for. Tolerance: MLP_ROUNDINGS, and
-    CUDA_BIAS1_ROUNDINGS for the bias1 gradient."""
+    CUDA_SQRELU_ROUNDINGS / CUDA_BIAS1_ROUNDINGS where those apply."""
     for shape in [(256, 128, 384, 128), (37, 72, 21, 40)]:
         for grads in grad_subsets(activation):
             for entry in ("op", "function"):
