@@ -89,7 +89,8 @@ def stats() -> dict:
 
 
 def m_bucket(m: int):
-    """(bucket index, representative M) of token count m under the current settings."""
+    """(key, representative M) of token count m under the current settings: the tuning key holds
+    the representative itself, so both are the nearest representative (m itself with buckets=0)."""
     _require_tuner("m_bucket")
     if not isinstance(m, int) or isinstance(m, bool) or m < 1:
         raise ValueError(f"fused_dense.tuning.m_bucket: m must be an int >= 1, got {m!r}")
