@@ -13,6 +13,7 @@ from .fp8 import Float8Recipe, convert_to_fp8, fp8_autocast  # noqa: E402
 from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_gated_mlp_func,  # noqa: E402
                          fused_mlp_func)
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # noqa: E402
+from .convert import ConversionReport, convert_model  # noqa: E402
 
 import torch.distributed as _dist  # noqa: E402
 
@@ -34,6 +35,8 @@ __all__ = [
     "FusedMLP",
     "FusedGatedMLP",
     "replace_llama_mlps",
+    "convert_model",
+    "ConversionReport",
     "Float8Recipe",
     "fp8_autocast",
     "convert_to_fp8",

@@ -240,9 +240,35 @@ def _gate_activation(act_fn, where: str) -> str:
                      f"takes 'swiglu' and 'geglu' only")
 
 
-def _is_llama_mlp(module: nn.Module) -> bool:
+def is_llama_mlp(module: nn.Module) -> bool:
+    """Whether `module` has the Hugging Face Llama-family MLP's shape: ``gate_proj``, ``up_proj``,
+    ``down_proj`` linear layers and a callable ``act_fn``."""
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")) \
         and callable(getattr(module, "act_fn", None))
+
+
+def gated_activation_of(mlp: nn.Module, where: str) -> str:
+    """The FusedGatedMLP activation of a Llama-family MLP ('swiglu' or 'geglu'); ValueError naming
+    `where` when it has biases or another activation."""
+    if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        raise ValueError(f"{where} has biases (mlp_bias=True); FusedGatedMLP has none")
+    return _gate_activation(mlp.act_fn, where)
+
+
+def fused_gated_mlp_from(mlp: nn.Module, activation: str, checkpoint_lvl: int = 0,
+                         heuristic: Union[int, str] = "auto",
+                         fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> "FusedGatedMLP":
+    """A FusedGatedMLP holding a Llama-family MLP's weights (packed gate / up: new parameters), on
+    its device and dtype and in its training mode."""
+    w = mlp.gate_proj.weight
+    fused = FusedGatedMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.down_proj.out_features,
+                          activation=activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
+                          device=w.device, dtype=w.dtype)
+    fused.load_state_dict(mlp.state_dict())
+    fused.fp8 = fp8  # after the load, which the delayed recipe's buffers would otherwise refuse
+    _fp8.prepare_layer(fused)
+    fused.train(mlp.training)
+    return fused
 
 
 def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Union[int, str] = "auto",
@@ -256,25 +282,15 @@ def replace_llama_mlps(model: nn.Module, checkpoint_lvl: int = 0, heuristic: Uni
     state_dict keeps Hugging Face's names, so its checkpoints load either way. ``fp8`` is the new
     modules' FP8 argument (FusedGatedMLP's)."""
     _fp8.check_fp8_argument(fp8)
-    found = [(name, m) for name, m in model.named_modules() if _is_llama_mlp(m)]
+    found = [(name, m) for name, m in model.named_modules() if is_llama_mlp(m)]
     plans = []
     for name, mlp in found:
         if not name:
             raise ValueError("replace_llama_mlps: the model itself is an MLP; build a FusedGatedMLP and load its "
                              "state_dict instead")
-        where = f"replace_llama_mlps: {name}"
-        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
-            raise ValueError(f"{where} has biases (mlp_bias=True); FusedGatedMLP has none")
-        plans.append((name, mlp, _gate_activation(mlp.act_fn, where)))
+        plans.append((name, mlp, gated_activation_of(mlp, f"replace_llama_mlps: {name}")))
     for name, mlp, activation in plans:
-        w = mlp.gate_proj.weight
-        fused = FusedGatedMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features, mlp.down_proj.out_features,
-                              activation=activation, checkpoint_lvl=checkpoint_lvl, heuristic=heuristic,
-                              device=w.device, dtype=w.dtype)
-        fused.load_state_dict(mlp.state_dict())
-        fused.fp8 = fp8  # after the load, which the delayed recipe's buffers would otherwise refuse
-        _fp8.prepare_layer(fused)
-        fused.train(mlp.training)
+        fused = fused_gated_mlp_from(mlp, activation, checkpoint_lvl, heuristic, fp8)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, fused)
     return len(plans)

@@ -1,0 +1,183 @@
+"""fused_dense.convert_model on real transformers models (random init, small configs, CPU, float64):
+what it converts and leaves for each family it names, outputs and gradients equal to the
+unconverted model's (the CPU kernels are the float64 reference, so the two agree to float64
+rounding), state-dict names unchanged and checkpoints loading both ways, a tied LM head kept tied,
+and its errors. transformers is in the `test` extra, so CI runs these."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fused_dense import ConversionReport, FusedDense, FusedGatedMLP, convert_model  # noqa: E402
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+
+
+def llama_family(kind):
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    if kind == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL))
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL))
+    if kind == "gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL, head_dim=16,
+                                                                      hidden_activation="gelu_pytorch_tanh"))
+    raise AssertionError(kind)
+
+
+def gpt_neox():
+    return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64))
+
+
+def bert():
+    return transformers.BertModel(transformers.BertConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64), add_pooling_layer=False)
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4,
+                                                                n_positions=64))
+
+
+def prepared(model):
+    torch.manual_seed(0)
+    model = model.to(torch.float64).eval()
+    return model, copy.deepcopy(model)
+
+
+def first(out):
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def assert_same_computation(ref, conv):
+    """Forward and backward of both models on the same tokens: outputs and every parameter's
+    gradient (by the model's own names) agree to float64 rounding."""
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for m in (ref, conv):
+        m.zero_grad(set_to_none=True)
+        y = first(m(input_ids=ids))
+        y.backward(torch.ones_like(y) / y.numel() ** 0.5)
+        outs.append(y.detach())
+    assert torch.allclose(outs[0], outs[1], rtol=1e-10, atol=1e-12), (outs[0] - outs[1]).abs().max()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    conv_grads = {}
+    for module_name, module in conv.named_modules():
+        for n, p in module.named_parameters(recurse=False):
+            conv_grads[f"{module_name}.{n}" if module_name else n] = p.grad
+    # a FusedGatedMLP's packed gate / up gradient against Llama's two
+    state = conv.state_dict()
+    for name, g in ref_grads.items():
+        if name in conv_grads:
+            assert torch.allclose(conv_grads[name], g, rtol=1e-10, atol=1e-12), name
+        else:
+            assert name.endswith(("gate_proj.weight", "up_proj.weight")) and name in state, name
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "gemma"])
+def test_llama_family(kind):
+    ref, model = prepared(llama_family(kind))
+    keys = set(model.state_dict())
+    report = convert_model(model)
+    assert isinstance(report, ConversionReport)
+    mlps = [n for n, was, now in report.converted if now.startswith("FusedGatedMLP")]
+    assert mlps == [f"model.layers.{i}.mlp" for i in range(2)], report
+    act = "geglu" if kind == "gemma" else "swiglu"
+    assert all(now == f"FusedGatedMLP({act})" for _, _, now in report.converted if now.startswith("FusedGated"))
+    assert all(isinstance(model.get_submodule(n), FusedGatedMLP) for n in mlps)
+    dense = [n for n, _, now in report.converted if now == "FusedDense"]
+    if kind == "qwen2":  # q / k / v carry biases
+        assert sorted(dense) == sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv")
+    else:
+        assert dense == []
+    left = {n: why for n, _, why in report.left}
+    assert "LM head" in left["lm_head"] and "no bias" in left["model.layers.0.self_attn.o_proj"]
+    assert set(model.state_dict()) == keys
+    assert_same_computation(ref, model)
+    # checkpoints load both ways under the model's own names
+    fresh = copy.deepcopy(ref)
+    fresh.load_state_dict(model.state_dict())
+    model.load_state_dict(ref.state_dict())
+    assert_same_computation(fresh, model)
+
+
+def test_lm_head_and_bias_free_linears_on_request_keep_the_tie():
+    ref, model = prepared(gpt2())
+    with pytest.raises(ValueError, match="found nothing to convert") as err:
+        convert_model(model)
+    assert "Conv1D" in str(err.value)  # the report says why
+    report = convert_model(model, lm_head=True, bias_free_linears=True)
+    assert report.converted == [("lm_head", "Linear", "FusedDense")]
+    assert isinstance(model.lm_head, FusedDense)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    mlp_reason = dict((n, why) for n, _, why in report.left)["transformer.h.0.mlp"]
+    assert "Conv1D" in mlp_reason and "dropout" in mlp_reason
+    assert_same_computation(ref, model)
+
+
+def test_plain_gelu_mlps_keep_their_linears_converted():
+    for build, mlp_name in ((gpt_neox, "gpt_neox.layers.0.mlp"), (bert, None)):
+        ref, model = prepared(build())
+        report = convert_model(model)
+        converted = {n for n, _, _ in report.converted}
+        assert converted and all(isinstance(model.get_submodule(n), FusedDense) for n in converted)
+        if mlp_name is not None:
+            assert f"{mlp_name}.dense_h_to_4h" in converted and f"{mlp_name}.dense_4h_to_h" in converted
+            assert "not made a FusedMLP" in dict((n, w) for n, _, w in report.left)[mlp_name]
+        else:
+            assert "encoder.layer.0.intermediate.dense" in converted
+        assert_same_computation(ref, model)
+
+
+def test_module_filter_and_errors():
+    ref, model = prepared(llama_family("qwen2"))
+    report = convert_model(model, module_filter=lambda name, m: name.endswith(".mlp"))
+    assert [n for n, _, _ in report.converted] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert ("model.layers.0.self_attn.q_proj", "Linear", "refused by module_filter") in report.left
+    assert_same_computation(ref, model)
+    _, other = prepared(llama_family("qwen2"))
+    with pytest.raises(ValueError, match="module_filter refused all"):
+        convert_model(other, module_filter=lambda name, m: False)
+    with pytest.raises(TypeError, match="module_filter must be callable"):
+        convert_model(other, module_filter="mlp")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        convert_model("model")
+    with pytest.raises(TypeError, match="fp8 must be"):
+        convert_model(other, fp8="e4m3")
+    # converting again takes what the filter left; then nothing is left to convert
+    again = convert_model(model)
+    assert sorted(n for n, _, _ in again.converted) == sorted(
+        f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv")
+    assert_same_computation(ref, model)
+    with pytest.raises(ValueError, match="found nothing to convert"):
+        convert_model(model)
+
+
+def test_gated_mlp_with_biases_is_left_with_the_reason():
+    cfg = transformers.LlamaConfig(**SMALL, mlp_bias=True)
+    ref, model = prepared(transformers.LlamaForCausalLM(cfg))
+    report = convert_model(model)
+    left = dict((n, w) for n, _, w in report.left)
+    assert "biases" in left["model.layers.0.mlp"]
+    # its linears carry biases, so they become FusedDense one by one
+    assert ("model.layers.0.mlp.gate_proj", "Linear", "FusedDense") in report.converted
+    assert_same_computation(ref, model)
+
+
+def test_fp8_recipe_reaches_the_new_layers():
+    import fused_dense
+    _, model = prepared(llama_family("llama"))
+    recipe = fused_dense.Float8Recipe(scaling="current")
+    report = convert_model(model, fp8=recipe)
+    assert model.model.layers[0].mlp.fp8 is recipe
+    # in FP8 bias-free linears are converted by default (the LM head still left)
+    assert ("model.layers.0.self_attn.q_proj", "Linear", "FusedDense") in report.converted
+    assert model.model.layers[0].self_attn.q_proj.fp8 is recipe
+    assert "lm_head" in {n for n, _, _ in report.left}
