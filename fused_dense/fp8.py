@@ -375,11 +375,25 @@ def _op_inputs(x: Tensor, biases):
     return xc, x2, biases
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing
+    (torch.utils.checkpoint, with or without reentrance; Hugging Face's
+    ``gradient_checkpointing_enable``) recomputing it. Not traced (under torch.compile: False)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1  # what torch.utils.checkpoint itself reads
+
+
 def _scaling(module, recipe: Float8Recipe, slots: Sequence[str], device):
-    """(scales, amax output) of the op: both None under current scaling."""
+    """(scales, amax output) of the op: both None under current scaling. A forward recomputed in
+    backward (activation checkpointing) takes the scales of the forward it recomputes and does not
+    advance the amax history: the step's history moves once, and the recomputation quantizes as
+    the forward did."""
     if recipe.scaling != "delayed":
         return None, None
     ensure_delayed_buffers(module, recipe, slots, device)
+    if recomputing():
+        return module.fp8_scales.clone(), module.fp8_amax
     return delayed_scales(module, recipe, slots), module.fp8_amax
 
 

@@ -181,3 +181,116 @@ def test_fp8_recipe_reaches_the_new_layers():
     assert ("model.layers.0.self_attn.q_proj", "Linear", "FusedDense") in report.converted
     assert model.model.layers[0].self_attn.q_proj.fp8 is recipe
     assert "lm_head" in {n for n, _, _ in report.left}
+
+
+def llama_with_biases():
+    """A Llama whose attention has biases, so that both FusedDense and FusedGatedMLP are in it."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attention_bias=True))
+
+
+def train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    """Hugging Face's gradient_checkpointing_enable on a converted model: the recomputation
+    records its own graph (non-reentrant checkpointing counts the tensors each pass saves) and the
+    gradients are those of the run without checkpointing, bit for bit."""
+    ref, model = prepared(llama_with_biases())
+    convert_model(model)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    model.train(), plain.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    loss_ckpt, grads_ckpt = train_step(model, ids)
+    loss_plain, grads_plain = train_step(plain, ids)
+    assert torch.equal(loss_ckpt, loss_plain)
+    assert grads_ckpt.keys() == grads_plain.keys()
+    for name in grads_plain:
+        assert torch.equal(grads_ckpt[name], grads_plain[name]), name
+
+
+def test_gradient_checkpointing_advances_delayed_scaling_once():
+    """FP8 with delayed scaling under gradient checkpointing: the recomputed forward takes the
+    scales of the forward it recomputes and the amax history moves once a step, so the run's
+    gradients and history equal the run without checkpointing."""
+    import fused_dense
+    torch.manual_seed(0)
+    base = llama_with_biases().float()
+    recipe = fused_dense.Float8Recipe(scaling="delayed", min_features=0)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for ckpt in (False, True):
+        model = copy.deepcopy(base)
+        convert_model(model, fp8=recipe)
+        model.train()
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        steps = [train_step(model, ids) for _ in range(3)]
+        mlp = model.model.layers[0].mlp
+        runs.append((steps, mlp.fp8_amax_history.clone(), mlp.fp8_scales.clone()))
+    (steps_a, hist_a, scales_a), (steps_b, hist_b, scales_b) = runs
+    # three steps push three amax rows; the first (before any amax was recorded) is zeros
+    assert (hist_a != 0).any(1).tolist()[:4] == [True, True, False, False], hist_a
+    assert torch.equal(hist_a, hist_b) and torch.equal(scales_a, scales_b)
+    for (loss_a, g_a), (loss_b, g_b) in zip(steps_a, steps_b):
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)
+
+
+def test_save_pretrained_and_generate(tmp_path):
+    """A converted model saves a checkpoint the unconverted class loads (and the other way), and
+    greedy generation in eval mode gives the unconverted model's tokens."""
+    ref, model = prepared(llama_with_biases())
+    convert_model(model)
+    model.save_pretrained(tmp_path / "converted")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float64)
+    for (n, a), (m, b) in zip(sorted(ref.state_dict().items()), sorted(loaded.state_dict().items())):
+        assert n == m and torch.equal(a, b), n
+    ref.save_pretrained(tmp_path / "plain")
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float64)
+    convert_model(again)
+    assert_same_computation(ref, again)
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(6))
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        a = ref.generate(ids, max_new_tokens=8, do_sample=False)
+        b = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(a, b), (a, b)
+
+
+def test_compiles_fullgraph_with_no_break():
+    """torch.compile traces a converted model without a graph break where the unconverted one has
+    none (torch._dynamo.explain)."""
+    ref, model = prepared(llama_with_biases())
+    convert_model(model)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7))
+    torch._dynamo.reset()
+    plain = torch._dynamo.explain(ref)(input_ids=ids)
+    torch._dynamo.reset()
+    conv = torch._dynamo.explain(model)(input_ids=ids)
+    torch._dynamo.reset()
+    assert conv.graph_break_count <= plain.graph_break_count, conv.break_reasons
+
+
+@pytest.mark.parametrize("layer", ["FusedMLP", "FusedGatedMLP", "FusedDense"])
+def test_layers_under_non_reentrant_checkpoint(layer):
+    """torch.utils.checkpoint(use_reentrant=False) over each layer: the recomputation in backward
+    saves what the forward saved (the C++ derivatives unpack their saved tensors with autograd on)
+    and the gradients equal the plain run's, bit for bit."""
+    import fused_dense
+    torch.manual_seed(0)
+    mod = getattr(fused_dense, layer)(24, 40).double()
+    x = torch.randn(6, 24, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for ckpt in (False, True):
+        mod.zero_grad(set_to_none=True)
+        x.grad = None
+        y = torch.utils.checkpoint.checkpoint(mod, x, use_reentrant=False) if ckpt else mod(x)
+        y.backward(torch.ones_like(y))
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in mod.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -155,8 +155,10 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
     // The gradients are computed by ops without derivatives: a graph of them cannot be built.
     TORCH_CHECK(!at::GradMode::is_enabled(), kOp, ": double backward (create_graph=True) is "
                 "not supported; the raw fused_dense ops have no derivative");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // Unpacked before autograd is left below: an unpack hook may recompute the forward
+    // (torch.utils.checkpoint without reentrance), which must record its own graph.
     const auto saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto flags = ctx->saved_data["needs"].toBoolList();
     const MlpNeeds need{flags.get(0), flags.get(1), flags.get(2), flags.get(3), flags.get(4)};
     const int64_t activation = ctx->saved_data["activation"].toInt();

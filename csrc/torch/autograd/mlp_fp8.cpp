@@ -204,8 +204,10 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     TORCH_CHECK(!at::GradMode::is_enabled(), kMlpOp, ": double backward (create_graph=True) is not supported");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // Unpacked before autograd is left below: an unpack hook may recompute the forward
+    // (torch.utils.checkpoint without reentrance), which must record its own graph.
     const auto v = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto flags = ctx->saved_data["needs"].toBoolList();
     const MlpNeeds need{flags.get(0), flags.get(1), flags.get(2), flags.get(3), flags.get(4)};
     const auto cfg = ctx->saved_data["config"].toIntList();
@@ -282,8 +284,10 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     TORCH_CHECK(!at::GradMode::is_enabled(), kDenseOp, ": double backward (create_graph=True) is not supported");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    // Unpacked before autograd is left below: an unpack hook may recompute the forward
+    // (torch.utils.checkpoint without reentrance), which must record its own graph.
     const auto v = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     const auto needs = ctx->saved_data["needs"].toBoolList();
     const bool need_x = needs.get(0), need_w = needs.get(1), need_b = needs.get(2);
     const int64_t grad_format = ctx->saved_data["grad_format"].toInt();
