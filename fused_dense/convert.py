@@ -12,28 +12,38 @@ tests/test_convert.py):
   ``nn.Linear``, so converting it gains nothing); the LM head (``lm_head``, or the model's output
   embedding) only with ``lm_head=True``.
 
-What it leaves alone, with the reason in the report: GPT-2's ``Conv1D`` layers (their weight is
-stored [in, out], and GPT-2's MLP applies dropout after ``c_proj``); MLPs of two plain linears and
-a GELU (GPT-NeoX, BERT, Falcon, nanoGPT), whose linears are converted one by one but which do not
-become a FusedMLP here (their state-dict names and the exact (erf) GELU many of them use are not
-handled yet); gated MLPs with biases or another activation.
+- MLPs of two linear layers and an activation the fused ops compute (tanh GELU, ReLU, squared
+  ReLU), then optionally a dropout (GPT-2's ``c_fc`` / ``c_proj``, stored as ``Conv1D`` [in, out]
+  weights; nanoGPT's; GPT-NeoX's ``dense_h_to_4h`` / ``dense_4h_to_h`` with a tanh GELU) become a
+  :class:`ConvertedMLP`, a FusedMLP that saves and loads under the MLP's own names and layout;
+  each is checked on a probe input to compute ``second(act(first(x)))`` before it is replaced.
+
+What it leaves alone, with the reason in the report: MLPs with the exact (erf) GELU (GPT-NeoX's
+default, BERT, Falcon: the fused ops have the tanh GELU, 2e-4 relative apart) or another
+activation, whose linear layers are converted one by one; other GPT-2 ``Conv1D`` layers (the
+attention's); gated MLPs with biases or another activation; MLPs with parts beyond these.
 
 State-dict names stay the model's own (FusedDense is an ``nn.Linear``; FusedGatedMLP saves and
-loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``), so checkpoints load both ways. Convert
+loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedMLP its MLP's), so checkpoints
+load both ways. Convert
 before building the optimizer: the gated MLPs hold new parameters.
 """
 import dataclasses
 from typing import Callable, List, Optional, Tuple, Union
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import fp8 as _fp8
-from .modules import FusedDense, FusedGatedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
+from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
 
-__all__ = ["ConversionReport", "convert_model"]
+__all__ = ["ConversionReport", "ConvertedMLP", "convert_model"]
 
 # The attribute pairs of plain two-linear MLPs of common models: (fc1, fc2).
 _PLAIN_MLP_NAMES = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc1", "fc2"), ("w1", "w2"))
+# Where those MLPs keep their activation (GPT-2: act, GPT-NeoX: act, nanoGPT: gelu, OPT-style: activation_fn).
+_ACT_NAMES = ("act", "act_fn", "activation", "activation_fn", "gelu")
 
 
 @dataclasses.dataclass
@@ -66,6 +76,119 @@ def _plain_mlp_pair(module: nn.Module) -> Optional[Tuple[str, str]]:
                 and (isinstance(b, nn.Linear) or _is_conv1d(b)):
             return first, second
     return None
+
+
+def _plain_activation(fn) -> Tuple[Optional[str], str]:
+    """(FusedMLP activation, '') for an activation the fused ops compute (tanh GELU, ReLU, squared
+    ReLU), by what it computes; (None, reason) otherwise."""
+    probe = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
+    with torch.no_grad():
+        try:
+            value = fn(probe)
+        except Exception as exc:  # noqa: BLE001 - anything it cannot take is simply not ours
+            return None, f"its activation {fn!r} could not be evaluated ({type(exc).__name__})"
+    for name, ref in (("gelu_approx", F.gelu(probe, approximate="tanh")), ("relu", F.relu(probe)),
+                      ("sqrelu", F.relu(probe) ** 2)):
+        if torch.allclose(value, ref, rtol=1e-6, atol=1e-9):
+            return name, ""
+    if torch.allclose(value, F.gelu(probe), rtol=1e-6, atol=1e-9):
+        return None, ("exact (erf) GELU: the fused ops have the tanh GELU (2e-4 relative apart); its linear "
+                      "layers are converted one by one")
+    return None, f"activation {fn!r} is none of tanh GELU, ReLU, squared ReLU; its linear layers are converted one by one"
+
+
+class ConvertedMLP(FusedMLP):
+    """A FusedMLP standing in for a model's own MLP ``second(act(first(x)))`` (then its dropout,
+    if it has one): its state_dict keeps the MLP's names (``first`` for fc1, ``second`` for fc2;
+    a GPT-2 ``Conv1D``'s weight saved and loaded in its [in, out] layout), so checkpoints load both
+    ways. Built by :func:`convert_model`."""
+
+    def __init__(self, names: Tuple[str, str], transposed: Tuple[bool, bool], dropout: Optional[nn.Module],
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.state_names = tuple(names)
+        self.transposed = tuple(transposed)
+        self.dropout = dropout
+        self.register_state_dict_post_hook(_save_as_model)
+        self.register_load_state_dict_pre_hook(_load_as_model)
+
+    def forward(self, x, process_group=None, is_first_microbatch=None):
+        out = super().forward(x, process_group, is_first_microbatch)
+        return out if self.dropout is None else self.dropout(out)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, state_names={self.state_names}"
+
+
+def _renames(module: "ConvertedMLP"):
+    return zip(("fc1", "fc2"), module.state_names, module.transposed)
+
+
+def _save_as_model(module, state_dict, prefix, local_metadata):
+    for ours, theirs, transposed in _renames(module):
+        for part in ("weight", "bias"):
+            value = state_dict.pop(f"{prefix}{ours}.{part}", None)
+            if value is not None:
+                state_dict[f"{prefix}{theirs}.{part}"] = value.t().contiguous() if transposed and part == "weight" \
+                    else value
+
+
+def _load_as_model(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    for ours, theirs, transposed in _renames(module):
+        for part in ("weight", "bias"):
+            value = state_dict.pop(f"{prefix}{theirs}.{part}", None)
+            if value is not None:
+                state_dict[f"{prefix}{ours}.{part}"] = value.t() if transposed and part == "weight" else value
+
+
+def _linear_parts(layer: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+    """(weight as [out, in], bias, transposed) of an nn.Linear or a GPT-2 Conv1D."""
+    if _is_conv1d(layer):
+        return layer.weight.t(), layer.bias, True
+    return layer.weight, layer.bias, False
+
+
+def _converted_mlp_from(module: nn.Module, pair: Tuple[str, str], activation: str, checkpoint_lvl, heuristic,
+                        fp8) -> Tuple[Optional[ConvertedMLP], str]:
+    """A ConvertedMLP holding the MLP's weights, or (None, reason) when the MLP has parts it would
+    not keep or does not compute second(act(first(x))) (checked on a probe input)."""
+    first, second = getattr(module, pair[0]), getattr(module, pair[1])
+    act_name = next(n for n in _ACT_NAMES if callable(getattr(module, n, None)))
+    dropout = getattr(module, "dropout", None)
+    known = set(pair) | {act_name} | ({"dropout"} if isinstance(dropout, nn.Dropout) else set())
+    extra = sorted(n for n, _ in module.named_children() if n not in known)
+    extra += sorted(n for n, _ in module.named_parameters(recurse=False))
+    if extra:
+        return None, f"parts beyond two linear layers, an activation and a dropout: {extra}"
+    w1, b1, t1 = _linear_parts(first)
+    w2, b2, t2 = _linear_parts(second)
+    if w1.shape[0] != w2.shape[1]:
+        return None, f"{pair[0]} gives {w1.shape[0]} features, {pair[1]} takes {w2.shape[1]}"
+    fused = ConvertedMLP(pair, (t1, t2), dropout if isinstance(dropout, nn.Dropout) else None,
+                         in_features=w1.shape[1], hidden_features=w1.shape[0], out_features=w2.shape[0],
+                         bias1=b1 is not None, bias2=b2 is not None, activation=activation,
+                         checkpoint_lvl=checkpoint_lvl, heuristic=heuristic, device=w1.device, dtype=w1.dtype)
+    with torch.no_grad():
+        fused.fc1.weight.copy_(w1)
+        fused.fc2.weight.copy_(w2)
+        for mine, theirs in ((fused.fc1.bias, b1), (fused.fc2.bias, b2)):
+            if theirs is not None:
+                mine.copy_(theirs)
+        # the module must compute second(act(first(x))) (dropout aside): compare on a probe input
+        was_training = module.training
+        module.eval(), fused.eval()
+        probe = torch.randn(4, w1.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        probe = probe.to(device=w1.device, dtype=w1.dtype)
+        want, got = module(probe).double(), fused(probe).double()
+        module.train(was_training)
+        tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(w1.dtype, 3e-2)
+        err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+        if not err <= tol:
+            return None, f"its forward is not {pair[1]}(act({pair[0]}(x))) (probe relative error {err:.1e})"
+    fused.fp8 = fp8
+    _fp8.prepare_layer(fused)
+    fused.train(module.training)
+    return fused, ""
 
 
 def _fused_dense_from(linear: nn.Linear, fp8) -> FusedDense:
@@ -126,7 +249,10 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
         return False
 
     for name, module in model.named_modules():
-        if not name or covered(name) or isinstance(module, (FusedDense, FusedGatedMLP)):
+        if not name or covered(name):
+            continue
+        if isinstance(module, (FusedDense, FusedGatedMLP, FusedMLP)):  # converted already, with its layers
+            taken.add(name)
             continue
         if is_llama_mlp(module):
             try:
@@ -141,14 +267,23 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             continue
         pair = _plain_mlp_pair(module)
         if pair is not None and not isinstance(module, nn.Linear):
-            why = ("GPT-2's Conv1D stores its weight [in, out] and a dropout follows c_proj: not converted"
-                   if _is_conv1d(getattr(module, pair[0])) else
-                   f"a plain MLP ({pair[0]} -> activation -> {pair[1]}) is not made a FusedMLP yet (its state-dict "
-                   f"names, and the exact GELU many use); its linear layers are converted one by one")
-            report.left.append((name, _type_name(module), why))
+            act_name = next((n for n in _ACT_NAMES if callable(getattr(module, n, None))), None)
+            activation, why = _plain_activation(getattr(module, act_name)) if act_name else \
+                (None, "no activation attribute found (act, act_fn, activation, activation_fn, gelu)")
+            fused = None
+            if activation is not None:
+                fused, why = _converted_mlp_from(module, pair, activation, checkpoint_lvl, heuristic, fp8)
+            if fused is None:
+                report.left.append((name, _type_name(module), why))
+                continue
+            taken.add(name)
+            if wanted(name, module):
+                replacements.append((name, fused))
+                report.converted.append((name, _type_name(module), f"ConvertedMLP({activation})"))
             continue
         if _is_conv1d(module):
-            report.left.append((name, "Conv1D", "weight stored [in, out] (GPT-2): not converted"))
+            report.left.append((name, "Conv1D", "a GPT-2 Conv1D (weight stored [in, out]) outside an MLP: not "
+                                                "converted"))
             continue
         if not isinstance(module, nn.Linear) or type(module) is not nn.Linear:
             continue

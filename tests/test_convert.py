@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fused_dense import ConversionReport, FusedDense, FusedGatedMLP, convert_model  # noqa: E402
+from fused_dense.convert import ConvertedMLP  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -43,7 +44,7 @@ def bert():
 
 def gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4,
-                                                                n_positions=64))
+                                                                n_positions=64, bos_token_id=0, eos_token_id=0))
 
 
 def prepared(model):
@@ -72,6 +73,12 @@ def assert_same_computation(ref, conv):
     for module_name, module in conv.named_modules():
         for n, p in module.named_parameters(recurse=False):
             conv_grads[f"{module_name}.{n}" if module_name else n] = p.grad
+        if isinstance(module, ConvertedMLP):  # its fc1 / fc2 under the MLP's names and layout
+            for ours, theirs, transposed in zip(("fc1", "fc2"), module.state_names, module.transposed):
+                layer = getattr(module, ours)
+                conv_grads[f"{module_name}.{theirs}.weight"] = layer.weight.grad.t() if transposed else layer.weight.grad
+                if layer.bias is not None:
+                    conv_grads[f"{module_name}.{theirs}.bias"] = layer.bias.grad
     # a FusedGatedMLP's packed gate / up gradient against Llama's two
     state = conv.state_dict()
     for name, g in ref_grads.items():
@@ -108,32 +115,71 @@ def test_llama_family(kind):
     assert_same_computation(fresh, model)
 
 
-def test_lm_head_and_bias_free_linears_on_request_keep_the_tie():
+def test_gpt2_mlps_and_the_tied_head():
+    """GPT-2's MLPs (Conv1D c_fc / c_proj, tanh GELU, dropout) become ConvertedMLPs saving GPT-2's
+    names and [in, out] layout; the attention's Conv1D layers stay; the tied LM head is converted
+    on request and stays tied."""
     ref, model = prepared(gpt2())
-    with pytest.raises(ValueError, match="found nothing to convert") as err:
-        convert_model(model)
-    assert "Conv1D" in str(err.value)  # the report says why
-    report = convert_model(model, lm_head=True, bias_free_linears=True)
-    assert report.converted == [("lm_head", "Linear", "FusedDense")]
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    report = convert_model(model)
+    assert [(n, now) for n, _, now in report.converted] == [
+        (f"transformer.h.{i}.mlp", "ConvertedMLP(gelu_approx)") for i in range(2)]
+    left = dict((n, why) for n, _, why in report.left)
+    assert "Conv1D" in left["transformer.h.0.attn.c_attn"] and "LM head" in left["lm_head"]
+    assert {k: v.shape for k, v in model.state_dict().items()} == keys
+    assert_same_computation(ref, model)
+    fresh = copy.deepcopy(ref)
+    fresh.load_state_dict(model.state_dict())
+    model.load_state_dict(ref.state_dict())
+    assert_same_computation(fresh, model)
+    head = convert_model(model, lm_head=True, bias_free_linears=True)
+    assert head.converted == [("lm_head", "Linear", "FusedDense")]
     assert isinstance(model.lm_head, FusedDense)
     assert model.lm_head.weight is model.transformer.wte.weight
-    mlp_reason = dict((n, why) for n, _, why in report.left)["transformer.h.0.mlp"]
-    assert "Conv1D" in mlp_reason and "dropout" in mlp_reason
     assert_same_computation(ref, model)
 
 
-def test_plain_gelu_mlps_keep_their_linears_converted():
-    for build, mlp_name in ((gpt_neox, "gpt_neox.layers.0.mlp"), (bert, None)):
-        ref, model = prepared(build())
-        report = convert_model(model)
-        converted = {n for n, _, _ in report.converted}
-        assert converted and all(isinstance(model.get_submodule(n), FusedDense) for n in converted)
-        if mlp_name is not None:
-            assert f"{mlp_name}.dense_h_to_4h" in converted and f"{mlp_name}.dense_4h_to_h" in converted
-            assert "not made a FusedMLP" in dict((n, w) for n, _, w in report.left)[mlp_name]
-        else:
-            assert "encoder.layer.0.intermediate.dense" in converted
-        assert_same_computation(ref, model)
+class NanoGPTMLP(torch.nn.Module):
+    """nanoGPT's MLP, written out (its model.py): c_fc, GELU, c_proj, dropout."""
+
+    def __init__(self, d, approximate):
+        super().__init__()
+        self.c_fc = torch.nn.Linear(d, 4 * d)
+        self.gelu = torch.nn.GELU(approximate=approximate)
+        self.c_proj = torch.nn.Linear(4 * d, d)
+        self.dropout = torch.nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class ResidualMLP(NanoGPTMLP):
+    """The same parts, but a forward that is not second(act(first(x)))."""
+
+    def forward(self, x):
+        return x + super().forward(x)
+
+
+def test_nanogpt_style_mlps():
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"tanh": NanoGPTMLP(16, "tanh"), "erf": NanoGPTMLP(16, "none"),
+                                 "residual": ResidualMLP(16, "tanh")}).double()
+    ref = copy.deepcopy(model)
+    keys = set(model.state_dict())
+    report = convert_model(model)
+    converted = {n: now for n, _, now in report.converted}
+    left = dict((n, why) for n, _, why in report.left)
+    assert converted["tanh"] == "ConvertedMLP(gelu_approx)"
+    assert "exact (erf) GELU" in left["erf"] and converted["erf.c_fc"] == "FusedDense"
+    assert "its forward is not c_proj(act(c_fc(x)))" in left["residual"]
+    assert set(model.state_dict()) == keys
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    for name in ("tanh", "erf", "residual"):
+        a, b = ref[name](x), model[name](x)
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12), name
+        ga = torch.autograd.grad(a.sum(), [x, *ref[name].parameters()])
+        gb = torch.autograd.grad(b.sum(), [x, *model[name].parameters()])
+        assert all(torch.allclose(p, q, rtol=1e-10, atol=1e-12) for p, q in zip(ga, gb)), name
 
 
 def test_module_filter_and_errors():
