@@ -175,6 +175,13 @@ def _converted_mlp_from(module: nn.Module, pair: Tuple[str, str], activation: st
             if theirs is not None:
                 mine.copy_(theirs)
         # the module must compute second(act(first(x))) (dropout aside): compare on a probe input
+        # (not on the meta device, where a model built for later materialisation has no values:
+        # there the structure above decides)
+        if w1.device.type == "meta":
+            fused.fp8 = fp8
+            _fp8.prepare_layer(fused)
+            fused.train(module.training)
+            return fused, ""
         was_training = module.training
         module.eval(), fused.eval()
         probe = torch.randn(4, w1.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)

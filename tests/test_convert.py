@@ -378,3 +378,16 @@ def test_fsdp2_world_1():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", FSDP2_STEP], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "FSDP2 OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_meta_device_models_convert():
+    """A model built on the meta device (to be materialised later, as FSDP2 setups do) converts
+    without touching values: the same modules become the same fused layers, still on meta."""
+    for build in (llama_with_biases, gpt2):
+        with torch.device("meta"):
+            model = build()
+        real = build()
+        a, b = convert_model(model), convert_model(real)
+        assert a.converted == b.converted and [n for n, _, _ in a.left] == [n for n, _, _ in b.left]
+        assert all(p.device.type == "meta" for p in model.parameters())
+        assert set(model.state_dict()) == set(real.state_dict())
