@@ -221,11 +221,11 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
 
     fp8: the new layers' FP8 argument (``None``: follow :func:`fused_dense.fp8_autocast`; a
         :class:`fused_dense.Float8Recipe` or ``True``: FP8, with the recipe's size rule).
-    module_filter: ``module_filter(name, module) -> bool`` chooses among the candidates (gated MLPs
-        and linear layers); one it refuses is reported as left alone.
+    module_filter: ``module_filter(name, module) -> bool`` chooses among the candidates (gated MLPs,
+        plain MLPs and linear layers); one it refuses is reported as left alone.
     lm_head: convert the LM head too (``lm_head`` or ``model.get_output_embeddings()``).
     bias_free_linears: convert linear layers without a bias (default: only with ``fp8``).
-    checkpoint_lvl, heuristic: the FusedGatedMLPs' arguments.
+    checkpoint_lvl, heuristic: the new MLPs' arguments (FusedGatedMLP, ConvertedMLP).
 
     A model with nothing to convert, or a filter that refuses every candidate, is a ValueError.
     Call it before building the optimizer.
@@ -277,16 +277,19 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             act_name = next((n for n in _ACT_NAMES if callable(getattr(module, n, None))), None)
             activation, why = _plain_activation(getattr(module, act_name)) if act_name else \
                 (None, "no activation attribute found (act, act_fn, activation, activation_fn, gelu)")
-            fused = None
-            if activation is not None:
-                fused, why = _converted_mlp_from(module, pair, activation, checkpoint_lvl, heuristic, fp8)
+            if activation is None:
+                report.left.append((name, _type_name(module), why))
+                continue  # its linears are still candidates
+            if not wanted(name, module):
+                taken.add(name)
+                continue
+            fused, why = _converted_mlp_from(module, pair, activation, checkpoint_lvl, heuristic, fp8)
             if fused is None:
                 report.left.append((name, _type_name(module), why))
                 continue
             taken.add(name)
-            if wanted(name, module):
-                replacements.append((name, fused))
-                report.converted.append((name, _type_name(module), f"ConvertedMLP({activation})"))
+            replacements.append((name, fused))
+            report.converted.append((name, _type_name(module), f"ConvertedMLP({activation})"))
             continue
         if _is_conv1d(module):
             report.left.append((name, "Conv1D", "a GPT-2 Conv1D (weight stored [in, out]) outside an MLP: not "
