@@ -7,6 +7,7 @@ cuBLASLt's list). CPU runs a bounded number of examples in CI; CUDA (marked) run
 Outcomes are counted per run and printed at the end of the module (pytest -s shows them).
 """
 import collections
+import math
 import os
 
 import pytest
@@ -48,6 +49,19 @@ def ref_act(t, activation):
 # out_features 250 from hidden 13), 8.8 u in fp32 and 9.4 u in fp64 (mostly the K term,
 # u * sqrt(K) up to 17 u). u * sqrt(6) = 2.45 u: bf16 9.6e-3, still below a 1% error.
 FUZZ_ROUNDINGS = 6
+# A result of fewer than FEW_ELEMENTS elements: a norm over so few does not average its roundings
+# (rounding_tol's 0.425 u each), and one element can carry each of its roundings whole (up to u).
+# Seen in CI (.ci/run at 93caf16): a single float32 data gradient (in 1, hidden 1, out 3, tanh
+# GELU) 4.2 u off, over rounding_tol's 4.18 u. Such results are judged at the worst case,
+# u * FUZZ_ROUNDINGS + u_acc * sqrt(k) (float32: 4.6e-7 there).
+FEW_ELEMENTS = 16
+
+
+def fuzz_tol(dtype, k, numel):
+    if numel >= FEW_ELEMENTS:
+        return rounding_tol(dtype, k, FUZZ_ROUNDINGS)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.finfo(dtype).eps / 2 * FUZZ_ROUNDINGS + torch.finfo(acc).eps / 2 * math.sqrt(max(k, 1))
 
 
 def forward_backward(forward, heuristic, label):
@@ -101,18 +115,32 @@ def check_case(device, dtype, lead, in_f, hidden, out_f, bias1, bias2, activatio
         act64 = ref_act(pre64, activation)
     ref = F.linear(act64, w2_64, b2_64)
     (ref * g.to(torch.float64)).sum().backward()
-    tol = rounding_tol(dtype, max(in_f, hidden, out_f, x.numel() // in_f), FUZZ_ROUNDINGS)
+    k = max(in_f, hidden, out_f, x.numel() // in_f)
     floors = rounding_scales(x64, w1_64, b1_64, w2_64, b2_64, pre64, act64, g.to(torch.float64), activation)
-    worst, worst_name = 0.0, ""
+    worst, worst_name, worst_tol = 0.0, "", 1.0
     for name, t, r in [("out", out, ref)] + [(n, t.grad, r.grad) for n, t, r in
                                              zip(("dx", "dw1", "db1", "dw2", "db2"), (x, w1, b1, w2, b2), leaves)
                                              if t is not None]:
         diff = (t.detach().to(torch.float64) - r.detach()).norm().item()
         err = diff / max(r.norm().item(), floors[name], 1e-300)
-        if err > worst:
-            worst, worst_name = err, name
-    assert worst <= tol, f"relative error of {worst_name} {worst:.3e} > {tol:.1e}"
+        tol = fuzz_tol(dtype, k, r.numel())
+        if err / tol > worst / worst_tol:
+            worst, worst_name, worst_tol = err, name, tol
+    assert worst <= worst_tol, f"relative error of {worst_name} {worst:.3e} > {worst_tol:.1e}"
     OUTCOMES["matched reference"] += 1
+
+
+def tanh_gelu_scales(pre, act, d_act, tanh_gelu):
+    """The scales of a tanh GELU's output and derivative for rounding_scales: the GELU evaluated
+    in the dtype, 0.5 p (1 + tanh(...)), is off by about u |p| wherever 1 + tanh cancels (p well
+    below 0, where the output itself is tiny or rounds to 0), and its derivative by about u; so
+    their terms count at |p| and at 1 at least (float32, one unit at p = -10: the output rounds to
+    0, a relative error of 1 against the float64 reference, measured). Other activations as they
+    are."""
+    if not tanh_gelu:
+        return act, d_act
+    pre = pre.detach()
+    return torch.maximum(act.abs(), pre.abs()), torch.maximum(d_act.abs(), torch.ones_like(d_act))
 
 
 def rounding_scales(x, w1, b1, w2, b2, pre, act, g, activation):
@@ -131,6 +159,7 @@ def rounding_scales(x, w1, b1, w2, b2, pre, act, g, activation):
             p = pre.detach().requires_grad_()
             with torch.enable_grad():
                 d_act, = torch.autograd.grad(ref_act(p, activation).sum(), p)
+        act, d_act = tanh_gelu_scales(pre, act, d_act, activation == "gelu_approx")
         sq = torch.square
         rss_out = sq(act) @ sq(w2).T + (0 if b2 is None else sq(b2))
         rss_dpre = (sq(g) @ sq(w2)) * sq(d_act)  # squared scale of each element of d(pre)
@@ -154,7 +183,7 @@ common = dict(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
        in_f=dims(300), hidden=dims(300), out_f=dims(300), **common)
 def test_fuzz_mlp_cpu(dtype, lead, in_f, hidden, out_f, bias1, bias2, activation, checkpoint_lvl, heuristic):
@@ -167,7 +196,7 @@ def test_fuzz_mlp_cpu(dtype, lead, in_f, hidden, out_f, bias1, bias2, activation
 
 # FUSED_DENSE_FUZZ_CUDA_EXAMPLES lowers the count where each example is slow (compute-sanitizer).
 @pytest.mark.cuda
-@settings(max_examples=int(os.environ.get("FUSED_DENSE_FUZZ_CUDA_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("FUSED_DENSE_FUZZ_CUDA_EXAMPLES", "150")), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        in_f=dims(4097), hidden=dims(4097), out_f=dims(4097), **common)
 def test_fuzz_mlp_cuda(dtype, lead, in_f, hidden, out_f, bias1, bias2, activation, checkpoint_lvl, heuristic):
@@ -211,14 +240,15 @@ def check_gated_case(device, dtype, lead, in_f, hidden, out_f, bias2, activation
     results = [("out", out, ref), ("dx", x.grad, x64.grad), ("dw1", w1.grad, dw1_ref), ("dw2", w2.grad, w2_64.grad)]
     if bias2:
         results.append(("db2", b2.grad, b2_64.grad))
-    tol = rounding_tol(dtype, max(in_f, hidden, out_f, x.numel() // in_f), FUZZ_ROUNDINGS)
-    worst, worst_name = 0.0, ""
+    k = max(in_f, hidden, out_f, x.numel() // in_f)
+    worst, worst_name, worst_tol = 0.0, "", 1.0
     for name, t, r in results:
         err = (t.detach().to(torch.float64).cpu() - r.detach().cpu()).norm().item() / max(
             r.norm().item(), floors[name], 1e-300)
-        if err > worst:
-            worst, worst_name = err, name
-    assert worst <= tol, f"relative error of {worst_name} {worst:.3e} > {tol:.1e}"
+        tol = fuzz_tol(dtype, k, r.numel())
+        if err / tol > worst / worst_tol:
+            worst, worst_name, worst_tol = err, name, tol
+    assert worst <= worst_tol, f"relative error of {worst_name} {worst:.3e} > {worst_tol:.1e}"
     OUTCOMES["gated: matched reference"] += 1
 
 
@@ -230,7 +260,7 @@ def gated_rounding_scales(x, wg, wu, w2, b2, pre_g, pre_u, g, activation):
         with torch.enable_grad():
             a = gate_act(p, activation)
             d_a, = torch.autograd.grad(a.sum(), p)
-        a = a.detach()
+        a, d_a = tanh_gelu_scales(pre_g, a.detach(), d_a, activation == "geglu")
         sq = torch.square
         h = a * pre_u
         rss_dh = sq(g) @ sq(w2)
@@ -256,7 +286,7 @@ gated_common = dict(
 )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
        in_f=dims(300), hidden=dims(300), out_f=dims(300), **gated_common)
 def test_fuzz_gated_mlp_cpu(dtype, lead, in_f, hidden, out_f, bias2, activation, checkpoint_lvl, heuristic):
@@ -267,7 +297,7 @@ def test_fuzz_gated_mlp_cpu(dtype, lead, in_f, hidden, out_f, bias2, activation,
 
 
 @pytest.mark.cuda
-@settings(max_examples=int(os.environ.get("FUSED_DENSE_FUZZ_CUDA_EXAMPLES", "100")), deadline=None,
+@settings(max_examples=int(os.environ.get("FUSED_DENSE_FUZZ_CUDA_EXAMPLES", "100")), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([torch.float16, torch.bfloat16]),
        in_f=dims(4097), hidden=dims(4097), out_f=dims(4097), **gated_common)
