@@ -17,8 +17,8 @@ Parts, all bf16, gelu_approx, hidden 4d, forward + backward:
            with the table left out (FUSED_DENSE_TUNING_TABLE=0), so bucketing and the budget do
            the work. Reported: each pass's wall time and its ratio to nn.Linear's (medians).
   buckets  bucketed against exact-M choices at 20 token counts that are no bucket's
-           representative on the default grid, at d = 1024 and 4096, for grids of 2 (default),
-           4 and 8 buckets per octave: every grid's choices and the exact ones measured first
+           representative on the default grid, at d = 1024 and 4096, for grids of 2, 4 (the
+           default) and 8 representatives per octave: every grid's choices and the exact ones measured first
            (unpaced), then each count timed under each, interleaved in --rounds rounds.
            Reported: the loss t_bucketed / t_exact - 1 per count and grid, median and maximum.
   training examples/train_gpt.py --variable-length (each MLP in its own process): cumulative
@@ -228,12 +228,13 @@ def part_passes(args):
 def part_buckets(args):
     from fused_dense import tuning
     reps = set(tuning.representatives(1024, 16384))  # the default grid's
+    default = tuning.settings()["buckets"]
     counts = token_counts(args.bucket_counts, 1024, 16384, seed=29, exclude=reps)
     out = {}
     for d in (1024, 4096):
         rows = run_worker("buckets", ["--d", str(d), "--counts-json", json.dumps(counts), "--rounds", str(args.bucket_rounds),
                                       "--reps", str(args.reps)])
-        out[str(d)] = {"rows": rows}
+        out[str(d)] = {"rows": rows, "default": default}
         for b in GRIDS:
             losses = [r[str(b)]["loss"] for r in rows]
             out[str(d)][str(b)] = {"median_loss": statistics.median(losses), "max_loss": max(losses)}
@@ -287,7 +288,7 @@ def markdown(res):
         for d, per_d in res["buckets"].items():
             for b in GRIDS:
                 g = per_d[str(b)]
-                lines.append(f"| {d} → {4 * int(d)} | {b}{' (default)' if b == 2 else ''} | "
+                lines.append(f"| {d} → {4 * int(d)} | {b}{' (default)' if b == per_d.get('default', 2) else ''} | "
                              f"{100 * g['median_loss']:+.2f}% | {100 * g['max_loss']:+.2f}% |")
         lines.append("")
     if "training" in res:

@@ -12,13 +12,14 @@ import sys
 
 MIB = 1024 * 1024
 LABELS = {"floor": "six GEMMs (floor)", "eager": "eager PyTorch", "compile": "torch.compile",
-          "auto_l0": "FusedMLP auto", "auto_l1": "FusedMLP auto, ckpt 1", "auto_l2": "FusedMLP auto, ckpt 2",
+          "auto_l0": "FusedMLP auto", "auto_exact_l0": "FusedMLP auto, exact-M tuning", "auto_l1": "FusedMLP auto, ckpt 1", "auto_l2": "FusedMLP auto, ckpt 2",
           "h-1_l0": "FusedMLP h=-1 (unfused)", "h0_l0": "FusedMLP h=0", "h1_l0": "FusedMLP h=1",
           "h2_l0": "FusedMLP h=2", "flash_attn": "flash-attn FusedMLP",
           "liger": "Liger (Triton)", "fused_l0": "FusedGatedMLP", "fused_l1": "FusedGatedMLP, ckpt 1",
           "fused_l2": "FusedGatedMLP, ckpt 2", "fused_eager": "FusedGatedMLP MLPs", "fused_compile":
           "FusedGatedMLP MLPs, torch.compile"}
-COLORS = {"floor": "#9e9e9e", "eager": "#ef6c00", "compile": "#c62828", "auto_l0": "#1565c0", "auto_l1": "#42a5f5",
+COLORS = {"floor": "#9e9e9e", "eager": "#ef6c00", "compile": "#c62828", "auto_l0": "#1565c0", "auto_exact_l0": "#0d47a1",
+          "auto_l1": "#42a5f5",
           "auto_l2": "#90caf9", "h-1_l0": "#2e7d32", "h0_l0": "#66bb6a", "h1_l0": "#a5d6a7", "h2_l0": "#c8e6c9",
           "flash_attn": "#6a1b9a", "liger": "#6a1b9a", "fused_l0": "#1565c0", "fused_l1": "#42a5f5",
           "fused_l2": "#90caf9", "fused_eager": "#1565c0", "fused_compile": "#42a5f5"}
@@ -92,6 +93,12 @@ def _warmup(res):
     return "a long warm-up" if w is None else f"{w:.0f} ms"
 
 
+def round_ratios(num, den):
+    """num / den per interleaved round ([] without rounds)."""
+    a, b = (num or {}).get("round_ms"), (den or {}).get("round_ms")
+    return [x / y for x, y in zip(a, b) if y] if a and b and len(a) == len(b) else []
+
+
 def round_range(num, den):
     """' (rounds a–b)': least and greatest num / den over the interleaved rounds (blocks timed close
     together), to read a verdict on the medians against the run's own spread; '' without rounds."""
@@ -130,6 +137,15 @@ def targets(res):
         if need:
             rows.append((f"bf16 gelu {shape}: eager / auto ≥ {need:.2f}", _f(se) + round_range(e, a) + sus_eager,
                          None if se is None else se >= need))
+        x = vs.get("auto_exact_l0")  # 'auto' as shipped against exact-M tuning in the same process
+        if _ok(x):
+            q = a["ms"] / x["ms"]
+            rows.append((f"bf16 gelu {shape}: auto / exact-M auto ≤ 1.01", f"{q:.3f}{round_range(a, x)}", q <= 1.01))
+        for base in ("eager", "compile"):  # ahead by more than the spread: in every round
+            q = round_ratios(vs.get(base), a)
+            if q:
+                rows.append((f"bf16 gelu {shape}: {base} / auto > 1 in every round",
+                             f"{min(q):.3f}–{max(q):.3f}", min(q) > 1.0))
         for lvl, lim2 in ((1, 1.05), (2, 1.25)):
             v, t = vs.get(f"auto_l{lvl}"), f"bf16 gelu {shape}: ckpt {lvl} / ckpt 0 ≤ {lim2:.2f}"
             if _ok(v):

@@ -32,7 +32,7 @@ except Exception:  # noqa: BLE001
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BASELINES = ("floor", "eager", "compile")
-FULL_VARIANTS = ["floor", "eager", "compile", "auto_l0", "auto_l1", "auto_l2", "h-1_l0", "h0_l0", "h1_l0",
+FULL_VARIANTS = ["floor", "eager", "compile", "auto_l0", "auto_exact_l0", "auto_l1", "auto_l2", "h-1_l0", "h0_l0", "h1_l0",
                  "h2_l0"] + (["flash_attn"] if FlashFusedMLP is not None else [])
 REDUCED_VARIANTS = ["floor", "eager", "compile", "auto_l0"]
 OPS_HEURISTICS = ["auto", 0, -1, 1, 2]
@@ -49,9 +49,48 @@ def errstr(exc, limit=400):
 
 
 def fused_spec(key):
-    """'auto_l1' -> ('auto', 1); 'h-1_l0' -> (-1, 0)."""
+    """'auto_l1' -> ('auto', 1); 'auto_exact_l0' -> ('auto', 0); 'h-1_l0' -> (-1, 0)."""
     h, lvl = key.split("_l")
-    return ("auto" if h == "auto" else int(h[1:])), int(lvl)
+    return ("auto" if h.startswith("auto") else int(h[1:])), int(lvl)
+
+
+# 'auto_exact' variants: 'auto' with the tuner keyed by the exact token count, unpaced, a generous
+# budget per problem and no process budget: the choice the package's defaults (buckets, shipped
+# table, default budgets) are held against, in the same process. Every other variant runs under
+# the settings the process started with; the seconds the exact variants spent measuring are added
+# to the process budget there, so they do not take it from the defaults.
+EXACT_TUNER = dict(buckets=0, budget_s=1e6, problem_budget_ms=1000.0, pace=1.0)
+
+
+class TunerModes:
+    """Switches the tuner between the defaults and EXACT_TUNER per variant (enter(key))."""
+
+    def __init__(self):
+        self.defaults, self.exact_spent_s, self.current = None, 0.0, None
+
+    def enter(self, key):
+        exact = key.startswith("auto_exact")
+        if fd_functional is None or (not exact and self.defaults is None):
+            return
+        import fused_dense
+        from fused_dense import tuning
+        if not fused_dense.has_cuda_kernels():  # a CPU build has no tuner: the variant is plain 'auto'
+            return
+        if self.defaults is None:
+            self.defaults = tuning.settings()
+        if exact == self.current:
+            return
+        if self.current:  # leaving the exact mode: what it measured stays out of the defaults' budget
+            self.exact_spent_s += tuning.stats()["measuring_s"] - self._spent_at_entry
+        if exact:
+            self._spent_at_entry = tuning.stats()["measuring_s"]
+            tuning.configure(**EXACT_TUNER)
+        else:
+            tuning.configure(**dict(self.defaults, budget_s=self.defaults["budget_s"] + self.exact_spent_s))
+        self.current = exact
+
+
+TUNER = TunerModes()
 
 
 def fused_path(key):
@@ -359,11 +398,13 @@ def run_mlp(ctx, item_id, dtype_name, act, M, d, variants, section="mlp"):
     dy = ctx.randn(M, d, dtype=dtype)
 
     def settings(key):
-        return dict(zip(("heuristic", "checkpoint_lvl"), fused_spec(key))) \
-            if key not in BASELINES and key != "flash_attn" else {}
+        if key in BASELINES or key == "flash_attn":
+            return {}
+        return dict(zip(("heuristic", "checkpoint_lvl"), fused_spec(key)),
+                    **({"tuner": EXACT_TUNER} if key.startswith("auto_exact") else {}))
     spec = VariantSpec(build=lambda key: make_module(key, eager, act, d, h, ctx.device, dtype),
                        floor=lambda: floor_steps(ctx, M, d, h, dtype), fused_path=fused_path, settings=settings,
-                       reference=lambda: reference(ctx, eager, x, dy))
+                       reference=lambda: reference(ctx, eager, x, dy), enter=TUNER.enter)
     run_variants(ctx, item_id, section, rec, f"{section} {dtype_name} {act} M={M} d={d}", variants, spec, x, dy,
                  eager, floor_parts=section == "mlp" and not ctx.args.quick and variants == FULL_VARIANTS)
 
@@ -375,11 +416,13 @@ class VariantSpec:
     compared with a pass's outputs of the same names (out, dx, dw1, ...), or None. floors: {key:
     () -> (step, {name: GEMM})} where a section has floors other than 'floor' (default: floor as
     'floor'); compiled(key): whether the variant is torch.compile'd (no saved-tensor hooks in its
-    memory pass; default: 'compile' in its key)."""
+    memory pass; default: 'compile' in its key); enter(key): runs before each of the variant's
+    calls are made (its first call and passes, each timed block)."""
 
-    def __init__(self, build, floor, fused_path, settings, reference, floors=None, compiled=None):
+    def __init__(self, build, floor, fused_path, settings, reference, floors=None, compiled=None, enter=None):
         self.build, self.floor, self.fused_path, self.settings, self.reference = (build, floor, fused_path, settings,
                                                                                    reference)
+        self.enter = enter or (lambda key: None)
         self.floors = floors if floors is not None else ({"floor": floor} if floor is not None else {})
         self.compiled = compiled or (lambda key: "compile" in key)
 
@@ -407,6 +450,7 @@ def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, 
             log(f"{tag} {key}: {pre['status']} ({pre['error']})")
             continue
         ctx.begin(item_id, key, fused)
+        spec.enter(key)
         v = {"status": "ok"}
         try:
             if key in spec.floors:
@@ -459,7 +503,8 @@ def run_variants(ctx, item_id, section, rec, tag, variants, spec, x, dy, eager, 
             if sampler is not None:
                 sampler.start()
             timed = bench.interleaved({k: p[:2] for k, p in prepared.items()}, rounds, windows=windows,
-                                      before_each=lambda k: ctx.begin(item_id, k, prepared[k][3]), progress=progress)
+                                      before_each=lambda k: (ctx.begin(item_id, k, prepared[k][3]), spec.enter(k)),
+                                      progress=progress)
         finally:
             if sampler is not None:
                 sampler.stop()

@@ -630,3 +630,33 @@ def test_report_puts_sustained_figures_beside_the_standard_ones():
     assert "medians of the nvml samples (every 100 ms)" in table and "8192 × 2048 3 / 3 / 3 / 3." in table
     assert md.index("## Sustained load") < md.index("## MLP detail")
     assert "sustained (each block after 1000 ms of its own steps):" in report.summary(res)
+
+
+def test_exact_tuner_variant_switches_settings_and_keeps_the_default_budget(monkeypatch):
+    """The mlp section's 'auto_exact_l0' runs under exact-M keys, unpaced, with a generous budget; the
+    other variants under the process's settings, their budget not charged for the exact variant's
+    measuring."""
+    import fused_dense
+    from bench import sections
+    from fused_dense import tuning
+    state = {"settings": dict(enabled=True, budget_s=30.0, problem_budget_ms=100.0, pace=0.05, buckets=4,
+                              cache="", table="t", deterministic=False), "measuring_s": 0.0}
+
+    def configure(**kw):
+        prev = dict(state["settings"])
+        state["settings"].update(kw)
+        return prev
+    monkeypatch.setattr(fused_dense, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(tuning, "settings", lambda: dict(state["settings"]))
+    monkeypatch.setattr(tuning, "configure", configure)
+    monkeypatch.setattr(tuning, "stats", lambda: {"measuring_s": state["measuring_s"]})
+    modes = sections.TunerModes()
+    modes.enter("eager")  # nothing switched before the first exact variant
+    assert state["settings"]["buckets"] == 4
+    modes.enter("auto_exact_l0")
+    assert {k: state["settings"][k] for k in sections.EXACT_TUNER} == sections.EXACT_TUNER
+    state["measuring_s"] = 7.5  # what the exact variant's first call measured
+    modes.enter("auto_l0")
+    assert state["settings"] == dict(enabled=True, budget_s=37.5, problem_budget_ms=100.0, pace=0.05, buckets=4,
+                                     cache="", table="t", deterministic=False)
+    assert sections.fused_spec("auto_exact_l0") == ("auto", 0)
