@@ -191,6 +191,14 @@ def targets(res):
                      f"{inter['cpu_us']['auto_l0']:.0f} / {inter['cpu_us']['eager']:.0f} µs, ratio {q:.3f}", q <= 1.0))
     elif hv:
         rows.append(("host CPU time: auto / eager ≤ 1", _cell(hv.get("auto_l0")), None))
+    for r in (res.get("host_layers") or {}).get("layers", []):
+        t = f"host CPU time {r.get('layer', '')} d={r['d']}: fused / unfused ≤ 1 (median of per-round ratios)"
+        if "x_unfused" in r:
+            lo, hi = r["x_unfused_range"]
+            rows.append((t, f"{r['cpu_us']['fused']:.1f} / {r['cpu_us']['unfused']:.1f} µs, ratio {r['x_unfused']:.3f} "
+                            f"(rounds {lo:.3f}–{hi:.3f})", r["x_unfused"] <= 1.0))
+        else:
+            rows.append((t, f"{r.get('status')}: {str(r.get('error'))[:120]}", False))
     return rows
 
 
@@ -637,6 +645,23 @@ def _ops_and_host(res):
             L.append("")
         elif inter:
             L.append(f"Interleaved comparison: {inter.get('status')}: {str(inter.get('error'))[:200]}\n")
+    hl = res.get("host_layers")
+    if hl and hl.get("layers"):
+        L += [f"## Host CPU time per forward + backward of each layer (M={hl['M']}, {hl['dtype']})\n",
+              f"{hl['method']}; {hl['rounds']} rounds of {hl['iters']} steps. Unfused: nn.Linear; the nn.Linear "
+              "GELU MLP (hidden 4d); the LlamaMLP-shaped SwiGLU MLP (hidden 8/3·d rounded down to 64).\n",
+              "| layer | d | unfused µs | fused µs | fused / unfused (rounds) | allocations a step unfused / fused |",
+              "|---|---|---|---|---|---|"]
+        for r in hl["layers"]:
+            if "x_unfused" not in r:
+                L.append(f"| {r.get('layer', '–')} | {r['d']} | {r.get('status')}: {str(r.get('error'))[:120]} | | | |")
+                continue
+            a = r.get("allocations") or {}
+            lo, hi = r["x_unfused_range"]
+            L.append(f"| {r['layer']} | {r['d']} | {r['cpu_us']['unfused']:.1f} | {r['cpu_us']['fused']:.1f} | "
+                     f"{r['x_unfused']:.3f} ({lo:.3f}–{hi:.3f}) | {_f(a.get('unfused'), '{:.0f}')} / "
+                     f"{_f(a.get('fused'), '{:.0f}')} |")
+        L.append("")
     return L
 
 

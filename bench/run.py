@@ -141,7 +141,7 @@ def build_plan(args):
     if "ops" in want:
         plan += [(f"ops:bf16:{M},{K},{N}", "ops", (M, K, N)) for M, K, N in (mkns[:1] if args.quick else mkns)]
     if "host" in want:
-        plan.append(("host", "host", ()))
+        plan += [("host", "host", ()), ("host:layers", "host_layers", ())]
     if "reduced" in want:  # not at d = 8192, where bf16 gelu covers the shape
         plan += [(f"mlp:{dt}:{act}:{M}x{d}", "mlp", (dt, act, M, d, REDUCED_VARIANTS))
                  for dt, act in reduced for M, d in shapes if d < 8192]
@@ -262,7 +262,7 @@ def supervise(args, argv):
 
 
 RUNNERS = {"ceiling": sections.run_ceiling, "mlp": sections.run_mlp, "ops": sections.run_ops,
-           "host": sections.run_host, "gated": gated.run_gated, "gated_stack": gated.run_stack,
+           "host": sections.run_host, "host_layers": sections.run_host_layers, "gated": gated.run_gated, "gated_stack": gated.run_stack,
            "fp8": fp8.run_fp8, "fp8_dense": fp8.run_fp8_dense, "fp8_gated": fp8.run_fp8_gated,
            "fp8_stack": fp8.run_fp8_stack}
 
@@ -278,8 +278,10 @@ def worker(ap, args, argv):
         # the context and the cuBLAS handle on this thread before autograd's device thread makes them
         torch.mm(torch.ones(8, 8, device=device), torch.ones(8, 8, device=device)).sum().item()
         args.ceiling_n, args.host_m, args.host_d, args.host_iters = 8192, 512, 512, 200
+        args.host_layers_m = 256
     else:
         args.ceiling_n, args.host_m, args.host_d, args.host_iters = 256, 64, 64, 20
+        args.host_layers_m = 16
     paths = output_paths(args)
     prev = None
     if args.resume and os.path.exists(paths["json"]):

@@ -660,6 +660,81 @@ def run_host(ctx, item_id):
     ctx.free()
 
 
+HOST_LAYER_WIDTHS = (768, 4096)  # a small and a large width; M = args.host_layers_m tokens (host-bound)
+
+
+def _host_layer_pairs(d, device, dtype):
+    """[(name, unfused module, fused module)] of the same weights, for one width d."""
+    from bench.gated import EagerGatedMLP  # noqa: PLC0415  (bench.gated imports this module)
+    from fused_dense import FusedDense, FusedGatedMLP  # noqa: PLC0415
+    lin = nn.Linear(d, d, device=device, dtype=dtype)
+    fd = FusedDense(d, d, device=device, dtype=dtype)
+    fd.load_state_dict(lin.state_dict())
+    mlp = EagerMLP(d, 4 * d, "gelu_approx", device, dtype)
+    fmlp = make_module("auto_l0", mlp, "gelu_approx", d, 4 * d, device, dtype)
+    hg = 8 * d // 3 // 64 * 64
+    gated = EagerGatedMLP(d, hg, "swiglu", device, dtype)
+    fgated = FusedGatedMLP(d, hg, activation="swiglu", device=device, dtype=dtype)
+    fgated.load_state_dict(gated.state_dict())
+    return [("linear", lin, fd), ("mlp", mlp, fmlp), ("gated", gated, fgated)]
+
+
+def run_host_layers(ctx, item_id):
+    """Host CPU time and allocations per forward + backward of each fused layer against the module it
+    replaces (FusedDense / nn.Linear, FusedMLP / nn.Linear MLP, FusedGatedMLP / LlamaMLP-shaped
+    nn.Linear gated MLP), at a small and a large width, few tokens so the host is the bottleneck.
+    The two alternate round after round; the ratio is taken within each round."""
+    # 20 steps a block: few enough launches (< 1024) that a GPU-bound width never fills the launch
+    # queue, whose wait would count as host time
+    M, n_iter, rounds, dtype = ctx.args.host_layers_m, 20, 15, torch.bfloat16
+    rec = ctx.results["host_layers"] = {
+        "id": item_id, "M": M, "dtype": "bf16", "iters": n_iter, "rounds": rounds, "layers": [],
+        "method": "time.process_time() (all host threads) over N forward + backward steps issued without "
+                  "synchronization, the unfused and the fused module alternating in each round; allocations: "
+                  "the caching allocator's allocation count a step (torch.cuda.memory_stats)"}
+    ctx.seed(item_id)
+    for d in HOST_LAYER_WIDTHS if ctx.cuda else (64,):
+        x = ctx.randn(M, d, dtype=dtype).requires_grad_(True)
+        dy = ctx.randn(M, d, dtype=dtype)
+        ctx.begin(item_id, f"host_layers d={d}", "fused layers")
+        try:
+            for name, plain, fused in _host_layer_pairs(d, ctx.device, dtype):
+                steps = {"unfused": _stepper(plain, x, dy), "fused": _stepper(fused, x, dy)}
+                times, allocs = {k: [] for k in steps}, {}
+                for k, step in steps.items():
+                    for _ in range(20):
+                        step()
+                    if ctx.cuda:
+                        ctx.sync()
+                        a0 = torch.cuda.memory_stats(ctx.device).get("allocation.all.allocated", 0)
+                        for _ in range(10):
+                            step()
+                        ctx.sync()
+                        allocs[k] = (torch.cuda.memory_stats(ctx.device).get("allocation.all.allocated", 0) - a0) / 10
+                for _ in range(rounds):
+                    for k, step in steps.items():
+                        ctx.sync()
+                        c0 = time.process_time()
+                        for _ in range(n_iter):
+                            step()
+                        times[k].append((time.process_time() - c0) / n_iter * 1e6)
+                        ctx.sync()
+                ratios_ = [f / u for f, u in zip(times["fused"], times["unfused"])]
+                row = {"layer": name, "d": d, "cpu_us": {k: statistics.median(v) for k, v in times.items()},
+                       "cpu_us_all": times, "x_unfused": statistics.median(ratios_),
+                       "x_unfused_range": [min(ratios_), max(ratios_)], "allocations": allocs}
+                rec["layers"].append(row)
+                log(f"host layers d={d} {name}: unfused {row['cpu_us']['unfused']:.1f} us, fused "
+                    f"{row['cpu_us']['fused']:.1f} us ({row['x_unfused']:.3f}x), allocations a step {allocs}")
+        except Exception as exc:  # noqa: BLE001
+            rec["layers"].append({"d": d, "status": "error", "error": errstr(exc)})
+            log(f"host layers d={d}: error ({errstr(exc)})")
+            ctx.check_cuda(exc)
+        ctx.end()
+        ctx.save()
+    ctx.free()
+
+
 def _stepper(mod, x, dy, forward=None):
     """A forward + backward step of mod: mod(x), or forward(mod, x) where given."""
     params = list(mod.parameters())
