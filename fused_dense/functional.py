@@ -170,11 +170,35 @@ class FusedDenseFunc(torch.autograd.Function):
 
 def fused_dense_func(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, return_residual: bool = False,
                      process_group=None, sequence_parallel: bool = True):
-    """x @ weight.T + bias for x of shape [..., in_features]; (out, x) with return_residual."""
+    """x @ weight.T + bias for x of shape [..., in_features]; (out, x) with return_residual.
+
+    Without a process group this is ``torch.ops.fused_dense.dense``, whose derivative is a C++
+    autograd Function (no Python in the step; autocast resolved here as for
+    :func:`fused_mlp_func`); with one, :class:`FusedDenseFunc`."""
     if process_group is None and x.dim() >= 1:
-        return _flat_call(lambda x2, rr: FusedDenseFunc.apply(x2, weight, bias, rr, None, sequence_parallel), x,
-                          return_residual)
+        return _one_process_dense(x, weight, bias, return_residual)
     return FusedDenseFunc.apply(x, weight, bias, return_residual, process_group, sequence_parallel)
+
+
+_op_dense = ops.op_overload("dense")
+
+
+def _one_process_dense(x: Tensor, weight: Tensor, bias: Optional[Tensor], return_residual: bool):
+    """The dense op (or, for what the ops do not serve, FusedDenseFunc's plain-PyTorch path) on one
+    process."""
+    dtype, autocast = compute_dtype(x)
+    xc = cast_for_op(x, dtype, True)
+    w, b = cast_for_op(weight, dtype, autocast), cast_for_op(bias, dtype, autocast)
+    if not use_ops(xc, w, b):
+        return _flat_call(lambda x2, rr: FusedDenseFunc.apply(x2, weight, bias, rr, None, True), x, return_residual)
+    with autocast_off(x.device.type):
+        out = _op_dense(xc if xc.dim() == 2 else xc.reshape(-1, xc.shape[-1]), w, b)
+    if xc.dim() != 2:
+        out = out.reshape(*xc.shape[:-1], out.shape[-1])
+    if not return_residual:
+        return out
+    # the residual is x itself, or under autocast the cast x that the layer read
+    return out, (xc if xc.dtype != x.dtype else x)
 
 
 def _flat_call(apply_2d, x: Tensor, return_residual: bool):

@@ -143,7 +143,7 @@ _PLAN_FIELDS = ("keep_pre", "keep_act_out", "recompute_fc1", "save_x", "save_wei
 # filling a dict from inside a traced autograd.Function is a side effect it refuses (fullgraph=True
 # failed in a fresh process whose first backward was compiled).
 _OVERLOADS = {name: getattr(torch.ops.fused_dense, name).default
-              for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "fused_mlp",
+              for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "dense", "fused_mlp",
                            "fused_mlp_plan", "fused_mlp_train_forward", "fused_mlp_backward", "gated_linear",
                            "gated_linear_dgrad", "gated_act_forward")}
 

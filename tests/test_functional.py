@@ -656,3 +656,17 @@ def test_cuda_mlp_checkpoint_levels_bit_identical(dtype, activation, path):
         else:
             assert torch.equal(a, b), f"{ctx} at level 1 differs from level 0"
         assert_close_rel(c, a, dtype, f"{ctx} at level 2 against level 0")
+
+
+def test_dense_step_is_one_cpp_node():
+    """FusedDense on one process runs the dense op, whose derivative is a C++ autograd Function: one
+    graph node and no Python Function in the step (the host time nn.Linear's step is held to)."""
+    layer = fused_dense.FusedDense(16, 8)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    out = layer(x)
+    node = out.grad_fn
+    while node is not None and "DenseFunction" not in node.name():  # past the reshape back to 3-D
+        node = node.next_functions[0][0]
+    assert node is not None and "FusedDenseFunc" not in node.name(), out.grad_fn.name()
+    with torch.no_grad():
+        assert layer(x).grad_fn is None

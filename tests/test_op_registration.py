@@ -74,7 +74,12 @@ def opcheck_cases(device="cpu"):
          (r(7, 5), r(3, 7), r(3, 5), True, 0)),
         ("bias_act_linear_dgrad_bgrad-relu", OPS.bias_act_linear_dgrad_bgrad.default,
          (r(7, 9), r(3, 7), m(3, 9), False, -1)),
-        # fused_mlp has a C++ derivative: inputs that require grad exercise it
+        # dense and fused_mlp have a C++ derivative: inputs that require grad exercise it
+        ("dense-bias", OPS.dense.default, (g(r(3, 5)), g(r(7, 5)), g(r(7)))),
+        ("dense-nobias-bf16", OPS.dense.default, (g(r(4, 16, dtype=bf16)), g(r(9, 16, dtype=bf16)), None)),
+        ("dense-bias-only-grad", OPS.dense.default, (r(3, 5), r(7, 5), g(r(7)))),
+        ("dense-nograd", OPS.dense.default, (r(3, 5), r(7, 5), r(7))),
+        ("dense-empty-batch", OPS.dense.default, (g(r(0, 6)), g(r(5, 6)), g(r(5)))),
         ("fused_mlp-gelu-lvl0", OPS.fused_mlp.default,
          (g(r(3, 5)), g(r(8, 5)), g(r(8)), g(r(4, 8)), g(r(4)), 1, 0, -2)),
         ("fused_mlp-relu-lvl1-nobias", OPS.fused_mlp.default, (g(r(6, 5)), r(16, 5), None, g(r(3, 16)), None, 2, 1, -1)),
@@ -115,10 +120,12 @@ def test_cuda_opcheck(index):
 def test_every_op_has_opcheck_and_kernels():
     names = {c[1]._schema.name.split("::")[1] for c in opcheck_cases("meta")}
     expected = {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "linear_act_forward",
-                "bias_act_linear_dgrad_bgrad", "fused_mlp", "gated_linear", "gated_linear_dgrad", "gated_act_forward"}
+                "bias_act_linear_dgrad_bgrad", "dense", "fused_mlp", "gated_linear", "gated_linear_dgrad",
+                "gated_act_forward"}
     assert names == expected
-    for key in ["CompositeExplicitAutograd", "Autograd"]:
-        assert torch._C._dispatch_has_kernel_for_dispatch_key("fused_dense::fused_mlp", key), key
+    for name in ["dense", "fused_mlp"]:
+        for key in ["CompositeExplicitAutograd", "Autograd"]:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_dense::{name}", key), (name, key)
     for name in ["linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "gated_linear",
                  "gated_linear_dgrad", "gated_act_forward"]:
         for key in ["CPU", "Meta"]:

@@ -1,7 +1,7 @@
-// The linear family: linear_act, act_linear_dgrad, linear_bias_wgrad, act_forward and the
-// flash-attn-compatible entry points over them (linear_act_forward, bias_act_linear_dgrad_bgrad):
-// their schemas and argument checks. Kernels: cpu/, meta/, cuda/linear.cpp; the entry points'
-// composites: autograd/linear.cpp.
+// The linear family: linear_act, act_linear_dgrad, linear_bias_wgrad, act_forward, the
+// flash-attn-compatible entry points over them (linear_act_forward, bias_act_linear_dgrad_bgrad)
+// and dense, the layer with its derivative: their schemas and argument checks. Kernels: cpu/,
+// meta/, cuda/linear.cpp; the composites and dense's autograd: autograd/linear.cpp.
 #include "torch/linear.h"
 
 #include <c10/util/Exception.h>
@@ -135,4 +135,8 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
         "bool save_pre_act, int heuristic) -> Tensor[]");
   m.def("bias_act_linear_dgrad_bgrad(Tensor weight, Tensor d_output, Tensor pre_act, bool is_gelu, "
         "int heuristic) -> Tensor[]");
+  // x @ weight.T + bias for 2-D x with a C++ derivative (FusedDense's step on one process): the
+  // forward is linear_act, the backward act_linear_dgrad and linear_bias_wgrad (the bias gradient
+  // fused into the weight gradient's GEMM), heuristic 'auto' throughout (autograd/linear.cpp).
+  m.def("dense(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }

@@ -1,5 +1,9 @@
-// The flash-attn-compatible entry points (linear.cpp has their schemas): composites of the
-// general ops, reached through the dispatcher, so every device's kernel and the autograd guard run.
+// The linear family's kernels above the backends (linear.cpp has the schemas): the
+// flash-attn-compatible entry points, and dense with its C++ autograd Function. All are composed
+// of the general ops through the dispatcher, so every device's kernel and the autograd guard run.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include "torch/autograd/op_calls.h"
@@ -22,8 +26,91 @@ std::vector<at::Tensor> bias_act_linear_dgrad_bgrad(const at::Tensor& weight, co
   return op_calls::act_linear_dgrad(weight, d_output, pre_act, static_cast<int64_t>(act), true, heuristic, false);
 }
 
+// ---- dense: x @ weight.T + bias, the FusedDense layer's step, with no Python in it ----
+
+constexpr const char* kDenseOp = "fused_dense::dense";
+using Opt = std::optional<at::Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor dense_forward(const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
+  return op_calls::linear_act(x, weight, bias, kNoActivation, false, kHeuristicAuto)[0];
+}
+
+// d_output.sum(0) alone (the weight needs no gradient), accumulated in fp32 for 16-bit types.
+at::Tensor dense_bias_grad(const at::Tensor& d_output) {
+  const auto t = d_output.scalar_type();
+  if (t == at::kHalf || t == at::kBFloat16) return d_output.sum(0, false, at::kFloat).to(t);
+  return d_output.sum(0);
+}
+
+struct DenseFunction : public torch::autograd::Function<DenseFunction> {
+  // An absent bias is not a variable input: its position in needs_input_grad is skipped.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
+    const bool has_bias = bias.has_value() && bias->defined();
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the ops below record nothing
+    auto out = dense_forward(x, weight, bias);
+    ctx->saved_data["needs"] = c10::List<bool>({need_x, need_w, need_b});
+    // x only for the weight gradient, the weight only for the input gradient
+    ctx->save_for_backward({need_w ? x : at::Tensor(), need_x ? weight : at::Tensor()});
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kDenseOp, ": double backward (create_graph=True) is "
+                "not supported; the raw fused_dense ops have no derivative");
+    const auto saved = ctx->get_saved_variables();  // before leaving autograd: unpack hooks may recompute
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto needs = ctx->saved_data["needs"].toBoolList();
+    const bool need_x = needs.get(0), need_w = needs.get(1), need_b = needs.get(2);
+    const at::Tensor g = grad_outputs[0].contiguous();
+    at::Tensor grad_x, grad_w, grad_b;
+    if (need_x)
+      grad_x = op_calls::act_linear_dgrad(saved[1], g, std::nullopt, kNoActivation, false, kHeuristicAuto, false)[0];
+    if (need_w) {
+      auto w = op_calls::linear_bias_wgrad(saved[0], g, need_b);
+      grad_w = w[0];
+      if (need_b) grad_b = w[1];
+    } else if (need_b) {
+      grad_b = dense_bias_grad(g);
+    }
+    return {grad_x, grad_w, grad_b};
+  }
+};
+
+void check_dense(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(x.dim() == 2, kDenseOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2, kDenseOp, ": weight must be 2-D [out_features, in_features], got shape ",
+                    weight.sizes());
+}
+
+at::Tensor dense_composite(const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
+  check_dense(x, weight);
+  return dense_forward(x, weight, bias);
+}
+
+at::Tensor dense_autograd(const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
+  check_dense(x, weight);
+  const bool bias_requires = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || bias_requires)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to differentiate: no node, nothing saved
+    return dense_forward(x, weight, bias);
+  }
+  return DenseFunction::apply(x, weight, bias);
+}
+
 }  // namespace
 }  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, CompositeExplicitAutograd, m) {
+  m.impl("dense", &fused_dense::dense_composite);
+}
+
+TORCH_LIBRARY_IMPL(fused_dense, Autograd, m) {
+  m.impl("dense", &fused_dense::dense_autograd);
+}
 
 TORCH_LIBRARY_IMPL(fused_dense, CompositeImplicitAutograd, m) {
   m.impl("linear_act_forward", &fused_dense::linear_act_forward);
