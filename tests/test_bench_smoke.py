@@ -660,3 +660,24 @@ def test_exact_tuner_variant_switches_settings_and_keeps_the_default_budget(monk
     assert state["settings"] == dict(enabled=True, budget_s=37.5, problem_budget_ms=100.0, pace=0.05, buckets=4,
                                      cache="", table="t", deterministic=False)
     assert sections.fused_spec("auto_exact_l0") == ("auto", 0)
+
+
+def test_model_section_runs_on_cpu(tmp_path):
+    """bench.model: a tiny Llama, Hugging Face's against convert_model's, interleaved, with loss curves
+    that agree and a markdown that the report code rewrites the same from the JSON."""
+    pytest.importorskip("transformers")
+    _run([sys.executable, "-m", "bench.model", "--device", "cpu", "--quick", "--configs", "llama-tiny",
+          "--out", str(tmp_path)], timeout=600)
+    (path,) = glob.glob(str(tmp_path / "model-*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    vs = res["configs"]["llama-tiny"]["variants"]
+    assert set(vs) == {"hf_eager", "fd_eager"}, sorted(vs)
+    for v in vs.values():
+        assert v["ms"] > 0 and len(v["losses"]) == 8 and len(v["round_ms"]) == 2
+    assert "converted" in vs["fd_eager"]["note"] and not vs["fd_eager"]["note"].startswith("convert_model(fp8=None): 0")
+    assert vs["fd_eager"]["loss_gap"] < 1e-2  # bf16 CPU: the same model, fused
+    with open(path[:-5] + ".md") as f:
+        md = f.read()
+    from bench import model as bench_model
+    assert md == bench_model.markdown(res)

@@ -1,0 +1,532 @@
+#!/usr/bin/env python
+"""The model benchmark: what a user's Hugging Face model gains from convert_model.
+
+    python -m bench.model --out docs/results            # the run of record (H200: ~8 min)
+    python -m bench.model --out DIR --device cpu --quick  # a functional check of the script
+
+Configs (transformers models, random init, bf16, byte-level text of the standard library's
+sources as tokens, fused AdamW, one training step = forward with labels + backward + optimizer):
+  llama-2048   LlamaForCausalLM d 2048, h 8192, 4 layers, 16 heads, 8 KV heads, vocab 32000, 4 x 2048 tokens
+  llama-4096   LlamaForCausalLM d 4096, h 14336, 2 layers, 32 heads, 8 KV heads, vocab 32000, 2 x 4096 tokens
+  gpt2-small   GPT2LMHeadModel d 768, 12 layers, 12 heads, vocab 50304, 8 x 1024 tokens (the main job's size)
+
+Variants, each a model of its own built from the same initial weights, all held at once and
+stepped in interleaved rounds on the same batches (so their loss curves compare step for step):
+  hf_eager, hf_compile          the model as transformers builds it, eager and torch.compile'd
+  fd_eager, fd_compile          after fused_dense.convert_model (bf16), eager and compiled
+  fd_fp8_current_compile,
+  fd_fp8_delayed_compile        convert_model(fp8=Float8Recipe(scaling=...)), its default size rule, compiled
+  torchao_compile               torchao convert_to_float8_training (tensorwise, every nn.Linear but the
+                                LM head), compiled; where torchao is installed
+The GPT-2 config runs the bf16 variants only (its MLP is what the main job measures).
+
+Reported per config and variant: ms a step (median over rounds of each round's median; the first
+round's first steps, which compile and tune, are left out), tokens/s, step memory over resident
+(peak during one step, measured alone, minus what is allocated before it), the loss curve and
+its largest gap to hf_eager's (10-step moving averages), and where a step's kernel time goes
+(torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other). Beside the
+steps, the MLP alone (forward + backward at the config's token count; Hugging Face's MLP compiled
+against the fused one) gives the isolated lead the step should carry.
+
+Targets (#38, the H200): fd_compile >= 0.99x hf_compile at the Llama configs, and its step gain
+>= 0.75 x (the MLP's share of hf_compile's step) x (the MLP's isolated lead); FP8 compiled >=
+torchao compiled; gpt2-small fd_eager >= 1.02x hf_eager and fd_compile >= 0.99x hf_compile.
+Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<date> files there.
+"""
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import os
+import pathlib
+import re
+import statistics
+import sys
+import sysconfig
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+RECORD = re.compile(r"^model-\d{4}-\d{2}-\d{2}\.(json|md|png)$")
+CONFIGS = {
+    "llama-2048": dict(family="llama", d=2048, h=8192, layers=4, heads=16, kv_heads=8, vocab=32000, batch=4, seq=2048),
+    "llama-4096": dict(family="llama", d=4096, h=14336, layers=2, heads=32, kv_heads=8, vocab=32000, batch=2,
+                       seq=4096),
+    "gpt2-small": dict(family="gpt2", d=768, h=3072, layers=12, heads=12, kv_heads=12, vocab=50304, batch=8, seq=1024),
+}
+CPU_CONFIGS = {
+    "llama-tiny": dict(family="llama", d=64, h=176, layers=2, heads=4, kv_heads=2, vocab=512, batch=2, seq=32),
+    "gpt2-tiny": dict(family="gpt2", d=64, h=256, layers=2, heads=4, kv_heads=4, vocab=512, batch=2, seq=32),
+}
+VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_current_compile", "fd_fp8_delayed_compile",
+            "torchao_compile"]
+BF16_VARIANTS = VARIANTS[:4]
+TARGETS = {"fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
+           "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
+KERNEL_CLASSES = (  # (class, name pattern), first match wins
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|ampere_.*_tn|cublas|wgmma|matmul", re.I)),
+    ("fp8_cast", re.compile(r"quantiz|fp8|float8|amax|e4m3|e5m2", re.I)),
+    ("norm", re.compile(r"norm|rsqrt", re.I)),
+)
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def text_tokens():
+    """The standard library's *.py files, sorted by path, joined by newlines, as uint8 tokens."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(p.parts))
+    chunks = []
+    for p in files:
+        with contextlib.suppress(OSError):
+            chunks.append(p.read_bytes())
+    return torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8)
+
+
+def batches(data, cfg, steps, device, seed=0):
+    """[(input_ids, labels)] for `steps` steps, the same for every variant."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        offs = torch.randint(0, data.numel() - cfg["seq"] - 1, (cfg["batch"],), generator=g)
+        ids = data[offs[:, None] + torch.arange(cfg["seq"])].long().to(device)
+        out.append(ids)
+    return out
+
+
+def build_hf(cfg, device, dtype):
+    import transformers
+    torch.manual_seed(0)
+    if cfg["family"] == "llama":
+        conf = transformers.LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["d"], intermediate_size=cfg["h"],
+                                        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                                        num_key_value_heads=cfg["kv_heads"], max_position_embeddings=cfg["seq"],
+                                        attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(conf)
+    else:
+        conf = transformers.GPT2Config(vocab_size=cfg["vocab"], n_embd=cfg["d"], n_inner=cfg["h"],
+                                       n_layer=cfg["layers"], n_head=cfg["heads"], n_positions=cfg["seq"],
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                       eos_token_id=0, attn_implementation="sdpa")
+        model = transformers.GPT2LMHeadModel(conf)
+    return model.to(device=device, dtype=dtype)
+
+
+class Unavailable(Exception):
+    pass
+
+
+def make_variant(key, base, device):
+    """(model, what was done to it): a deep copy of base, converted and compiled as key says."""
+    import fused_dense
+    model = copy.deepcopy(base)
+    note = "as built"
+    if key.startswith("fd_"):
+        fp8 = None
+        if "_fp8_" in key:
+            if device.type != "cuda":
+                raise Unavailable("FP8 variants run on the GPU")
+            fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed")
+        rep = fused_dense.convert_model(model, fp8=fp8)
+        note = f"convert_model(fp8={fp8!r}): {len(rep.converted)} converted, {len(rep.left)} left"
+    elif key.startswith("torchao"):
+        try:
+            from torchao.float8 import convert_to_float8_training
+        except ImportError as exc:
+            raise Unavailable(f"torchao not importable: {exc}") from exc
+        if device.type != "cuda":
+            raise Unavailable("torchao float8 runs on the GPU")
+        convert_to_float8_training(model, module_filter_fn=lambda mod, name: name != "lm_head")
+        note = "torchao convert_to_float8_training (tensorwise), lm_head left"
+    if key.endswith("_compile"):
+        model = torch.compile(model)
+        note += ", torch.compile"
+    return model, note
+
+
+class Runner:
+    """One variant's model, optimizer and step."""
+
+    def __init__(self, key, base, device):
+        self.key, self.device = key, device
+        self.model, self.note = make_variant(key, base, device)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.0, fused=device.type == "cuda")
+        self.losses, self.round_ms = [], []
+
+    def step(self, ids):
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def timed_steps(r, ids_list):
+    """Runs the steps; returns per-step ms (CUDA events, or wall time on the CPU) and records losses."""
+    ms, losses = [], []
+    cuda = r.device.type == "cuda"
+    for ids in ids_list:
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            losses.append(r.step(ids).detach())
+            b.record()
+            ms.append((a, b))
+        else:
+            t0 = time.perf_counter()
+            losses.append(r.step(ids).detach())
+            ms.append((time.perf_counter() - t0) * 1e3)
+    r.sync()
+    r.losses += [float(x) for x in losses]
+    return [a.elapsed_time(b) for a, b in ms] if cuda else ms
+
+
+def step_memory(r, ids):
+    """(resident bytes before a step, peak over that step minus resident), the variant alone."""
+    if r.device.type != "cuda":
+        return None, None
+    r.sync()
+    gc.collect()
+    torch.cuda.empty_cache()
+    resident = torch.cuda.memory_allocated(r.device)
+    torch.cuda.reset_peak_memory_stats(r.device)
+    r.step(ids)
+    r.sync()
+    return resident, torch.cuda.max_memory_allocated(r.device) - resident
+
+
+def kernel_profile(r, ids_list):
+    """Kernel time a step by class (ms), from torch.profiler over the given steps."""
+    if r.device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    r.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for ids in ids_list:
+            r.step(ids)
+        r.sync()
+    out = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us or ev.key.startswith(("ProfilerStep", "cudaLaunch")):
+            continue
+        cls = next((c for c, pat in KERNEL_CLASSES if pat.search(ev.key)), "other")
+        out[cls] = out.get(cls, 0.0) + us / 1e3 / len(ids_list)
+    out["total"] = sum(out.values())
+    return out
+
+
+def mlp_isolated(cfg, base, device, rounds, reps=20):
+    """ms a forward + backward of one MLP at the config's token count: the model's own MLP
+    compiled, and the fused one convert_model makes of it, interleaved."""
+    import fused_dense
+    block = base.model.layers[0].mlp if cfg["family"] == "llama" else base.transformer.h[0].mlp
+    hf = torch.compile(copy.deepcopy(block))
+    holder = torch.nn.Module()
+    holder.mlp = copy.deepcopy(block)
+    fused_dense.convert_model(holder)
+    fd = holder.mlp
+    M = cfg["batch"] * cfg["seq"]
+    x = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16)
+    times = {"hf_compile": [], "fd": []}
+    mods = {"hf_compile": hf, "fd": fd}
+    for k, m in mods.items():  # compile, tune
+        for _ in range(3):
+            m(x).backward(dy)
+    for r in range(rounds):
+        for k in (list(mods) if r % 2 == 0 else list(mods)[::-1]):
+            m = mods[k]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps):
+                    m(x).backward(dy)
+                b.record()
+                b.synchronize()
+                times[k].append(a.elapsed_time(b) / reps)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    m(x).backward(dy)
+                times[k].append((time.perf_counter() - t0) * 1e3 / reps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
+
+
+def moving_gap(a, b, window=10):
+    """Largest relative gap of window-step moving averages of two loss curves."""
+    n = min(len(a), len(b))
+    if n < window:
+        window = max(1, n)
+    gaps = []
+    for i in range(window, n + 1):
+        ma, mb = sum(a[i - window:i]) / window, sum(b[i - window:i]) / window
+        gaps.append(abs(ma - mb) / abs(mb))
+    return max(gaps) if gaps else None
+
+
+def run_config(name, cfg, args, device, data):
+    log(f"config {name}: {cfg}")
+    variants = [v for v in args.variants if cfg["family"] == "llama" or v in BF16_VARIANTS]
+    if device.type != "cuda":
+        variants = [v for v in variants if "compile" not in v or args.compile_cpu]
+    base = build_hf(cfg, device, torch.bfloat16)
+    steps = args.rounds * args.steps_per_round
+    ids_list = batches(data, cfg, steps + 4, device)
+    runners, res = {}, {"config": cfg, "variants": {}}
+    for key in variants:
+        try:
+            runners[key] = Runner(key, base, device)
+            res["variants"][key] = {"status": "ok", "note": runners[key].note}
+            log(f"  {key}: {runners[key].note}")
+        except Unavailable as exc:
+            res["variants"][key] = {"status": "unavailable", "error": str(exc)}
+            log(f"  {key}: unavailable ({exc})")
+    skip = min(args.steps_per_round - 1, max(1, args.steps_per_round // 4))
+    for rnd in range(args.rounds):
+        order = list(runners)
+        order = order[rnd % len(order):] + order[:rnd % len(order)]
+        chunk = ids_list[rnd * args.steps_per_round:(rnd + 1) * args.steps_per_round]
+        for key in order:
+            r = runners[key]
+            t0 = time.perf_counter()
+            ms = timed_steps(r, chunk)
+            kept = ms[skip:] if rnd == 0 else ms
+            r.round_ms.append(statistics.median(kept))
+            if rnd == 0:
+                res["variants"][key]["first_round_s"] = round(time.perf_counter() - t0, 2)
+        log(f"  round {rnd + 1}/{args.rounds}: " + ", ".join(f"{k} {runners[k].round_ms[-1]:.2f} ms" for k in order))
+    tokens = cfg["batch"] * cfg["seq"]
+    for key, r in runners.items():
+        v = res["variants"][key]
+        v["round_ms"] = r.round_ms
+        v["ms"] = statistics.median(r.round_ms)
+        v["tokens_per_s"] = tokens / v["ms"] * 1e3
+        v["losses"] = r.losses
+    ref = res["variants"].get("hf_eager", {}).get("losses")
+    for key, r in runners.items():
+        v = res["variants"][key]
+        if ref is not None:
+            v["loss_gap"] = moving_gap(v["losses"], ref)
+        v["resident_bytes"], v["step_bytes"] = step_memory(r, ids_list[steps])
+        v["profile_ms"] = kernel_profile(r, ids_list[steps + 1:steps + 4])
+        log(f"  {key}: {v['ms']:.2f} ms, {v['tokens_per_s']:,.0f} tok/s, loss gap {v.get('loss_gap')}, "
+            f"step memory {v['step_bytes']}, profile {v['profile_ms']}")
+    for key in list(runners):
+        del runners[key]
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        res["mlp"] = mlp_isolated(cfg, base, device, rounds=max(3, args.rounds))
+        log(f"  MLP alone: {res['mlp']['ms']}, lead {res['mlp']['lead']:+.3f}")
+    except Exception as exc:  # noqa: BLE001
+        res["mlp"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:400]}
+    torch._dynamo.reset()
+    return res
+
+
+def _ratio(res, num, den):
+    """den's ms / num's ms (> 1: num faster), with the per-round range, or (None, None)."""
+    vs = res["variants"]
+    a, b = vs.get(num, {}), vs.get(den, {})
+    if "ms" not in a or "ms" not in b:
+        return None, None
+    q = [y / x for x, y in zip(a["round_ms"], b["round_ms"])]
+    return b["ms"] / a["ms"], (min(q), max(q))
+
+
+def targets(res):
+    rows = []
+    for name, c in res["configs"].items():
+        fam = c["config"]["family"]
+        if fam == "llama":
+            q, rng = _ratio(c, "fd_compile", "hf_compile")
+            rows.append((f"{name}: hf_compile / fd_compile >= {TARGETS['fd_compile_vs_hf_compile']}", q, rng,
+                         None if q is None else q >= TARGETS["fd_compile_vs_hf_compile"]))
+            mlp = c.get("mlp", {})
+            hv = c["variants"].get("hf_compile", {})
+            if q is not None and "lead" in mlp and "ms" in hv:
+                share = mlp["ms"]["hf_compile"] * c["config"]["layers"] / hv["ms"]
+                expect = share * mlp["lead"]
+                rows.append((f"{name}: step gain >= {TARGETS['carried_share_of_lead']} x MLP share "
+                             f"({share:.2f}) x isolated lead ({mlp['lead']:+.3f})", q - 1, None,
+                             q - 1 >= TARGETS["carried_share_of_lead"] * expect))
+            for fp8 in ("fd_fp8_current_compile", "fd_fp8_delayed_compile"):
+                q, rng = _ratio(c, fp8, "torchao_compile")
+                rows.append((f"{name}: torchao_compile / {fp8} >= 1", q, rng, None if q is None else q >= 1.0))
+        else:
+            for num, den, t in (("fd_eager", "hf_eager", "gpt2_fd_eager_vs_hf_eager"),
+                                ("fd_compile", "hf_compile", "gpt2_fd_compile_vs_hf_compile")):
+                q, rng = _ratio(c, num, den)
+                rows.append((f"{name}: {den} / {num} >= {TARGETS[t]}", q, rng, None if q is None else q >= TARGETS[t]))
+    return rows
+
+
+def markdown(res):
+    env = res["environment"]
+    L = [f"# Models: what convert_model gains in a training step ({env.get('date_utc', '')[:10]})", "",
+         f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
+         f"CUDA {env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str') or env.get('cublasLt_version')}, "
+         f"transformers {env.get('transformers', '–')}, torchao {env.get('torchao', '–')}, commit "
+         f"{str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}. bf16, fused AdamW; "
+         f"{res['rounds']} interleaved rounds of {res['steps_per_round']} steps. Produced by `python -m bench.model` "
+         "(bench/model.py says what each figure is).", "", "## Targets", "",
+         "| target | figure (rounds) | met |", "|---|---|---|"]
+    for t, q, rng, met in targets(res):
+        fig = "–" if q is None else f"{q:.3f}" + (f" ({rng[0]:.3f}–{rng[1]:.3f})" if rng else "")
+        L.append(f"| {t} | {fig} | {'–' if met is None else ('yes' if met else 'no')} |")
+    L.append("")
+    for name, c in res["configs"].items():
+        cfg = c["config"]
+        L += [f"## {name}: d {cfg['d']}, h {cfg['h']}, {cfg['layers']} layers, {cfg['batch']} × {cfg['seq']} tokens",
+              "", "| variant | ms a step | tokens/s | vs hf_eager | vs hf_compile | step memory over resident (MiB) "
+              "| loss gap to hf_eager | what |", "|---|---|---|---|---|---|---|---|"]
+        for key, v in c["variants"].items():
+            if "ms" not in v:
+                L.append(f"| {key} | {v.get('status')}: {v.get('error', '')} | | | | | | |")
+                continue
+            e, _ = _ratio(c, key, "hf_eager")
+            k, _ = _ratio(c, key, "hf_compile")
+            mem = "–" if v.get("step_bytes") is None else f"{v['step_bytes'] / 2**20:,.0f}"
+            gap = "–" if v.get("loss_gap") is None else f"{v['loss_gap']:.1e}"
+            L.append(f"| {key} | {v['ms']:.2f} | {v['tokens_per_s']:,.0f} | {'–' if e is None else f'{e:.3f}'} | "
+                     f"{'–' if k is None else f'{k:.3f}'} | {mem} | {gap} | {v.get('note', '')} |")
+        profs = {k: v["profile_ms"] for k, v in c["variants"].items() if v.get("profile_ms")}
+        if profs:
+            cols = ["gemm", "attention", "fp8_cast", "norm", "optimizer", "other", "total"]
+            L += ["", "Kernel time a step (ms, torch.profiler over 3 steps):", "",
+                  "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+            L += [f"| {k} | " + " | ".join(f"{p.get(col, 0.0):.2f}" for col in cols) + " |" for k, p in profs.items()]
+        mlp = c.get("mlp", {})
+        if "ms" in mlp:
+            L += ["", f"MLP alone (forward + backward, {cfg['batch'] * cfg['seq']} tokens): model's own MLP compiled "
+                  f"{mlp['ms']['hf_compile']:.3f} ms, converted {mlp['ms']['fd']:.3f} ms (lead {mlp['lead']:+.3f})."]
+        elif mlp:
+            L += ["", f"MLP alone: {mlp.get('error')}"]
+        L.append("")
+    return "\n".join(L)
+
+
+def make_png(res, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(res["configs"])
+    fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 8), squeeze=False)
+    for j, name in enumerate(names):
+        c = res["configs"][name]
+        keys = [k for k, v in c["variants"].items() if "ms" in v]
+        base = c["variants"].get("hf_compile", {}).get("ms") or c["variants"].get("hf_eager", {}).get("ms")
+        ax = axes[0][j]
+        ax.bar(range(len(keys)), [base / c["variants"][k]["ms"] for k in keys], color="#1565c0")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(keys)), keys, rotation=35, ha="right", fontsize=8)
+        ax.set(title=f"{name}: speed vs hf_compile", ylabel="hf_compile ms / ms")
+        ax = axes[1][j]
+        for k in keys:
+            ax.plot(c["variants"][k]["losses"], label=k, lw=0.9)
+        ax.set(title=f"{name}: loss", xlabel="step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="output directory (docs/results for the run of record)")
+    p.add_argument("--report", metavar="FILE.json", help="rewrite the markdown and chart of a result")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--configs", default=None, help="comma list (default: all of the device's)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps-per-round", type=int, default=40, help="steps per variant and round (5 x 40 = 200)")
+    p.add_argument("--compile-cpu", action="store_true", help="include the compiled variants on the CPU")
+    p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps")
+    args = p.parse_args(argv)
+    if args.report:
+        return args
+    if not args.out:
+        p.error("--out is required")
+    table = CONFIGS if args.device == "cuda" else CPU_CONFIGS
+    args.configs = args.configs.split(",") if args.configs else list(table)
+    unknown = [c for c in args.configs if c not in table]
+    if unknown:
+        p.error(f"--configs: unknown {unknown} on {args.device} (known: {list(table)})")
+    args.config_table = table
+    args.variants = args.variants.split(",")
+    bad = [v for v in args.variants if v not in VARIANTS]
+    if bad:
+        p.error(f"--variants: unknown {bad} (known: {VARIANTS})")
+    if "hf_eager" not in args.variants:
+        p.error("--variants must include hf_eager (the reference of the loss curves)")
+    if args.quick:
+        args.rounds, args.steps_per_round = 2, 4
+    if args.rounds < 1 or args.steps_per_round < 2:
+        p.error("--rounds must be >= 1 and --steps-per-round >= 2")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        with open(args.report) as f:
+            res = json.load(f)
+        base = args.report[:-len(".json")]
+        with open(base + ".md", "w") as f:
+            f.write(markdown(res))
+        make_png(res, base + ".png")
+        return 0
+    from bench import environment
+    device = torch.device(args.device)
+    env = environment.environment(device, sys.argv if argv is None else argv)
+    for mod in ("transformers", "torchao"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    res = {"environment": env, "targets": TARGETS, "rounds": args.rounds, "steps_per_round": args.steps_per_round,
+           "configs": {}}
+    data = text_tokens()
+    for name in args.configs:
+        res["configs"][name] = run_config(name, args.config_table[name], args, device, data)
+    os.makedirs(args.out, exist_ok=True)
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    for name in os.listdir(args.out):
+        if RECORD.match(name) and not name.startswith(f"model-{day}."):
+            os.remove(os.path.join(args.out, name))
+    base = os.path.join(args.out, f"model-{day}")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(res))
+    png = make_png(res, base + ".png")
+    log(f"wrote {base}.json, .md" + (", .png" if png else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
