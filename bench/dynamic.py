@@ -28,11 +28,9 @@ d = 1280 first <= 5x and second <= 1x; buckets median loss <= 1%, none > 3%; tra
 Writes DIR/dynamic-<YYYY-MM-DD>.json, .md and .png and removes the other dynamic-<date> files there.
 """
 import argparse
-import datetime
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -47,7 +45,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-RECORD = re.compile(r"^dynamic-\d{4}-\d{2}-\d{2}\.(json|md|png)$")
+from bench import report  # noqa: E402
+
 TARGETS = {"passes_tabled_first": 1.3, "passes_tabled_second": 0.67, "passes_untabled_first": 5.0,
            "passes_untabled_second": 1.0, "buckets_median_loss": 0.01, "buckets_max_loss": 0.03}
 
@@ -383,12 +382,7 @@ def main(argv=None):
     if args.worker == "buckets":
         return worker_buckets(args)
     if args.report:
-        with open(args.report) as f:
-            res = json.load(f)
-        base = args.report[:-len(".json")]
-        with open(base + ".md", "w") as f:
-            f.write(markdown(res))
-        make_png(res, base + ".png")
+        report.rewrite_dated_record(args.report, markdown, make_png)
         return None
     from bench import environment
     device = torch.device(args.device)
@@ -397,18 +391,7 @@ def main(argv=None):
         if part in args.parts:
             log(f"part {part}")
             res[part] = fn(args)
-    os.makedirs(args.out, exist_ok=True)
-    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    for name in os.listdir(args.out):
-        if RECORD.match(name) and not name.startswith(f"dynamic-{day}."):
-            os.remove(os.path.join(args.out, name))
-    base = os.path.join(args.out, f"dynamic-{day}")
-    with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(res))
-    png = make_png(res, base + ".png")
-    log(f"wrote {base}.json, .md" + (", .png" if png else ""))
+    log("wrote " + ", ".join(report.write_dated_record(args.out, "dynamic", res, markdown, make_png)))
 
 
 if __name__ == "__main__":

@@ -36,9 +36,7 @@ Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<da
 import argparse
 import contextlib
 import copy
-import datetime
 import gc
-import json
 import os
 import pathlib
 import re
@@ -53,7 +51,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-RECORD = re.compile(r"^model-\d{4}-\d{2}-\d{2}\.(json|md|png)$")
+from bench import report  # noqa: E402
+
 CONFIGS = {
     "llama-2048": dict(family="llama", d=2048, h=8192, layers=4, heads=16, kv_heads=8, vocab=32000, batch=4, seq=2048),
     "llama-4096": dict(family="llama", d=4096, h=14336, layers=2, heads=32, kv_heads=8, vocab=32000, batch=2,
@@ -493,12 +492,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
-        with open(args.report) as f:
-            res = json.load(f)
-        base = args.report[:-len(".json")]
-        with open(base + ".md", "w") as f:
-            f.write(markdown(res))
-        make_png(res, base + ".png")
+        report.rewrite_dated_record(args.report, markdown, make_png)
         return 0
     from bench import environment
     device = torch.device(args.device)
@@ -513,18 +507,7 @@ def main(argv=None):
     data = text_tokens()
     for name in args.configs:
         res["configs"][name] = run_config(name, args.config_table[name], args, device, data)
-    os.makedirs(args.out, exist_ok=True)
-    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    for name in os.listdir(args.out):
-        if RECORD.match(name) and not name.startswith(f"model-{day}."):
-            os.remove(os.path.join(args.out, name))
-    base = os.path.join(args.out, f"model-{day}")
-    with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(res))
-    png = make_png(res, base + ".png")
-    log(f"wrote {base}.json, .md" + (", .png" if png else ""))
+    log("wrote " + ", ".join(report.write_dated_record(args.out, "model", res, markdown, make_png)))
     return 0
 
 

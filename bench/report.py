@@ -792,6 +792,35 @@ def make_png(res, path):
     return path
 
 
+def write_dated_record(out_dir, prefix, res, markdown_of, png_of):
+    """A standalone benchmark's run: out_dir/<prefix>-<UTC date>.json, .md (markdown_of(res)) and
+    .png (png_of(res, path), which returns None where it cannot draw), after removing the other
+    <prefix>-<date> files there (a run of record replaces the last). Returns the paths written."""
+    import datetime
+    import re
+    os.makedirs(out_dir, exist_ok=True)
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    record = re.compile(rf"^{re.escape(prefix)}-\d{{4}}-\d{{2}}-\d{{2}}\.(json|md|png)$")
+    for name in os.listdir(out_dir):
+        if record.match(name) and not name.startswith(f"{prefix}-{day}."):
+            os.remove(os.path.join(out_dir, name))
+    base = os.path.join(out_dir, f"{prefix}-{day}")
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    return [base + ".json"] + rewrite_dated_record(base + ".json", markdown_of, png_of, res)
+
+
+def rewrite_dated_record(json_path, markdown_of, png_of, res=None):
+    """The markdown and chart of a standalone benchmark's JSON, beside it; returns the paths written."""
+    if res is None:
+        with open(json_path) as f:
+            res = json.load(f)
+    base = json_path[:-len(".json")]
+    with open(base + ".md", "w") as f:
+        f.write(markdown_of(res))
+    return [base + ".md"] + ([base + ".png"] if png_of(res, base + ".png") else [])
+
+
 def write(res, json_path, png=True):
     """The markdown (and the chart) beside json_path; returns the paths written."""
     stem = os.path.splitext(json_path)[0]
