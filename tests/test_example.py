@@ -1,6 +1,7 @@
 """examples/train_gpt.py: its CPU configuration trains both MLP variants to agreeing, falling loss
 curves and writes its figures; a disagreeing MLP is reported; a GPU with a CPU-only build of the
-extension is refused before any training. --fp8: a tiny CPU run writes a verdict that follows from
+extension is refused before any training; --model hf-gpt2 trains transformers' GPT-2 as built and
+converted alike, and a converted MLP 1% off fails. --fp8: a tiny CPU run writes a verdict that follows from
 its own curves, with every dense layer in FP8; the verdict's rule (the floor, 3 x the bf16-vs-fp32
 gap, a NaN) decides the exit status."""
 import json
@@ -223,6 +224,17 @@ def test_gpu_run_short(tmp_path):
 
 
 @pytest.mark.cuda
+def test_gpu_hf_gpt2_run_short(tmp_path):
+    """--model hf-gpt2 on the GPU configuration cut to 2 layers and 30 steps, eager and compiled."""
+    pytest.importorskip("transformers")
+    assert train_gpt.main(["--device", "cuda", "--model", "hf-gpt2", "--steps", "30", "--layers", "2",
+                           "--out", str(tmp_path)]) == 0
+    report = _report(tmp_path)
+    assert set(report["runs"]) == {f"{m} {v}" for m in ("eager", "compile") for v in ("Hugging Face", "convert_model")}
+    assert all(r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0 for r in report["runs"].values())
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
                     reason="FP8 needs a GPU of compute capability 8.9+")
 def test_gpu_fp8_run_short(tmp_path):
@@ -236,3 +248,46 @@ def test_gpu_fp8_run_short(tmp_path):
     v = report["fp8"]
     assert v["fp8_layers"] == {"FusedMLP": 2, "FusedDense": 5, "fp8_gemms": 27, "dense_layers_not_in_fp8": 0}
     assert code == (0 if v["passed"] else 1)
+
+
+def test_cpu_hf_gpt2_converted_trains_like_the_model_as_built(tmp_path, capsys):
+    """--model hf-gpt2: transformers' GPT-2 as built against convert_model's, from the same weights on
+    the same batches; the converter's report is printed and the curves agree step by step."""
+    pytest.importorskip("transformers")
+    assert train_gpt.main([*TINY, "--model", "hf-gpt2", "--out", str(tmp_path)]) == 0
+    report = _report(tmp_path)
+    assert set(report["runs"]) == {"eager Hugging Face", "eager convert_model"}
+    assert report["config"]["model"] == "hf-gpt2"
+    ours, theirs = report["loss_curves"]["eager convert_model"], report["loss_curves"]["eager Hugging Face"]
+    assert max(abs(a - b) / b for a, b in zip(ours[:8], theirs[:8])) < 1e-5  # float32: rounding apart only
+    assert sum(ours[-4:]) / 4 < ours[0] - 0.5
+    out = capsys.readouterr().out
+    assert "converted transformer.h.0.mlp: GPT2MLP -> ConvertedMLP" in out and "left      lm_head" in out
+    assert "OK: convert_model and Hugging Face train alike" in out
+
+
+def test_cpu_hf_gpt2_wrong_converted_mlp_fails(tmp_path, monkeypatch, capsys):
+    """Converted MLPs whose output is 1% off (fc2 scaled after the converter's own probe) must fail
+    the check: the first steps' agreement catches it."""
+    pytest.importorskip("transformers")
+    real = train_gpt.fused_dense.convert_model
+
+    def convert_then_perturb(model, **kw):
+        report = real(model, **kw)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, train_gpt.fused_dense.convert.ConvertedMLP):
+                    m.fc2.weight.mul_(1.01)
+                    m.fc2.bias.mul_(1.01)
+        return report
+    monkeypatch.setattr(train_gpt.fused_dense, "convert_model", convert_then_perturb)
+    assert train_gpt.main([*TINY, "--model", "hf-gpt2", "--out", str(tmp_path)]) == 1
+    agreement = _report(tmp_path)["agreement"]["eager"]
+    assert not agreement["agree"] and agreement["max_relative_gap_first_steps"] > 1e-4, agreement
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [["--fp8", "current"], ["--variable-length"]])
+def test_hf_gpt2_refuses_what_it_does_not_compare(tmp_path, extra):
+    with pytest.raises(SystemExit):
+        train_gpt.main([*TINY, "--model", "hf-gpt2", *extra, "--out", str(tmp_path)])
