@@ -194,12 +194,7 @@ def _one_process_dense(x: Tensor, weight: Tensor, bias: Optional[Tensor], return
         return _autocast_dense(x, weight, bias, return_residual)
     if not use_ops(x, weight, bias):
         return _flat_call(lambda x2, rr: FusedDenseFunc.apply(x2, weight, bias, rr, None, True), x, return_residual)
-    xc = x.contiguous()
-    if xc.dim() == 2:
-        out = _op_dense(xc, weight.contiguous(), None if bias is None else bias.contiguous())
-    else:
-        out = _op_dense(xc.view(-1, xc.shape[-1]), weight.contiguous(), None if bias is None else bias.contiguous())
-        out = out.view(*xc.shape[:-1], out.shape[-1])
+    out = _op_dense(x, weight, bias)  # folds x to rows and back in C++, as nn.Linear does
     return (out, x) if return_residual else out
 
 
@@ -212,9 +207,7 @@ def _autocast_dense(x: Tensor, weight: Tensor, bias: Optional[Tensor], return_re
     if not use_ops(xc, w, b):
         return _flat_call(lambda x2, rr: FusedDenseFunc.apply(x2, weight, bias, rr, None, True), x, return_residual)
     with autocast_off(x.device.type):
-        out = _op_dense(xc if xc.dim() == 2 else xc.reshape(-1, xc.shape[-1]), w, b)
-    if xc.dim() != 2:
-        out = out.reshape(*xc.shape[:-1], out.shape[-1])
+        out = _op_dense(xc, w, b)
     if not return_residual:
         return out
     # the residual is x itself, or under autocast the cast x that the layer read

@@ -670,3 +670,24 @@ def test_dense_step_is_one_cpp_node():
     assert node is not None and "FusedDenseFunc" not in node.name(), out.grad_fn.name()
     with torch.no_grad():
         assert layer(x).grad_fn is None
+
+
+def test_dense_op_folds_any_batch_shape_and_names_bad_input():
+    """The dense op takes x [..., in_features] (folded to rows in C++); its output takes in-place ops
+    as nn.Linear's does; a 0-D x or a width mismatch is a ValueError naming the argument."""
+    dense = torch.ops.fused_dense.dense
+    w, b = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"x must have at least 1 dimension"):
+        dense(torch.tensor(1.0, dtype=torch.float64), w, b)
+    with pytest.raises(ValueError, match=r"x.size\(-1\) \(in_features\) must equal weight.size\(1\) = 6"):
+        dense(torch.randn(2, 3, 4, dtype=torch.float64), w, b)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    out = dense(x, w, b)
+    assert out.shape == (2, 3, 5)
+    out.mul_(2)  # in place, as on nn.Linear's output
+    g = torch.randn_like(out)
+    out.backward(g)
+    x64 = x.detach().clone().requires_grad_()
+    (2 * F.linear(x64, w, b)).backward(g)
+    assert torch.equal(x.grad, x64.grad) or (x.grad - x64.grad).abs().max() <= 1e-12 * x64.grad.abs().max()
+    assert dense(torch.randn(6, dtype=torch.float64), w, None).shape == (5,)

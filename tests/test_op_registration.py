@@ -80,6 +80,8 @@ def opcheck_cases(device="cpu"):
         ("dense-bias-only-grad", OPS.dense.default, (r(3, 5), r(7, 5), g(r(7)))),
         ("dense-nograd", OPS.dense.default, (r(3, 5), r(7, 5), r(7))),
         ("dense-empty-batch", OPS.dense.default, (g(r(0, 6)), g(r(5, 6)), g(r(5)))),
+        ("dense-3d", OPS.dense.default, (g(r(2, 3, 5)), g(r(7, 5)), g(r(7)))),
+        ("dense-1d-nobias", OPS.dense.default, (g(r(5)), g(r(4, 5)), None)),
         ("fused_mlp-gelu-lvl0", OPS.fused_mlp.default,
          (g(r(3, 5)), g(r(8, 5)), g(r(8)), g(r(4, 8)), g(r(4)), 1, 0, -2)),
         ("fused_mlp-relu-lvl1-nobias", OPS.fused_mlp.default, (g(r(6, 5)), r(16, 5), None, g(r(3, 16)), None, 2, 1, -1)),

@@ -135,8 +135,9 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
         "bool save_pre_act, int heuristic) -> Tensor[]");
   m.def("bias_act_linear_dgrad_bgrad(Tensor weight, Tensor d_output, Tensor pre_act, bool is_gelu, "
         "int heuristic) -> Tensor[]");
-  // x @ weight.T + bias for 2-D x with a C++ derivative (FusedDense's step on one process): the
-  // forward is linear_act, the backward act_linear_dgrad and linear_bias_wgrad (the bias gradient
-  // fused into the weight gradient's GEMM), heuristic 'auto' throughout (autograd/linear.cpp).
+  // x @ weight.T + bias for x [..., in_features] with a C++ derivative (FusedDense's step on one
+  // process): the forward is linear_act, the backward act_linear_dgrad and linear_bias_wgrad (the
+  // bias gradient fused into the weight gradient's GEMM), heuristic 'auto' throughout; x is folded
+  // to 2-D rows and the output unfolded around them (autograd/linear.cpp).
   m.def("dense(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }

@@ -3,6 +3,7 @@
 // of the general ops through the dispatcher, so every device's kernel and the autograd guard run.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/util/accumulate.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -81,24 +82,52 @@ struct DenseFunction : public torch::autograd::Function<DenseFunction> {
 };
 
 void check_dense(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(x.dim() == 2, kDenseOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() >= 1, kDenseOp, ": x must have at least 1 dimension [..., in_features], got shape ",
+                    x.sizes());
   TORCH_CHECK_VALUE(weight.dim() == 2, kDenseOp, ": weight must be 2-D [out_features, in_features], got shape ",
                     weight.sizes());
+  TORCH_CHECK_VALUE(x.size(-1) == weight.size(1), kDenseOp, ": x.size(-1) (in_features) must equal weight.size(1) = ",
+                    weight.size(1), ", got x shape ", x.sizes(), " and weight shape ", weight.sizes());
 }
+
+// x as the 2-D row-major [rows, in_features] the GEMMs read (x itself when it already is), and
+// the output's shape [..., out_features]. In the Autograd kernel the reshape and the copy are
+// recorded as PyTorch's own ops, outside DenseFunction, so the output takes in-place ops.
+at::Tensor rows_of(const at::Tensor& x) {
+  if (x.dim() == 2) return x.contiguous();
+  const int64_t K = x.size(-1);
+  return x.reshape({K == 0 ? c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1) : -1, K}).contiguous();
+}
+
+at::Tensor shaped_like(const at::Tensor& out, const at::Tensor& x) {
+  if (x.dim() == 2) return out;
+  auto sizes = x.sizes().vec();
+  sizes.back() = out.size(1);
+  return out.view(sizes);
+}
+
+Opt contiguous(const Opt& t) { return t.has_value() && t->defined() ? Opt(t->contiguous()) : t; }
 
 at::Tensor dense_composite(const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
   check_dense(x, weight);
-  return dense_forward(x, weight, bias);
+  return shaped_like(dense_forward(rows_of(x), weight.contiguous(), contiguous(bias)), x);
 }
 
 at::Tensor dense_autograd(const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
   check_dense(x, weight);
   const bool bias_requires = bias.has_value() && bias->defined() && bias->requires_grad();
+  // row-major operands (a copy, where one is needed, is PyTorch's own differentiable op)
+  const at::Tensor x2 = rows_of(x), w = weight.contiguous();
+  const Opt b = contiguous(bias);
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || bias_requires)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to differentiate: no node, nothing saved
-    return dense_forward(x, weight, bias);
+    at::Tensor out;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to differentiate: no node, nothing saved
+      out = dense_forward(x2, w, b);
+    }
+    return shaped_like(out, x);
   }
-  return DenseFunction::apply(x, weight, bias);
+  return shaped_like(DenseFunction::apply(x2, w, b), x);
 }
 
 }  // namespace
