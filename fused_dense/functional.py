@@ -8,7 +8,10 @@ One MLP autograd: without a process group ``fused_mlp_func`` runs the op
 ``torch.ops.fused_dense.fused_mlp``, whose derivative is a C++ autograd Function
 (csrc/torch/autograd/mlp.cpp; no Python runs between the GEMMs of a step). ``FusedMLPFunc`` (flash-
 attn's name, the tensor-parallel path) adds only communication around the same C++ forward and
-backward halves. The checkpoint rules live once, in C++ (csrc/torch/mlp.h).
+backward halves. The checkpoint rules live once, in C++ (csrc/torch/mlp.h). Likewise
+``fused_dense_func`` without a process group runs the op ``torch.ops.fused_dense.dense`` (C++
+derivative, csrc/torch/autograd/linear.cpp); ``FusedDenseFunc`` serves process groups and flash-attn
+callers.
 
 ``fused_mlp_func`` serves float16 / bfloat16 / float32 / float64 tensors on the devices the
 extension has kernels for (CPU, Meta, and CUDA when built with it) through the ops; anything else
