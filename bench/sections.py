@@ -700,7 +700,7 @@ def run_host_layers(ctx, item_id):
         try:
             for name, plain, fused in _host_layer_pairs(d, ctx.device, dtype):
                 steps = {"unfused": _stepper(plain, x, dy), "fused": _stepper(fused, x, dy)}
-                times, allocs = {k: [] for k in steps}, {}
+                allocs = {}
                 for k, step in steps.items():
                     for _ in range(20):
                         step()
@@ -711,14 +711,7 @@ def run_host_layers(ctx, item_id):
                             step()
                         ctx.sync()
                         allocs[k] = (torch.cuda.memory_stats(ctx.device).get("allocation.all.allocated", 0) - a0) / 10
-                for _ in range(rounds):
-                    for k, step in steps.items():
-                        ctx.sync()
-                        c0 = time.process_time()
-                        for _ in range(n_iter):
-                            step()
-                        times[k].append((time.process_time() - c0) / n_iter * 1e6)
-                        ctx.sync()
+                times = _cpu_us_rounds(ctx, steps, rounds, n_iter)
                 ratios_ = [f / u for f, u in zip(times["fused"], times["unfused"])]
                 row = {"layer": name, "d": d, "cpu_us": {k: statistics.median(v) for k, v in times.items()},
                        "cpu_us_all": times, "x_unfused": statistics.median(ratios_),
@@ -755,17 +748,10 @@ def _python_function_mlp(mod, x):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def host_interleaved(ctx, eager, x, dy, d, h, dtype, rounds=15, n_iter=100):
-    """Eager, FusedMLP('auto') through the C++ autograd op and through the Python autograd.Function,
-    alternating round after round so a change in the host's speed hits all alike; the ratio to
-    eager is taken within each round."""
-    fused = make_module("auto_l0", eager, "gelu_approx", d, h, ctx.device, dtype)
-    steps = {"eager": _stepper(eager, x, dy), "auto_l0": _stepper(fused, x, dy),
-             "auto_l0_python_function": _stepper(fused, x, dy, _python_function_mlp)}
+def _cpu_us_rounds(ctx, steps, rounds, n_iter):
+    """{key: [host CPU µs a step, per round]}: each of steps ({key: step}) runs n_iter times in each
+    round, in turn, timed by time.process_time() between synchronizations."""
     times = {k: [] for k in steps}
-    for step in steps.values():
-        for _ in range(20):
-            step()
     for _ in range(rounds):
         for k, step in steps.items():
             ctx.sync()
@@ -774,6 +760,20 @@ def host_interleaved(ctx, eager, x, dy, d, h, dtype, rounds=15, n_iter=100):
                 step()
             times[k].append((time.process_time() - c0) / n_iter * 1e6)
             ctx.sync()
+    return times
+
+
+def host_interleaved(ctx, eager, x, dy, d, h, dtype, rounds=15, n_iter=100):
+    """Eager, FusedMLP('auto') through the C++ autograd op and through the Python autograd.Function,
+    alternating round after round so a change in the host's speed hits all alike; the ratio to
+    eager is taken within each round."""
+    fused = make_module("auto_l0", eager, "gelu_approx", d, h, ctx.device, dtype)
+    steps = {"eager": _stepper(eager, x, dy), "auto_l0": _stepper(fused, x, dy),
+             "auto_l0_python_function": _stepper(fused, x, dy, _python_function_mlp)}
+    for step in steps.values():
+        for _ in range(20):
+            step()
+    times = _cpu_us_rounds(ctx, steps, rounds, n_iter)
     res = {"status": "ok", "rounds": rounds, "iters": n_iter, "native_op": True,
            "method": "time.process_time() per forward + backward; the variants alternate within each of the "
                      "rounds; medians over rounds, and the median of the per-round ratios to eager",
