@@ -38,13 +38,6 @@ at::Tensor dense_forward(const at::Tensor& x, const at::Tensor& weight, const Op
   return op_calls::linear_act(x, weight, bias, kNoActivation, false, kHeuristicAuto)[0];
 }
 
-// d_output.sum(0) alone (the weight needs no gradient), accumulated in fp32 for 16-bit types.
-at::Tensor dense_bias_grad(const at::Tensor& d_output) {
-  const auto t = d_output.scalar_type();
-  if (t == at::kHalf || t == at::kBFloat16) return d_output.sum(0, false, at::kFloat).to(t);
-  return d_output.sum(0);
-}
-
 struct DenseFunction : public torch::autograd::Function<DenseFunction> {
   // An absent bias is not a variable input: its position in needs_input_grad is skipped.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Opt& bias) {
@@ -75,7 +68,7 @@ struct DenseFunction : public torch::autograd::Function<DenseFunction> {
       grad_w = w[0];
       if (need_b) grad_b = w[1];
     } else if (need_b) {
-      grad_b = dense_bias_grad(g);
+      grad_b = op_calls::bias_grad(g);
     }
     return {grad_x, grad_w, grad_b};
   }

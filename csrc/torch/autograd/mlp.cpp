@@ -54,13 +54,6 @@ at::Tensor act_rebuild(const at::Tensor& pre_act, int64_t activation) {
   return op_calls::act_forward(pre_act, activation);
 }
 
-// d_output.sum(0) alone (fc2's weight needs no gradient), accumulated in fp32 for 16-bit types.
-at::Tensor bias_grad(const at::Tensor& d_output) {
-  const auto t = d_output.scalar_type();
-  if (t == at::kHalf || t == at::kBFloat16) return d_output.sum(0, false, at::kFloat).to(t);
-  return d_output.sum(0);
-}
-
 // What the forward keeps for backward, beyond the inputs named by the plan's save_* flags.
 struct MlpSaved {
   at::Tensor pre_act, act_out;
@@ -110,7 +103,7 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
     r.w2 = w[0];
     if (p.need.b2) r.b2 = w[1];
   } else if (p.need.b2) {
-    r.b2 = bias_grad(g);
+    r.b2 = op_calls::bias_grad(g);
   }
   if (p.need.x) r.x = op_calls::act_linear_dgrad(weight1, r.d_pre, std::nullopt, kNoActivation, false, kHeuristicAuto,
                                                  false)[0];

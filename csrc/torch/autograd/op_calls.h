@@ -1,8 +1,9 @@
 // Calls of the general ops through the dispatcher, for the kernels composed of them (the
-// flash-attn-compatible entry points, fused_mlp): each device's kernel runs, and each op's handle
-// is looked up once.
+// flash-attn-compatible entry points, dense, fused_mlp): each device's kernel runs, and each op's
+// handle is looked up once. Also the bias gradient those kernels take alone (bias_grad).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
@@ -12,6 +13,14 @@
 namespace fused_dense::op_calls {
 
 using OptTensor = std::optional<at::Tensor>;
+
+// d_output.sum(0) alone (the weight beside the bias needs no gradient, so no GEMM epilogue makes
+// it), accumulated in fp32 for 16-bit types.
+inline at::Tensor bias_grad(const at::Tensor& d_output) {
+  const auto t = d_output.scalar_type();
+  if (t == at::kHalf || t == at::kBFloat16) return d_output.sum(0, false, at::kFloat).to(t);
+  return d_output.sum(0);
+}
 
 inline std::vector<at::Tensor> linear_act(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                                           int64_t activation, bool save_pre_act, int64_t heuristic) {
