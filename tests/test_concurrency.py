@@ -1,7 +1,8 @@
 """CUDA graphs, several streams and several host threads (CUDA only).
 
-The workspace comes from PyTorch's stream-aware caching allocator per call, and the plan and
-tuning caches are mutex-protected; these tests check the results stay right when calls overlap.
+The workspace is a buffer kept per stream (one from the caching allocator while a graph is being
+captured), and the plan and tuning caches are mutex-protected; these tests check the results stay
+right when calls overlap, and that a step allocates no more than the unfused layers' step.
 """
 import threading
 
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 import fp64_reference_on_cpu
 import fused_dense.tuning
 from conftest import TOL, capture_training_step, needs_caching_allocator, rel_err
-from fused_dense import FusedMLP
+from fused_dense import FusedDense, FusedGatedMLP, FusedMLP
 
 pytestmark = pytest.mark.cuda
 
@@ -51,6 +52,54 @@ def test_fused_mlp_cuda_graph_replay():
         for p, gg in zip(m.parameters(), grads_graph):
             assert rel_err(gg, p.grad) <= TOL[torch.bfloat16], "graph replay gradient differs from eager"
         assert rel_err(static_out, reference_mlp(m, x)) <= TOL[torch.bfloat16]
+
+
+def _allocations_a_step(module, x, dy):
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        module(x).backward(dy)
+    for _ in range(3):  # plans, tuning and the stream's workspace happen here
+        step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+
+class _UnfusedMLP(torch.nn.Module):
+    def __init__(self, d, h, gated, **kw):
+        super().__init__()
+        self.gated = gated
+        self.fc1 = torch.nn.Linear(d, h, bias=not gated, **kw)  # the gated MLP: Llama's, no biases
+        self.up = torch.nn.Linear(d, h, bias=False, **kw) if gated else None
+        self.fc2 = torch.nn.Linear(h, d, bias=not gated, **kw)
+
+    def forward(self, x):
+        if self.gated:
+            return self.fc2(F.silu(self.fc1(x)) * self.up(x))
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+@needs_caching_allocator
+def test_layer_steps_allocate_no_more_than_unfused():
+    """A forward + backward step of each fused layer makes no more allocations than the modules it
+    replaces (outputs, saved tensors, gradients): the core's workspace is the stream's kept buffer,
+    not an allocation per call. FusedDense's step is exactly nn.Linear's four: y, dx, dW, db."""
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    d, h, rows = 768, 3072, 256
+    x = torch.randn(rows, d, **kw, requires_grad=True)
+    dy = torch.randn(rows, d, **kw)
+    dy_h = torch.randn(rows, h, **kw)
+    assert _allocations_a_step(torch.nn.Linear(d, h, **kw), x, dy_h) == 4
+    assert _allocations_a_step(FusedDense(d, h, **kw), x, dy_h) == 4
+    pairs = [(FusedMLP(d, h, **kw), _UnfusedMLP(d, h, False, **kw)),
+             (FusedGatedMLP(d, h, **kw), _UnfusedMLP(d, h, True, **kw))]
+    for fused, unfused in pairs:
+        n_fused, n_unfused = _allocations_a_step(fused, x, dy), _allocations_a_step(unfused, x, dy)
+        assert n_fused <= n_unfused, f"{type(fused).__name__}: {n_fused} allocations a step, unfused {n_unfused}"
 
 
 def test_two_streams_at_once():

@@ -1,17 +1,21 @@
 // What the CUDA kernels share around their core calls (cuda/<family>.cpp): the core's dtype of a
-// tensor, the CUDA dimension limit, the core's call context and workspace from PyTorch's caching
-// allocator, and the core's errors turned into PyTorch's error classes (docs/contract.md, "Errors").
+// tensor, the CUDA dimension limit, the core's call context and workspace (a buffer kept per stream,
+// or one from the caching allocator), and the core's errors turned into PyTorch's error classes
+// (docs/contract.md, "Errors").
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "core/common/types.h"
 #include "core/ops/linear.h"
@@ -51,20 +55,74 @@ inline void check_cuda_dims(const char* op, std::initializer_list<std::pair<cons
   }
 }
 
-inline core::LinearContext make_context(const at::Tensor& like, const at::Tensor& workspace) {
+// The workspace of one core call. Requests up to kMaxStreamWorkspaceBytes are served from one
+// buffer per (device, stream), kept and grown to the largest such request seen there, so the
+// per-call path allocates nothing: calls on one stream run in order, so they can share it. At most
+// kMaxStreamWorkspaces buffers are kept, the least recently used given back first; a buffer is
+// allocated on its own stream, so the caching allocator reuses its memory only behind that
+// stream's pending work. Larger requests (the gated ops' intermediate at large M), and every
+// request while the stream captures a CUDA graph (the graph keeps its addresses, so they must stay
+// the graph's own: the caching allocator keeps them in the graph's pool), are allocated for the call.
+inline constexpr std::size_t kMaxStreamWorkspaceBytes = std::size_t{64} << 20;
+inline constexpr std::size_t kMaxStreamWorkspaces = 16;
+
+inline void* stream_workspace(const at::Tensor& like, std::size_t bytes) {
+  struct Entry {
+    int device;
+    cudaStream_t stream;
+    at::Tensor buffer;
+  };
+  struct Cache {
+    std::mutex mutex;
+    std::vector<Entry> entries;  // most recently used last
+  };
+  static Cache* cache = new Cache();  // never destroyed: its buffers would outlive the CUDA context
+  const int device = like.get_device();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
+  std::lock_guard<std::mutex> lock(cache->mutex);
+  auto& entries = cache->entries;
+  auto it = std::find_if(entries.begin(), entries.end(),
+                         [&](const Entry& e) { return e.device == device && e.stream == stream; });
+  if (it != entries.end() && static_cast<std::size_t>(it->buffer.numel()) >= bytes) {
+    if (std::next(it) != entries.end()) std::rotate(it, std::next(it), entries.end());
+    return entries.back().buffer.data_ptr();
+  }
+  if (it != entries.end()) entries.erase(it);
+  if (entries.size() >= kMaxStreamWorkspaces) entries.erase(entries.begin());
+  entries.push_back(Entry{device, stream, at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte))});
+  return entries.back().buffer.data_ptr();
+}
+
+class CallWorkspace {
+ public:
+  CallWorkspace(const at::Tensor& like, std::size_t bytes) : bytes_(bytes) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(like.get_device()).stream(), &capture));
+    if (bytes <= kMaxStreamWorkspaceBytes && capture == cudaStreamCaptureStatusNone) {
+      ptr_ = stream_workspace(like, bytes);
+    } else {
+      owned_ = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+      ptr_ = owned_.data_ptr();
+    }
+  }
+  core::Workspace get() const { return core::Workspace{ptr_, bytes_}; }
+
+ private:
+  at::Tensor owned_;
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+inline core::LinearContext make_context(const at::Tensor& like, const CallWorkspace& workspace) {
   core::LinearContext ctx;
   ctx.device = like.get_device();
   ctx.dtype = core_dtype(like.scalar_type());
   ctx.allow_tf32 = at::globalContext().allowTF32CuBLAS();
-  ctx.workspace = core::Workspace{workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())};
+  ctx.workspace = workspace.get();
   ctx.stream = at::cuda::getCurrentCUDAStream(ctx.device).stream();
   // torch.use_deterministic_algorithms(True): 'auto' never takes a choice timed in this process
   ctx.deterministic = at::globalContext().deterministicAlgorithms();
   return ctx;
-}
-
-inline at::Tensor allocate_workspace(const at::Tensor& like, std::size_t bytes) {
-  return at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
 }
 
 inline const void* maybe_ptr(const std::optional<at::Tensor>& t) {

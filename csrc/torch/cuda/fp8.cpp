@@ -50,8 +50,8 @@ void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, in
   const int device = x.get_device();
   run_core([&] {
     const std::size_t bytes = core::fp8_quantize_workspace_bytes(device, a);
-    auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-    core::fp8_quantize(a, ws.data_ptr(), bytes, device, at::cuda::getCurrentCUDAStream(device).stream());
+    const CallWorkspace ws(x, bytes);
+    core::fp8_quantize(a, ws.get().ptr, bytes, device, at::cuda::getCurrentCUDAStream(device).stream());
   });
 }
 
@@ -105,8 +105,8 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
     ctx.device = device;
     ctx.dtype = core_dtype(out_dtype);
     const std::size_t bytes = core::gemm_workspace_bytes(device);
-    auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-    ctx.workspace = core::Workspace{ws.data_ptr(), bytes};
+    const CallWorkspace ws(x, bytes);
+    ctx.workspace = ws.get();
     ctx.stream = at::cuda::getCurrentCUDAStream(device).stream();
     core::fp8_linear(ctx, a);
   });
@@ -147,8 +147,8 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
     ctx.device = device;
     ctx.dtype = core_dtype(out_dtype);
     const std::size_t bytes = core::fp8_linear_act_workspace_bytes(device, ctx.dtype, a);
-    auto ws = at::empty({static_cast<int64_t>(bytes)}, x.options().dtype(at::kByte));
-    ctx.workspace = core::Workspace{ws.data_ptr(), bytes};
+    const CallWorkspace ws(x, bytes);
+    ctx.workspace = ws.get();
     ctx.stream = at::cuda::getCurrentCUDAStream(device).stream();
     core::fp8_linear_act(ctx, a);
   });

@@ -36,7 +36,7 @@ std::vector<at::Tensor> gated_linear_cuda(const at::Tensor& input, const at::Ten
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
     const auto bytes = core::gated_linear_workspace_bytes(input.get_device(), core_dtype(input.scalar_type()), args);
-    auto ws = allocate_workspace(input, bytes);
+    const CallWorkspace ws(input, bytes);
     core::gated_linear(make_context(input, ws), args);
   });
   if (!save_pre_act) return {out};
@@ -70,7 +70,7 @@ std::vector<at::Tensor> gated_linear_dgrad_cuda(const at::Tensor& weight, const 
   run_core([&] {
     const auto bytes =
         core::gated_linear_dgrad_workspace_bytes(weight.get_device(), core_dtype(weight.scalar_type()), args);
-    auto ws = allocate_workspace(weight, bytes);
+    const CallWorkspace ws(weight, bytes);
     core::gated_linear_dgrad(make_context(weight, ws), args);
   });
   if (!return_act_out) return {d_pre};

@@ -38,7 +38,7 @@ std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tenso
   args.pre_act = save_pre_act ? pre_act.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
-    auto ws = allocate_workspace(input, core::linear_act_workspace_bytes(input.get_device(), args));
+    const CallWorkspace ws(input, core::linear_act_workspace_bytes(input.get_device(), args));
     core::linear_act(make_context(input, ws), args);
   });
   if (!save_pre_act) return {out};
@@ -65,7 +65,7 @@ std::vector<at::Tensor> linear_bias_wgrad_cuda(const at::Tensor& input, const at
   args.d_weight = d_weight.data_ptr();
   args.d_bias = has_d_bias ? d_bias.data_ptr() : nullptr;
   run_core([&] {
-    auto ws = allocate_workspace(input, core::linear_bias_wgrad_workspace_bytes(input.get_device(), args));
+    const CallWorkspace ws(input, core::linear_bias_wgrad_workspace_bytes(input.get_device(), args));
     core::linear_bias_wgrad(make_context(input, ws), args);
   });
   if (!has_d_bias) return {d_weight};
@@ -99,7 +99,7 @@ std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at
   args.act_out = return_act_out ? act_out.data_ptr() : nullptr;
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
-    auto ws = allocate_workspace(weight, core::act_linear_dgrad_workspace_bytes(weight.get_device(), args));
+    const CallWorkspace ws(weight, core::act_linear_dgrad_workspace_bytes(weight.get_device(), args));
     core::act_linear_dgrad(make_context(weight, ws), args);
   });
   std::vector<at::Tensor> out{d_input};
