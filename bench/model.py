@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
 import os
 import pathlib
 import re
@@ -408,7 +409,11 @@ def markdown(res):
     for name, c in res["configs"].items():
         cfg = c["config"]
         L += [f"## {name}: d {cfg['d']}, h {cfg['h']}, {cfg['layers']} layers, {cfg['batch']} × {cfg['seq']} tokens",
-              "", "| variant | ms a step | tokens/s | vs hf_eager | vs hf_compile | step memory over resident (MiB) "
+              ""]
+        ce = c.get("environment", env)
+        if (ce.get("git_commit"), ce.get("date_utc")) != (env.get("git_commit"), env.get("date_utc")):
+            L += [f"Measured in another call: commit {str(ce.get('git_commit'))[:12]}, {ce.get('date_utc', '')}.", ""]
+        L += ["| variant | ms a step | tokens/s | vs hf_eager | vs hf_compile | step memory over resident (MiB) "
               "| loss gap to hf_eager | what |", "|---|---|---|---|---|---|---|---|"]
         for key, v in c["variants"].items():
             if "ms" not in v:
@@ -476,6 +481,9 @@ def parse_args(argv):
     p.add_argument("--steps-per-round", type=int, default=40, help="steps per variant and round (5 x 40 = 200)")
     p.add_argument("--compile-cpu", action="store_true", help="include the compiled variants on the CPU")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps")
+    p.add_argument("--merge", metavar="FILE.json",
+                   help="keep the configs of this earlier result that this run does not measure (one record "
+                        "from runs split across calls; each config names its own commit)")
     args = p.parse_args(argv)
     if args.report:
         return args
@@ -515,10 +523,23 @@ def main(argv=None):
             env[mod] = None
     res = {"environment": env, "targets": TARGETS, "rounds": args.rounds, "steps_per_round": args.steps_per_round,
            "configs": {}}
+    earlier = {}
+    if args.merge:
+        with open(args.merge) as f:
+            old = json.load(f)
+        for name, c in old["configs"].items():
+            c.setdefault("environment", old["environment"])
+            earlier[name] = c
     data = text_tokens()
     for name in args.configs:
         res["configs"][name] = run_config(name, args.config_table[name], args, device, data)
-    log("wrote " + ", ".join(report.write_dated_record(args.out, "model", res, markdown, make_png)))
+        res["configs"][name]["environment"] = env
+        # written after each config, so a run cut short keeps what it measured
+        for other, c in earlier.items():
+            if other not in args.configs:
+                res["configs"][other] = c
+        paths = report.write_dated_record(args.out, "model", res, markdown, make_png)
+    log("wrote " + ", ".join(paths))
     return 0
 
 

@@ -681,3 +681,16 @@ def test_model_section_runs_on_cpu(tmp_path):
         md = f.read()
     from bench import model as bench_model
     assert md == bench_model.markdown(res)
+    # a run split across calls: the second keeps the first's config, which names its own commit
+    first = tmp_path / "first.json"
+    os.replace(path, first)
+    res["configs"]["llama-tiny"]["environment"]["git_commit"] = "0123456789abcdef"
+    first.write_text(json.dumps(res))
+    _run([sys.executable, "-m", "bench.model", "--device", "cpu", "--quick", "--configs", "gpt2-tiny",
+          "--merge", str(first), "--out", str(tmp_path)], timeout=600)
+    (path,) = glob.glob(str(tmp_path / "model-*.json"))
+    with open(path) as f:
+        merged = json.load(f)
+    assert list(merged["configs"]) == ["gpt2-tiny", "llama-tiny"]
+    assert merged["configs"]["llama-tiny"]["variants"] == res["configs"]["llama-tiny"]["variants"]
+    assert "Measured in another call: commit 0123456789ab" in bench_model.markdown(merged)
