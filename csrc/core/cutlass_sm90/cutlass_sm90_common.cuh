@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -135,19 +136,39 @@ typename Gemm::Arguments gemm_arguments(int m, int n, int k, const Element* a, c
   return args;
 }
 
-// Runs an initialized-on-the-spot CUTLASS GEMM; false, with nothing launched, when CUTLASS
-// refuses the problem or its workspace does not fit.
+// Raises the kernel's dynamic shared-memory limit on `device` the first time it launches there.
+// CUTLASS's GemmUniversalAdapter::initialize() does it on every call: a driver call of ~4 µs on the
+// per-call path (H200 host profile), for an attribute that, once set, stays set for the context.
+template <class GemmKernel>
+void raise_smem_limit_once(int device) {
+  constexpr int smem_bytes = static_cast<int>(GemmKernel::SharedStorageSize);
+  if constexpr (smem_bytes >= (48 << 10)) {
+    static std::atomic<std::uint64_t> done{0};  // a bit per device below 64; setting it twice is harmless
+    const std::uint64_t bit = device < 64 ? (std::uint64_t{1} << device) : 0;
+    if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return;
+    FD_CUDA_CHECK(cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       smem_bytes));
+    done.fetch_or(bit, std::memory_order_acq_rel);
+  }
+}
+
+// Runs a CUTLASS GEMM, its parameters built on the spot (the TMA descriptors hold this call's
+// pointers); false, with nothing launched, when CUTLASS refuses the problem or its workspace does
+// not fit. GemmUniversalAdapter's initialize() + run(), without the per-call attribute call.
 template <class Gemm>
 bool launch(typename Gemm::Arguments const& args, void* workspace, std::size_t workspace_bytes,
             cudaStream_t stream) {
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
-  ensure_current_context(args.hw_info.device_id);  // initialize() encodes TMA descriptors (driver API)
+  using GemmKernel = typename Gemm::GemmKernel;
+  if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return false;
+  const int device = args.hw_info.device_id;
+  ensure_current_context(device);  // to_underlying_arguments() encodes TMA descriptors (driver API)
   if (Gemm::get_workspace_size(args) > workspace_bytes) return false;
-  cutlass::Status status = gemm.initialize(args, workspace, stream);
+  cutlass::Status status = GemmKernel::initialize_workspace(args, workspace, stream, nullptr);
   if (status != cutlass::Status::kSuccess)
-    throw_status("CUTLASS GemmUniversalAdapter::initialize", cutlassGetStatusString(status), __FILE__, __LINE__);
-  status = gemm.run(stream);
+    throw_status("CUTLASS initialize_workspace", cutlassGetStatusString(status), __FILE__, __LINE__);
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+  raise_smem_limit_once<GemmKernel>(device);
+  status = Gemm::run(params, stream);
   if (status != cutlass::Status::kSuccess)
     throw_status("CUTLASS GemmUniversalAdapter::run", cutlassGetStatusString(status), __FILE__, __LINE__);
   FD_CHECK_LAUNCH();
