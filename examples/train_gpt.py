@@ -19,7 +19,11 @@ under sysconfig.get_paths()['stdlib'] (site-packages excluded), sorted, as bytes
 is validation. Nothing is downloaded.
 
 Per run: tokens/s (synchronised, over the steps after the untimed warm-up, which holds compilation
-and the fused layers' first-call tuning), peak memory, final train / validation loss. The MLPs
+and the fused layers' first-call tuning), peak memory, final train / validation loss. The two
+variants of a mode train at once, alternating in rounds of 10 steps (the order reversed every other
+round), so a change in the GPU's clocks (its power cap) or the host's speed reaches both alike; the
+speed ratio is the median of the rounds' ratios, and each run's peak memory is its own (the peak of
+its steps over what was allocated before them, plus what the run holds). The MLPs
 agree when the last-20-step mean losses differ by at most --tol (relative; 2e-2 in bf16, where
 rounding makes any two runs drift apart slowly, 1e-3 in float32, 5e-3 for --model hf-gpt2 in
 float32) and, in float32, every one of the first 10 steps' losses by at most 1e-4. Results: --out/train_gpt.json
@@ -59,6 +63,7 @@ import json
 import math
 import os
 import pathlib
+import statistics
 import sys
 import sysconfig
 import time
@@ -251,77 +256,140 @@ def fp8_coverage(model):
             "dense_layers_not_in_fp8": len(mlps) + len(dense) - n_mlp - n_dense}
 
 
-def train_run(kind, compiled, init, data, args, device, label, precision=None, fp8=None):
-    """Trains one model from `init` (in `precision`, default --precision; with the FP8 recipe `fp8`
-    on every fused_dense layer); returns the run's figures and its loss per step."""
-    precision = precision or args.precision
-    train, val, offsets, val_offsets, lengths = data
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    model = make_model(kind, args)
-    model.load_state_dict(init)
-    model.to(device=device, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
-    if kind == "hf-converted":  # what a user does: convert the model as built, before the optimizer
-        report = fused_dense.convert_model(model.model)
-        if not args.run and label.startswith("eager"):
-            print(report, flush=True)
-    if fp8 is not None:  # after load_state_dict: delayed scaling's buffers are made on the first step
-        fused_dense.convert_to_fp8(model, fp8)
-    forward = torch.compile(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-autocast")
-    warmup_lr = max(1, args.steps // 10)
-    losses = torch.zeros(args.steps, device=device)
-    progress = Progress(args.steps, label)
-    start = None
-    cumulative = []  # --variable-length: tokens/s over steps 1..s, after each step s
-    tokens = 0
-    for step in range(args.steps):
-        if step == args.warmup:
-            sync()
-            start = time.perf_counter()
-        # linear warm-up, then cosine decay to a tenth of --lr
-        frac = max(0.0, (step - warmup_lr) / max(1, args.steps - warmup_lr))
-        for group in opt.param_groups:
-            group["lr"] = args.lr * min(1.0, (step + 1) / warmup_lr) * (0.55 + 0.45 * math.cos(math.pi * frac))
-        inp, tgt = get_batch(train, offsets[step], lengths[step])
-        with autocast:
-            logits = forward(inp)
-        loss = F.cross_entropy(logits.float().view(-1, VOCAB), tgt.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses[step] = loss.detach()
-        if args.variable_length:
-            sync()
+class Run:
+    """One model trained from `init` (in `precision`, default --precision; with the FP8 recipe
+    `fp8` on every fused_dense layer), step by step: advance() runs steps and times those after the
+    untimed warm-up, finish() gives the run's figures and its loss per step. Peak memory is the
+    run's own: the peak of each of its chunks over what was allocated when the chunk began, plus
+    what the run itself holds (model, gradients, optimizer state), so runs held at once are
+    measured as if each were alone."""
+
+    def __init__(self, kind, compiled, init, data, args, device, label, precision=None, fp8=None):
+        self.args, self.device, self.data = args, device, data
+        self.precision = precision or args.precision
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        gc.collect()
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device) if cuda else 0
+        model = make_model(kind, args)
+        model.load_state_dict(init)
+        model.to(device=device, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float32)
+        if kind == "hf-converted":  # what a user does: convert the model as built, before the optimizer
+            report = fused_dense.convert_model(model.model)
+            if not args.run and label.startswith("eager"):
+                print(report, flush=True)
+        if fp8 is not None:  # after load_state_dict: delayed scaling's buffers are made on the first step
+            fused_dense.convert_to_fp8(model, fp8)
+        self.model, self.fp8 = model, fp8
+        self.forward = torch.compile(model) if compiled else model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                                     fused=cuda)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16-autocast")
+        self.warmup_lr = max(1, args.steps // 10)
+        self.losses = torch.zeros(args.steps, device=device)
+        self.progress = Progress(args.steps, label)
+        self.held = (torch.cuda.memory_allocated(device) - before) if cuda else 0
+        self.peak = 0
+        self.elapsed = 0.0
+        self.timed_tokens = 0
+        self.chunk_tokens_per_s = []  # per timed chunk
+        self.cumulative = []  # --variable-length: tokens/s over steps 1..s, after each step s
+        self.tokens = 0
+
+    def advance(self, first, last):
+        """Steps first .. last - 1; those at or after --warmup are timed (synchronised around them)."""
+        if first >= last:
+            return 0.0
+        args, device = self.args, self.device
+        train, _, offsets, _, lengths = self.data
+        cuda = device.type == "cuda"
+        timed = first >= args.warmup
+        self.sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            at_start = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        tokens = 0
+        for step in range(first, last):
+            # linear warm-up, then cosine decay to a tenth of --lr
+            frac = max(0.0, (step - self.warmup_lr) / max(1, args.steps - self.warmup_lr))
+            for group in self.opt.param_groups:
+                group["lr"] = args.lr * min(1.0, (step + 1) / self.warmup_lr) * (0.55 + 0.45 * math.cos(math.pi * frac))
+            inp, tgt = get_batch(train, offsets[step], lengths[step])
+            with self.autocast:
+                logits = self.forward(inp)
+            loss = F.cross_entropy(logits.float().view(-1, VOCAB), tgt.reshape(-1))
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.losses[step] = loss.detach()
             tokens += inp.numel()
-            cumulative.append(tokens / (time.perf_counter() - start))
-        if progress.due(step):  # .item() synchronises: only when the bar is redrawn
-            now = losses[step].item()
-            tps = None if start is None else (cumulative[-1] if cumulative else
-                                              (step + 1 - args.warmup) * inp.numel() / (time.perf_counter() - start))
-            progress.update(step, now, tps)
-    sync()
-    elapsed = time.perf_counter() - start
-    model.eval()  # validation on the eager module (same weights): no recompilation for eval mode
-    with torch.no_grad(), autocast:
-        val_loss = sum(F.cross_entropy(model(x).float().view(-1, VOCAB), y.reshape(-1)).item()
-                       for x, y in (get_batch(val, o, args.seq) for o in val_offsets)) / len(val_offsets)
-    curve = losses.tolist()
-    timed_tokens = args.batch * int(sum(int(n) for n in lengths[args.warmup:]))
-    return {
-        "tokens_per_s": timed_tokens / elapsed,
-        "cumulative_tokens_per_s": cumulative or None,
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "final_train_loss": curve[-1],
-        "train_loss_last20": sum(curve[-20:]) / len(curve[-20:]),
-        "val_loss": val_loss,
-        **({"fp8_layers": fp8_coverage(model)} if fp8 is not None else {}),
-    }, curve
+            if args.variable_length:
+                self.sync()
+                self.tokens += inp.numel()
+                self.cumulative.append(self.tokens / (self.elapsed + time.perf_counter() - t0))
+            if self.progress.due(step):  # .item() synchronises: only when the bar is redrawn
+                now = self.losses[step].item()
+                tps = None if not timed else (self.cumulative[-1] if self.cumulative else
+                                              (self.timed_tokens + tokens) / (self.elapsed + time.perf_counter() - t0))
+                self.progress.update(step, now, tps)
+        self.sync()
+        took = time.perf_counter() - t0
+        if cuda:
+            self.peak = max(self.peak, self.held + torch.cuda.max_memory_allocated(device) - at_start)
+            self.held += torch.cuda.memory_allocated(device) - at_start  # the optimizer's state, first time
+        if timed:
+            self.elapsed += took
+            self.timed_tokens += tokens
+            self.chunk_tokens_per_s.append(tokens / took)
+        return took
+
+    def finish(self):
+        args = self.args
+        _, val, _, val_offsets, _ = self.data
+        self.model.eval()  # validation on the eager module (same weights): no recompilation for eval mode
+        with torch.no_grad(), self.autocast:
+            val_loss = sum(F.cross_entropy(self.model(x).float().view(-1, VOCAB), y.reshape(-1)).item()
+                           for x, y in (get_batch(val, o, args.seq) for o in val_offsets)) / len(val_offsets)
+        curve = self.losses.tolist()
+        return {
+            "tokens_per_s": self.timed_tokens / self.elapsed,
+            "chunk_tokens_per_s": self.chunk_tokens_per_s,
+            "cumulative_tokens_per_s": self.cumulative or None,
+            "peak_memory_gib": self.peak / 2**30 if self.device.type == "cuda" else None,
+            "final_train_loss": curve[-1],
+            "train_loss_last20": sum(curve[-20:]) / len(curve[-20:]),
+            "val_loss": val_loss,
+            **({"fp8_layers": fp8_coverage(self.model)} if self.fp8 is not None else {}),
+        }, curve
+
+
+def train_run(kind, compiled, init, data, args, device, label, precision=None, fp8=None):
+    """Trains one model alone (a Run, all its steps); returns the run's figures and its loss per step."""
+    run = Run(kind, compiled, init, data, args, device, label, precision, fp8)
+    run.advance(0, args.warmup)
+    run.advance(args.warmup, args.steps)
+    return run.finish()
+
+
+CHUNK_STEPS = 10  # steps per variant and round of the interleaved runs
+
+
+def train_interleaved(kinds, compiled, init, data, args, device, mode):
+    """Trains the models of `kinds` ({name: kind}) at once, alternating in rounds of CHUNK_STEPS
+    steps each (the order reversed every other round), so a change of the GPU's clock or the host's
+    speed during the comparison reaches every variant alike; returns {name: (figures, losses)}.
+    Each variant's figures hold its tokens/s per round ("chunk_tokens_per_s")."""
+    runs = {name: Run(kind, compiled, init, data, args, device, f"{mode} {name}") for name, kind in kinds.items()}
+    for run in runs.values():
+        run.advance(0, args.warmup)
+    order = list(runs)
+    for i, first in enumerate(range(args.warmup, args.steps, CHUNK_STEPS)):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            runs[name].advance(first, min(first + CHUNK_STEPS, args.steps))
+    return {name: run.finish() for name, run in runs.items()}
 
 
 def run_in_own_process(argv, mode, name, args):
@@ -415,13 +483,17 @@ def compare_mlps(runs, curves, modes, args, tol, device):
     plain_name, fused_name = variants_of(args)
     for mode in modes:
         fused, plain = runs[f"{mode} {fused_name}"], runs[f"{mode} {plain_name}"]
-        ratios[mode] = fused["tokens_per_s"] / plain["tokens_per_s"]
+        # interleaved runs: the median of the rounds' ratios (each round times both variants)
+        per_round = [f_ / p_ for f_, p_ in zip(fused.get("chunk_tokens_per_s") or [], plain.get("chunk_tokens_per_s") or [])]
+        ratios[mode] = statistics.median(per_round) if per_round else fused["tokens_per_s"] / plain["tokens_per_s"]
         gap = abs(fused["train_loss_last20"] - plain["train_loss_last20"]) / plain["train_loss_last20"]
         steps = [abs(a - b) / b for a, b in zip(curves[f"{mode} {fused_name}"], curves[f"{mode} {plain_name}"])]
         early = max(steps[:EARLY_STEPS])
         early_ok = args.precision != "fp32" or early <= EARLY_FP32_TOL
         a = agreement[mode] = {"relative_gap_last20": gap, "tol": tol, "agree": gap <= tol and early_ok,
                                "max_relative_step_gap": max(steps), "max_relative_gap_first_steps": early}
+        rounds = (f" (median of {len(per_round)} interleaved rounds, {min(per_round):.3f}-{max(per_round):.3f}; "
+                  f"over the whole run {fused['tokens_per_s'] / plain['tokens_per_s']:.3f}x)") if per_round else ""
         if args.variable_length:
             cf, cp = fused["cumulative_tokens_per_s"], plain["cumulative_tokens_per_s"]
             behind = [i + 1 for i, (f_, p_) in enumerate(zip(cf, cp)) if f_ < p_]
@@ -432,7 +504,7 @@ def compare_mlps(runs, curves, modes, args, tol, device):
                   + ", ".join(f"{k}: {v:.3f}x" for k, v in a["cumulative_ratio_after_step"].items())
                   + (f"; behind at {len(behind)} steps (first {behind[:5]})" if behind else "; never behind"))
         target = f" (H200 target >= {TARGETS[mode]:.2f}x)" if device.type == "cuda" else ""
-        print(f"{mode:>7}: {fused_name} / {plain_name} tokens/s {ratios[mode]:.3f}x{target}; loss curves "
+        print(f"{mode:>7}: {fused_name} / {plain_name} tokens/s {ratios[mode]:.3f}x{rounds}{target}; loss curves "
               f"{'agree' if a['agree'] else 'DIFFER'}: last-20-step means {a['relative_gap_last20']:.2e} apart "
               f"(tol {tol:.0e}), largest single-step gap {a['max_relative_step_gap']:.2e}"
               + (f", over the first {EARLY_STEPS} steps {early:.2e} (tol {EARLY_FP32_TOL:.0e})"
@@ -561,12 +633,13 @@ def main(argv=None):
         modes = modes[-1:]
     with sdpa_kernel(SDPBackend.MATH) if args.attention == "math" else contextlib.nullcontext():
         for mode in modes:
-            for name, kind in (fp8_legs(args) if args.fp8 else variants_of(args)).items():
-                if args.variable_length or args.fp8:
+            if args.variable_length or args.fp8:
+                for name in (fp8_legs(args) if args.fp8 else variants_of(args)):
                     runs[f"{mode} {name}"], curves[f"{mode} {name}"] = run_in_own_process(argv, mode, name, args)
-                else:
-                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = train_run(
-                        kind, mode == "compile", init, data, args, device, f"{mode} {name}")
+            else:
+                both = train_interleaved(variants_of(args), mode == "compile", init, data, args, device, mode)
+                for name, (run, curve) in both.items():
+                    runs[f"{mode} {name}"], curves[f"{mode} {name}"] = run, curve
 
     print(f"\n{'run':<18} {'tokens/s':>10} {'peak GiB':>9} {'final loss':>11} {'last-20 mean':>13} {'val loss':>9}")
     for name, r in runs.items():

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def test_cpu_run_trains_both_variants_alike(tmp_path, capsys):
         assert len(curve) == 16
         # the loss falls well below log(256) = 5.55 within 16 steps
         assert sum(curve[-4:]) / 4 < curve[0] - 0.5, (name, curve)
+        assert len(run["chunk_tokens_per_s"]) == 2, name  # 12 timed steps: rounds of 10 and 2
     fused, plain = report["loss_curves"]["eager FusedMLP"], report["loss_curves"]["eager nn.Linear"]
     # float32 on the CPU: the same math up to summation order, step by step
     assert max(abs(a - b) / b for a, b in zip(fused, plain)) < 1e-4
@@ -62,19 +64,42 @@ def test_cpu_defaults_are_the_small_configuration(tmp_path, monkeypatch):
     training itself is replaced here (the configuration is what is checked)."""
     seen = []
 
-    def fake_run(kind, compiled, init, data, args, device, label):
-        seen.append((kind, compiled, device.type))
+    def fake_interleaved(kinds, compiled, init, data, args, device, mode):
+        seen.append((tuple(kinds.values()), compiled, device.type))
         curve = [5.0 - 0.01 * i for i in range(args.steps)]
-        return {"tokens_per_s": 1.0, "peak_memory_gib": None, "final_train_loss": curve[-1],
-                "train_loss_last20": sum(curve[-20:]) / 20, "val_loss": 4.0}, curve
+        return {name: ({"tokens_per_s": 1.0, "peak_memory_gib": None, "final_train_loss": curve[-1],
+                        "train_loss_last20": sum(curve[-20:]) / 20, "val_loss": 4.0}, curve) for name in kinds}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(train_gpt, "train_run", fake_run)
+    monkeypatch.setattr(train_gpt, "train_interleaved", fake_interleaved)
     assert train_gpt.main(["--out", str(tmp_path)]) == 0
     cfg = _report(tmp_path)["config"]
     assert {k: cfg[k] for k in ("d_model", "layers", "seq", "batch", "steps")} == train_gpt.CPU_CONFIG
     assert cfg["precision"] == "fp32" and cfg["compile"] is False and cfg["heads"] == 2
-    assert seen == [("plain", False, "cpu"), ("fused", False, "cpu")]
+    assert seen == [(("plain", "fused"), False, "cpu")]
+
+
+def test_variants_alternate_in_rounds(monkeypatch):
+    """train_interleaved: both variants' warm-ups, then rounds of CHUNK_STEPS steps, the order
+    reversed every other round; every step of each run is taken exactly once, in order."""
+    calls = []
+
+    class FakeRun:
+        def __init__(self, kind, compiled, init, data, args, device, label):
+            self.label = label
+
+        def advance(self, first, last):
+            calls.append((self.label, first, last))
+
+        def finish(self):
+            return {"label": self.label}, []
+
+    monkeypatch.setattr(train_gpt, "Run", FakeRun)
+    args = types.SimpleNamespace(warmup=4, steps=27)
+    got = train_gpt.train_interleaved({"a": "plain", "b": "fused"}, False, None, None, args, None, "eager")
+    assert got == {"a": ({"label": "eager a"}, []), "b": ({"label": "eager b"}, [])}
+    assert calls == [("eager a", 0, 4), ("eager b", 0, 4), ("eager a", 4, 14), ("eager b", 4, 14),
+                     ("eager b", 14, 24), ("eager a", 14, 24), ("eager a", 24, 27), ("eager b", 24, 27)]
 
 
 def test_disagreeing_mlp_fails_the_check(tmp_path, monkeypatch, capsys):
