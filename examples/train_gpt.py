@@ -39,7 +39,8 @@ inside that figure.
 --model hf-gpt2: the same comparison on a real model, transformers' GPT2LMHeadModel (the size
 above, byte vocabulary, dropout off, tanh GELU as GPT-2 has), once as transformers builds it and
 once after fused_dense.convert_model(model), which turns each block's Conv1D MLP into a FusedMLP
-(the attention's Conv1D layers and the head stay; the converter's report is printed). GPT-2 small
+and the attention's Conv1D layers into FusedDense layers (the head stays; the converter's report is
+printed). GPT-2 small
 because it is the size most from-scratch GPT training starts from (nanoGPT's reproduction, the
 main job's own size). torchao's float8 is not set beside it: it converts nn.Linear layers, and
 GPT-2 keeps its projections as Conv1D. Needs transformers (the examples extra).

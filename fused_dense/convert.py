@@ -10,7 +10,10 @@ tests/test_convert.py):
   parameters (the bias add is fused into the GEMM's epilogue); bias-free ones only with
   ``bias_free_linears=True`` or in FP8 (in bf16 a bias-free linear runs the same cuBLASLt GEMM as
   ``nn.Linear``, so converting it gains nothing); the LM head (``lm_head``, or the model's output
-  embedding) only with ``lm_head=True``.
+  embedding) only with ``lm_head=True``;
+- GPT-2's other ``Conv1D`` layers (the attention's ``c_attn`` / ``c_proj``: ``x @ weight + bias``
+  with the weight stored [in, out]) become a :class:`ConvertedConv1D`, a FusedDense that keeps the
+  weight [out, in] for the GEMM and saves and loads it in Conv1D's layout (a new parameter).
 
 - MLPs of two linear layers and an activation the fused ops compute (tanh GELU, ReLU, squared
   ReLU), then optionally a dropout (GPT-2's ``c_fc`` / ``c_proj``, stored as ``Conv1D`` [in, out]
@@ -20,13 +23,13 @@ tests/test_convert.py):
 
 What it leaves alone, with the reason in the report: MLPs with the exact (erf) GELU (GPT-NeoX's
 default, BERT, Falcon: the fused ops have the tanh GELU, 2e-4 relative apart) or another
-activation, whose linear layers are converted one by one; other GPT-2 ``Conv1D`` layers (the
-attention's); gated MLPs with biases or another activation; MLPs with parts beyond these.
+activation, whose linear layers are converted one by one; gated MLPs with biases or another
+activation; MLPs with parts beyond these.
 
 State-dict names stay the model's own (FusedDense is an ``nn.Linear``; FusedGatedMLP saves and
-loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedMLP its MLP's), so checkpoints
-load both ways. Convert
-before building the optimizer: the gated MLPs hold new parameters.
+loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedMLP its MLP's; ConvertedConv1D
+Conv1D's layout), so checkpoints load both ways. Convert before building the optimizer: the gated
+MLPs, the MLPs and the Conv1D layers hold new parameters.
 """
 import dataclasses
 from typing import Callable, List, Optional, Tuple, Union
@@ -38,7 +41,7 @@ from torch import nn
 from . import fp8 as _fp8
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
 
-__all__ = ["ConversionReport", "ConvertedMLP", "convert_model"]
+__all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "convert_model"]
 
 # The attribute pairs of plain two-linear MLPs of common models: (fc1, fc2).
 _PLAIN_MLP_NAMES = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc1", "fc2"), ("w1", "w2"))
@@ -118,6 +121,43 @@ class ConvertedMLP(FusedMLP):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, state_names={self.state_names}"
+
+
+class ConvertedConv1D(FusedDense):
+    """A FusedDense standing in for a GPT-2 ``Conv1D`` (``x @ weight + bias``, weight stored
+    [in, out]): the weight is kept [out, in], as the GEMM reads it, and saved and loaded in
+    Conv1D's [in, out] layout under the same names, so checkpoints load both ways. Built by
+    :func:`convert_model`."""
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=True, device=device, dtype=dtype)
+        self.register_state_dict_post_hook(_save_as_conv1d)
+        self.register_load_state_dict_pre_hook(_load_as_conv1d)
+
+
+def _save_as_conv1d(module, state_dict, prefix, local_metadata):
+    key = f"{prefix}weight"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].t().contiguous()
+
+
+def _load_as_conv1d(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    key = f"{prefix}weight"
+    if key in state_dict:
+        state_dict[key] = state_dict[key].t()
+
+
+def _dense_from_conv1d(conv: nn.Module, fp8) -> ConvertedConv1D:
+    """A ConvertedConv1D with conv's values: the weight transposed into a new parameter, the bias
+    the same Parameter object."""
+    w = conv.weight  # [in, out]
+    fused = ConvertedConv1D(w.shape[0], w.shape[1], device="meta", dtype=w.dtype)
+    fused.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+    fused.bias = conv.bias
+    fused.fp8 = fp8
+    _fp8.prepare_layer(fused)
+    fused.train(conv.training)
+    return fused
 
 
 def _renames(module: "ConvertedMLP"):
@@ -292,8 +332,9 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             report.converted.append((name, _type_name(module), f"ConvertedMLP({activation})"))
             continue
         if _is_conv1d(module):
-            report.left.append((name, "Conv1D", "a GPT-2 Conv1D (weight stored [in, out]) outside an MLP: not "
-                                                "converted"))
+            if wanted(name, module):
+                replacements.append((name, _dense_from_conv1d(module, fp8)))
+                report.converted.append((name, "Conv1D", "ConvertedConv1D"))
             continue
         if not isinstance(module, nn.Linear) or type(module) is not nn.Linear:
             continue

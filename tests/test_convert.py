@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fused_dense import ConversionReport, FusedDense, FusedGatedMLP, convert_model  # noqa: E402
-from fused_dense.convert import ConvertedMLP  # noqa: E402
+from fused_dense.convert import ConvertedConv1D, ConvertedMLP  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -73,6 +73,8 @@ def assert_same_computation(ref, conv):
     for module_name, module in conv.named_modules():
         for n, p in module.named_parameters(recurse=False):
             conv_grads[f"{module_name}.{n}" if module_name else n] = p.grad
+        if isinstance(module, ConvertedConv1D):  # its weight in Conv1D's [in, out] layout
+            conv_grads[f"{module_name}.weight"] = module.weight.grad.t()
         if isinstance(module, ConvertedMLP):  # its fc1 / fc2 under the MLP's names and layout
             for ours, theirs, transposed in zip(("fc1", "fc2"), module.state_names, module.transposed):
                 layer = getattr(module, ours)
@@ -116,17 +118,24 @@ def test_llama_family(kind):
 
 
 def test_gpt2_mlps_and_the_tied_head():
-    """GPT-2's MLPs (Conv1D c_fc / c_proj, tanh GELU, dropout) become ConvertedMLPs saving GPT-2's
-    names and [in, out] layout; the attention's Conv1D layers stay; the tied LM head is converted
-    on request and stays tied."""
+    """GPT-2's MLPs (Conv1D c_fc / c_proj, tanh GELU, dropout) become ConvertedMLPs and the
+    attention's Conv1D layers ConvertedConv1Ds, saving GPT-2's names and [in, out] layout (the same
+    values, byte for byte); the tied LM head is converted on request and stays tied."""
     ref, model = prepared(gpt2())
-    keys = {k: v.shape for k, v in model.state_dict().items()}
+    state = model.state_dict()
     report = convert_model(model)
     assert [(n, now) for n, _, now in report.converted] == [
-        (f"transformer.h.{i}.mlp", "ConvertedMLP(gelu_approx)") for i in range(2)]
+        (f"transformer.h.{i}.{part}", now) for i in range(2)
+        for part, now in (("attn.c_attn", "ConvertedConv1D"), ("attn.c_proj", "ConvertedConv1D"),
+                          ("mlp", "ConvertedMLP(gelu_approx)"))]
     left = dict((n, why) for n, _, why in report.left)
-    assert "Conv1D" in left["transformer.h.0.attn.c_attn"] and "LM head" in left["lm_head"]
-    assert {k: v.shape for k, v in model.state_dict().items()} == keys
+    assert "LM head" in left["lm_head"] and not any("Conv1D" in what for _, what, _ in report.left)
+    assert isinstance(model.transformer.h[0].attn.c_attn, ConvertedConv1D)
+    assert model.transformer.h[0].attn.c_attn.weight.shape == (3 * 64, 64)  # [out, in], as the GEMM reads it
+    converted_state = model.state_dict()
+    assert list(converted_state) == list(state)
+    for k, v in state.items():
+        assert converted_state[k].shape == v.shape and torch.equal(converted_state[k], v), k
     assert_same_computation(ref, model)
     fresh = copy.deepcopy(ref)
     fresh.load_state_dict(model.state_dict())
@@ -288,17 +297,20 @@ def test_gradient_checkpointing_advances_delayed_scaling_once():
         assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)
 
 
-def test_save_pretrained_and_generate(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_save_pretrained_and_generate(tmp_path, family):
     """A converted model saves a checkpoint the unconverted class loads (and the other way), and
-    greedy generation in eval mode gives the unconverted model's tokens."""
-    ref, model = prepared(llama_with_biases())
+    greedy generation in eval mode gives the unconverted model's tokens (GPT-2: its Conv1D layers
+    saved in their [in, out] layout)."""
+    ref, model = prepared(llama_with_biases() if family == "llama" else gpt2())
+    cls = type(ref)
     convert_model(model)
     model.save_pretrained(tmp_path / "converted")
-    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float64)
+    loaded = cls.from_pretrained(tmp_path / "converted", dtype=torch.float64)
     for (n, a), (m, b) in zip(sorted(ref.state_dict().items()), sorted(loaded.state_dict().items())):
         assert n == m and torch.equal(a, b), n
     ref.save_pretrained(tmp_path / "plain")
-    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.float64)
+    again = cls.from_pretrained(tmp_path / "plain", dtype=torch.float64)
     convert_model(again)
     assert_same_computation(ref, again)
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(6))
@@ -309,10 +321,11 @@ def test_save_pretrained_and_generate(tmp_path):
     assert torch.equal(a, b), (a, b)
 
 
-def test_compiles_fullgraph_with_no_break():
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_compiles_fullgraph_with_no_break(family):
     """torch.compile traces a converted model without a graph break where the unconverted one has
     none (torch._dynamo.explain)."""
-    ref, model = prepared(llama_with_biases())
+    ref, model = prepared(llama_with_biases() if family == "llama" else gpt2())
     convert_model(model)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7))
     torch._dynamo.reset()
