@@ -66,7 +66,10 @@ inline void check_cuda_dims(const char* op, std::initializer_list<std::pair<cons
 inline constexpr std::size_t kMaxStreamWorkspaceBytes = std::size_t{64} << 20;
 inline constexpr std::size_t kMaxStreamWorkspaces = 16;
 
-inline void* stream_workspace(const at::Tensor& like, std::size_t bytes) {
+// The call keeps a reference to the buffer it was given: should another host thread grow the same
+// stream's buffer meanwhile, the old one returns to the caching allocator only once this call has
+// enqueued its work (and then in stream order).
+inline at::Tensor stream_workspace(const at::Tensor& like, std::size_t bytes) {
   struct Entry {
     int device;
     cudaStream_t stream;
@@ -85,12 +88,12 @@ inline void* stream_workspace(const at::Tensor& like, std::size_t bytes) {
                          [&](const Entry& e) { return e.device == device && e.stream == stream; });
   if (it != entries.end() && static_cast<std::size_t>(it->buffer.numel()) >= bytes) {
     if (std::next(it) != entries.end()) std::rotate(it, std::next(it), entries.end());
-    return entries.back().buffer.data_ptr();
+    return entries.back().buffer;
   }
   if (it != entries.end()) entries.erase(it);
   if (entries.size() >= kMaxStreamWorkspaces) entries.erase(entries.begin());
   entries.push_back(Entry{device, stream, at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte))});
-  return entries.back().buffer.data_ptr();
+  return entries.back().buffer;
 }
 
 class CallWorkspace {
@@ -99,16 +102,16 @@ class CallWorkspace {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(like.get_device()).stream(), &capture));
     if (bytes <= kMaxStreamWorkspaceBytes && capture == cudaStreamCaptureStatusNone) {
-      ptr_ = stream_workspace(like, bytes);
+      held_ = stream_workspace(like, bytes);
     } else {
-      owned_ = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
-      ptr_ = owned_.data_ptr();
+      held_ = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
     }
+    ptr_ = held_.data_ptr();
   }
   core::Workspace get() const { return core::Workspace{ptr_, bytes_}; }
 
  private:
-  at::Tensor owned_;
+  at::Tensor held_;  // the stream's buffer, or this call's own
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
 };
