@@ -9,6 +9,7 @@ the same batches, eagerly and under torch.compile; compare speed, memory and los
     python examples/train_gpt.py --variable-length  # a new sequence length every step
     python examples/train_gpt.py --fp8 current    # every dense layer in FP8 against bf16 and fp32
     python examples/train_gpt.py --model hf-gpt2  # Hugging Face's GPT-2, as built and after convert_model
+    python examples/train_gpt.py --model hf-llama # Hugging Face's Llama at the same size, likewise
 
 GPU: d_model 768, 12 layers x 12 heads, sequence 1024, batch 8, byte vocabulary (86M parameters),
 bf16 parameters, fused AdamW. On the H200 this is both faster and a fairer test of the MLPs than
@@ -25,7 +26,7 @@ round), so a change in the GPU's clocks (its power cap) or the host's speed reac
 speed ratio is the median of the rounds' ratios, and each run's peak memory is its own (the peak of
 its steps over what was allocated before them, plus what the run holds). The MLPs
 agree when the last-20-step mean losses differ by at most --tol (relative; 2e-2 in bf16, where
-rounding makes any two runs drift apart slowly, 1e-3 in float32, 5e-3 for --model hf-gpt2 in
+rounding makes any two runs drift apart slowly, 1e-3 in float32, 5e-3 for the --model hf-* runs in
 float32) and, in float32, every one of the first 10 steps' losses by at most 1e-4. Results: --out/train_gpt.json
 and the loss curves --out/train_gpt.png (with matplotlib). Exit status 1 when the curves differ.
 
@@ -44,6 +45,12 @@ printed). GPT-2 small
 because it is the size most from-scratch GPT training starts from (nanoGPT's reproduction, the
 main job's own size). torchao's float8 is not set beside it: it converts nn.Linear layers, and
 GPT-2 keeps its projections as Conv1D. Needs transformers (the examples extra).
+
+--model hf-llama: the same comparison on transformers' LlamaForCausalLM at the same width, depth
+and heads (d_model 768, hidden 2048 = 8/3 d_model, 4 KV heads, RMSNorm, rotary positions, SwiGLU,
+untied head): the architecture most training now uses. convert_model turns each block's MLP into a
+FusedGatedMLP (a packed gate / up weight); the attention's bias-free projections and the head stay
+(in bf16 a bias-free linear runs the same GEMM either way).
 
 --fp8 {current,delayed}: trains the GPT with every dense layer a fused_dense layer (FusedMLP, and
 FusedDense for the attention's qkv and output projections and the head) three times from the same
@@ -181,16 +188,43 @@ class HFGPT2(nn.Module):
         return self.model(input_ids=idx).logits
 
 
+class HFLlama(nn.Module):
+    """transformers' LlamaForCausalLM at this example's width, depth and heads, byte vocabulary
+    (hidden 8/3 d_model rounded to 64, 4 KV heads where the heads divide by 4, untied head);
+    forward returns the logits, as GPT's does."""
+
+    def __init__(self, vocab, seq_len, d_model, n_layers, n_heads):
+        super().__init__()
+        try:
+            import transformers
+        except ImportError as exc:
+            raise SystemExit("error: --model hf-llama needs transformers (pip install -e '.[examples]')") from exc
+        hidden = (8 * d_model // 3 + 63) // 64 * 64
+        config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq_len, hidden_size=d_model,
+                                          intermediate_size=hidden, num_hidden_layers=n_layers,
+                                          num_attention_heads=n_heads,
+                                          num_key_value_heads=4 if n_heads % 4 == 0 else n_heads,
+                                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                                          pad_token_id=None, attn_implementation="sdpa")
+        self.model = transformers.LlamaForCausalLM(config)
+
+    def forward(self, idx):
+        return self.model(input_ids=idx).logits
+
+
+HF_MODELS = {"hf-gpt2": HFGPT2, "hf-llama": HFLlama}
+
+
 def make_model(kind, args):
     """The model of a run, unconverted: the example's GPT with the MLP `kind` names, or ('hf...')
-    Hugging Face's GPT-2."""
+    the Hugging Face model of --model."""
     if kind.startswith("hf"):
-        return HFGPT2(VOCAB, args.seq, args.d_model, args.layers, args.heads)
+        return HF_MODELS[args.model](VOCAB, args.seq, args.d_model, args.layers, args.heads)
     return GPT(VOCAB, args.seq, args.d_model, args.layers, args.heads, kind)
 
 
 def variants_of(args):
-    return HF_VARIANTS if args.model == "hf-gpt2" else VARIANTS
+    return HF_VARIANTS if args.model in HF_MODELS else VARIANTS
 
 
 # ---- data and progress
@@ -479,7 +513,8 @@ def fp8_legs(args):
 
 def compare_mlps(runs, curves, modes, args, tol, device):
     """The fused variant against the baseline per mode (FusedMLP against nn.Linear; with --model
-    hf-gpt2 convert_model's against the model as built): tokens/s ratios and loss agreement, printed."""
+    hf-gpt2 or hf-llama convert_model's against the model as built): tokens/s ratios and loss
+    agreement, printed."""
     ratios, agreement = {}, {}
     plain_name, fused_name = variants_of(args)
     for mode in modes:
@@ -554,13 +589,13 @@ def main(argv=None):
                    help="a sequence length from [seq / 8, seq] per step, each run in its own process (see above)")
     p.add_argument("--fp8", choices=["current", "delayed"], default=None,
                    help="every dense layer in FP8 with this scaling, against bf16 and fp32 (see above)")
-    p.add_argument("--model", choices=["gpt", "hf-gpt2"], default="gpt",
-                   help="'gpt': this example's GPT, FusedMLP against nn.Linear; 'hf-gpt2': transformers' GPT-2 "
-                        "as built against convert_model's (see above)")
+    p.add_argument("--model", choices=["gpt", *HF_MODELS], default="gpt",
+                   help="'gpt': this example's GPT, FusedMLP against nn.Linear; 'hf-gpt2' / 'hf-llama': "
+                        "transformers' GPT-2 / Llama as built against convert_model's (see above)")
     p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # "<mode> <variant>": this run only
     args = p.parse_args(argv)
-    if args.model == "hf-gpt2" and (args.fp8 or args.variable_length):
-        p.error("--model hf-gpt2 runs the bf16 / fp32 comparison: leave out --fp8 and --variable-length")
+    if args.model in HF_MODELS and (args.fp8 or args.variable_length):
+        p.error(f"--model {args.model} runs the bf16 / fp32 comparison: leave out --fp8 and --variable-length")
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda" and not fused_dense.has_cuda_kernels():
@@ -588,7 +623,7 @@ def main(argv=None):
     args.compile = (device.type == "cuda" and not (args.variable_length or args.fp8)
                     if args.compile is None else args.compile)
     tol = args.tol if args.tol is not None else (
-        2e-2 if args.precision != "fp32" else HF_FP32_TOL if args.model == "hf-gpt2" else 1e-3)
+        2e-2 if args.precision != "fp32" else HF_FP32_TOL if args.model in HF_MODELS else 1e-3)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the same for both MLPs
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -602,7 +637,7 @@ def main(argv=None):
                if args.variable_length else [args.seq] * args.steps)
     data = (train.to(device), val.to(device), offsets.to(device), val_offsets.to(device), lengths)
     torch.manual_seed(args.seed)
-    init = make_model("hf" if args.model == "hf-gpt2" else "plain", args).state_dict()
+    init = make_model("hf" if args.model in HF_MODELS else "plain", args).state_dict()
     n_params = sum(t.numel() for t in init.values())
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     if args.run is not None:  # one run of --variable-length or --fp8, in its own process: figures to --out

@@ -249,10 +249,12 @@ def test_gpu_run_short(tmp_path):
 
 
 @pytest.mark.cuda
-def test_gpu_hf_gpt2_run_short(tmp_path):
-    """--model hf-gpt2 on the GPU configuration cut to 2 layers and 30 steps, eager and compiled."""
+@pytest.mark.parametrize("model", ["hf-gpt2", "hf-llama"])
+def test_gpu_hf_run_short(tmp_path, model):
+    """--model hf-gpt2 / hf-llama on the GPU configuration cut to 2 layers and 30 steps, eager and
+    compiled."""
     pytest.importorskip("transformers")
-    assert train_gpt.main(["--device", "cuda", "--model", "hf-gpt2", "--steps", "30", "--layers", "2",
+    assert train_gpt.main(["--device", "cuda", "--model", model, "--steps", "30", "--layers", "2",
                            "--out", str(tmp_path)]) == 0
     report = _report(tmp_path)
     assert set(report["runs"]) == {f"{m} {v}" for m in ("eager", "compile") for v in ("Hugging Face", "convert_model")}
@@ -291,28 +293,58 @@ def test_cpu_hf_gpt2_converted_trains_like_the_model_as_built(tmp_path, capsys):
     assert "OK: convert_model and Hugging Face train alike" in out
 
 
+def _convert_then_scale(monkeypatch, layer_type, names):
+    """convert_model, then the named parameters of every `layer_type` layer scaled by 1.01 (after
+    the converter's own probe, so only the training comparison can notice)."""
+    real = train_gpt.fused_dense.convert_model
+
+    def convert_then_scale(model, **kw):
+        report = real(model, **kw)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, layer_type):
+                    for name in names:
+                        m.get_parameter(name).mul_(1.01)
+        return report
+    monkeypatch.setattr(train_gpt.fused_dense, "convert_model", convert_then_scale)
+
+
 def test_cpu_hf_gpt2_wrong_converted_mlp_fails(tmp_path, monkeypatch, capsys):
     """Converted MLPs whose output is 1% off (fc2 scaled after the converter's own probe) must fail
     the check: the first steps' agreement catches it."""
     pytest.importorskip("transformers")
-    real = train_gpt.fused_dense.convert_model
-
-    def convert_then_perturb(model, **kw):
-        report = real(model, **kw)
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, train_gpt.fused_dense.convert.ConvertedMLP):
-                    m.fc2.weight.mul_(1.01)
-                    m.fc2.bias.mul_(1.01)
-        return report
-    monkeypatch.setattr(train_gpt.fused_dense, "convert_model", convert_then_perturb)
+    _convert_then_scale(monkeypatch, train_gpt.fused_dense.convert.ConvertedMLP, ("fc2.weight", "fc2.bias"))
     assert train_gpt.main([*TINY, "--model", "hf-gpt2", "--out", str(tmp_path)]) == 1
     agreement = _report(tmp_path)["agreement"]["eager"]
     assert not agreement["agree"] and agreement["max_relative_gap_first_steps"] > 1e-4, agreement
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("model", ["hf-gpt2", "hf-llama"])
 @pytest.mark.parametrize("extra", [["--fp8", "current"], ["--variable-length"]])
-def test_hf_gpt2_refuses_what_it_does_not_compare(tmp_path, extra):
+def test_hf_models_refuse_what_they_do_not_compare(tmp_path, extra, model):
     with pytest.raises(SystemExit):
-        train_gpt.main([*TINY, "--model", "hf-gpt2", *extra, "--out", str(tmp_path)])
+        train_gpt.main([*TINY, "--model", model, *extra, "--out", str(tmp_path)])
+
+
+def test_cpu_hf_llama_converted_trains_like_the_model_as_built(tmp_path, capsys):
+    """--model hf-llama: transformers' Llama as built against convert_model's (its MLPs as
+    FusedGatedMLP), from the same weights on the same batches; the curves agree step by step."""
+    pytest.importorskip("transformers")
+    assert train_gpt.main([*TINY, "--model", "hf-llama", "--out", str(tmp_path)]) == 0
+    report = _report(tmp_path)
+    assert set(report["runs"]) == {"eager Hugging Face", "eager convert_model"}
+    ours, theirs = report["loss_curves"]["eager convert_model"], report["loss_curves"]["eager Hugging Face"]
+    assert max(abs(a - b) / b for a, b in zip(ours[:8], theirs[:8])) < 1e-5  # float32: rounding apart only
+    out = capsys.readouterr().out
+    assert "converted model.layers.0.mlp: LlamaMLP -> FusedGatedMLP(swiglu)" in out
+    assert "OK: convert_model and Hugging Face train alike" in out
+
+
+def test_cpu_hf_llama_wrong_converted_mlp_fails(tmp_path, monkeypatch, capsys):
+    """Converted gated MLPs whose output is 1% off (the down weight scaled after conversion) fail."""
+    pytest.importorskip("transformers")
+    _convert_then_scale(monkeypatch, train_gpt.fused_dense.FusedGatedMLP, ("down_proj.weight",))
+    assert train_gpt.main([*TINY, "--model", "hf-llama", "--out", str(tmp_path)]) == 1
+    agreement = _report(tmp_path)["agreement"]["eager"]
+    assert not agreement["agree"] and agreement["max_relative_gap_first_steps"] > 1e-4, agreement
