@@ -69,7 +69,7 @@ inline constexpr std::size_t kMaxStreamWorkspaces = 16;
 // The call keeps a reference to the buffer it was given: should another host thread grow the same
 // stream's buffer meanwhile, the old one returns to the caching allocator only once this call has
 // enqueued its work (and then in stream order).
-inline at::Tensor stream_workspace(const at::Tensor& like, std::size_t bytes) {
+inline at::Tensor stream_workspace(const at::Tensor& like, cudaStream_t stream, std::size_t bytes) {
   struct Entry {
     int device;
     cudaStream_t stream;
@@ -81,7 +81,6 @@ inline at::Tensor stream_workspace(const at::Tensor& like, std::size_t bytes) {
   };
   static Cache* cache = new Cache();  // never destroyed: its buffers would outlive the CUDA context
   const int device = like.get_device();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(device).stream();
   std::lock_guard<std::mutex> lock(cache->mutex);
   auto& entries = cache->entries;
   auto it = std::find_if(entries.begin(), entries.end(),
@@ -99,20 +98,17 @@ inline at::Tensor stream_workspace(const at::Tensor& like, std::size_t bytes) {
 class CallWorkspace {
  public:
   CallWorkspace(const at::Tensor& like, std::size_t bytes) : bytes_(bytes) {
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream(like.get_device()).stream();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(like.get_device()).stream(), &capture));
-    if (bytes <= kMaxStreamWorkspaceBytes && capture == cudaStreamCaptureStatusNone) {
-      held_ = stream_workspace(like, bytes);
-    } else {
-      held_ = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
-    }
-    ptr_ = held_.data_ptr();
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    held_ = (bytes <= kMaxStreamWorkspaceBytes && capture == cudaStreamCaptureStatusNone)
+                ? stream_workspace(like, stream, bytes)
+                : at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
   }
-  core::Workspace get() const { return core::Workspace{ptr_, bytes_}; }
+  core::Workspace get() const { return core::Workspace{held_.data_ptr(), bytes_}; }
 
  private:
   at::Tensor held_;  // the stream's buffer, or this call's own
-  void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
 };
 
