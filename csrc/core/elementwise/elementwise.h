@@ -12,6 +12,7 @@
 //   sum_partials.cu         sum_partials
 //   gated_act.cu            gated_act_forward, gated_act_backward
 //   cross_entropy.cu        cross_entropy_rows
+//   norm.cu                 norm_forward
 // and, shared by those files only: vector_pack.cuh (element conversions, 16-byte vectors),
 // flat_grid.cuh (launch shape, grid-stride iteration), type_dispatch.cuh (codes to template
 // arguments), act_backward_step.cuh (one vector of the activation backward, the ReLU mask
@@ -96,5 +97,26 @@ struct CrossEntropyRowsArgs {
   bool lse_known = false, write_grad = false;
 };
 void cross_entropy_rows(const CrossEntropyRowsArgs& args, cudaStream_t stream);
+
+// RMSNorm (layer_norm false: mean = 0) or LayerNorm over rows of x [rows, cols], one block per
+// row, fp32 math: rstd = 1 / sqrt(mean_j (x_j - mean)^2 + eps), out = (x - mean) * rstd * weight
+// + bias rounded once to dtype (weight, bias [cols] in dtype; bias may be null). rstd [rows] and,
+// where non-null, mean [rows] are float32. amax, where non-null, takes the atomic maximum of |out|
+// over the rows (NaN if any out is NaN) and must start at 0: the current scaling amax that
+// fp8_quantize then takes as known_amax.
+struct NormForwardArgs {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0, cols = 0;
+  const void* x = nullptr;
+  const void* weight = nullptr;
+  const void* bias = nullptr;
+  float eps = 1e-6f;
+  bool layer_norm = false;
+  void* out = nullptr;
+  float* rstd = nullptr;
+  float* mean = nullptr;
+  float* amax = nullptr;
+};
+void norm_forward(const NormForwardArgs& args, cudaStream_t stream);
 
 }  // namespace fused_dense::core

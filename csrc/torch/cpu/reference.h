@@ -11,6 +11,7 @@
 
 #include "torch/checks.h"
 #include "torch/lm_head.h"
+#include "torch/norm.h"
 
 namespace fused_dense {
 
@@ -56,5 +57,10 @@ at::Tensor gelu_tanh_backward(const at::Tensor& d, const at::Tensor& p);
 // The LM head's rows (lm_head.h, LceRows; the math of core/elementwise/elementwise.h,
 // cross_entropy_rows) in fp32 (fp64 for float64 logits), device-generic.
 void cross_entropy_rows_reference(const LceRows& rows, const LceOptions& opts);
+
+// The norm family's gradients (norm.cpp), device-generic: the CPU and the CUDA kernel.
+NormBackwardResult norm_backward_reference(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+                                           const at::Tensor& rstd, const std::optional<at::Tensor>& mean,
+                                           std::array<bool, 3> grads);
 
 }  // namespace fused_dense

@@ -9,24 +9,11 @@
 #include "core/elementwise/fp8_quantize.h"
 #include "core/ops/fp8_linear.h"
 #include "torch/cuda/core_call.h"
+#include "torch/cuda/fp8.h"
 #include "torch/fp8.h"
 
 namespace fused_dense {
-namespace {
 
-namespace core = ::fused_dense::core;
-
-void check_fp8_device(const at::Tensor& t, const char* op) {
-  const auto& info = core::device_info(t.get_device());
-  const int cc = info.cc_major() * 10 + info.cc_minor();
-  TORCH_CHECK_NOT_IMPLEMENTED(cc >= 89, op, ": FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper), but ",
-                              t.device(), " has ", info.cc_major(), ".", info.cc_minor());
-}
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-// The quantize pass into allocated outputs res; known_amax: current scaling's amax of v, already
-// recorded (fp8_linear_act's GEMM), in place of the amax pass.
 void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, int64_t activation, bool backward,
                    int64_t fp8_format, const float* scale, const float* known_amax, bool rowwise, bool columnwise,
                    bool column_sums, Fp8QuantizeResult& res) {
@@ -54,6 +41,19 @@ void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, in
     core::fp8_quantize(a, ws.get().ptr, bytes, device, at::cuda::getCurrentCUDAStream(device).stream());
   });
 }
+
+namespace {
+
+namespace core = ::fused_dense::core;
+
+void check_fp8_device(const at::Tensor& t, const char* op) {
+  const auto& info = core::device_info(t.get_device());
+  const int cc = info.cc_major() * 10 + info.cc_minor();
+  TORCH_CHECK_NOT_IMPLEMENTED(cc >= 89, op, ": FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper), but ",
+                              t.device(), " has ", info.cc_major(), ".", info.cc_minor());
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                     int64_t activation, bool backward, int64_t fp8_format,
