@@ -11,6 +11,10 @@ tests/test_convert.py):
   ``bias_free_linears=True`` or in FP8 (in bf16 a bias-free linear runs the same cuBLASLt GEMM as
   ``nn.Linear``, so converting it gains nothing); the LM head (``lm_head``, or the model's output
   embedding) only with ``lm_head=True``;
+- in FP8 with current scaling, a Llama-family decoder layer's ``input_layernorm`` and
+  ``post_attention_layernorm`` (LlamaRMSNorm's shape: Llama, Mistral, Qwen2) become a
+  :class:`~fused_dense.norm.FusedRMSNorm` holding the same weight, which quantizes its output as
+  it writes it and hands the FP8 copy to q / k / v and the MLP (one copy for all: fused_dense/norm.py);
 - GPT-2's other ``Conv1D`` layers (the attention's ``c_attn`` / ``c_proj``: ``x @ weight + bias``
   with the weight stored [in, out]) become a :class:`ConvertedConv1D`, a FusedDense that keeps the
   weight [out, in] for the GEMM and saves and loads it in Conv1D's layout (a new parameter).
@@ -40,6 +44,7 @@ from torch import nn
 
 from . import fp8 as _fp8
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
+from .norm import FusedRMSNorm, fused_rms_norm_from
 
 __all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "convert_model"]
 
@@ -70,6 +75,25 @@ def _type_name(module: nn.Module) -> str:
 def _is_conv1d(module: nn.Module) -> bool:
     """transformers' GPT-2 Conv1D (a linear layer whose weight is stored [in, out])."""
     return _type_name(module) == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+# The norms of a Llama-family decoder layer that feed its FP8 projections (q / k / v) and its MLP.
+_DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def _handoff_norm(name: str, module: nn.Module, recipe) -> Tuple[Optional[FusedRMSNorm], str]:
+    """(FusedRMSNorm handing its FP8 output over, '') for a decoder layer's RMSNorm when the new
+    layers run FP8 with current scaling; (None, reason) for one of another shape; (None, '') for
+    what is not such a norm."""
+    if name.split(".")[-1] not in _DECODER_NORMS or not _type_name(module).endswith("RMSNorm"):
+        return None, ""
+    if recipe is None or recipe.scaling != "current":
+        return None, ""
+    fused = fused_rms_norm_from(module, fp8_handoff=True)
+    if fused is None:
+        return None, ("not LlamaRMSNorm's shape (weight, variance_epsilon; Gemma's 1 + weight is another): "
+                      "its FP8 layers quantize its output themselves")
+    return fused, ""
 
 
 def _plain_mlp_pair(module: nn.Module) -> Optional[Tuple[str, str]]:
@@ -295,11 +319,20 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
         report.left.append((name, _type_name(module), "refused by module_filter"))
         return False
 
+    recipe = None if fp8 is None or fp8 is False else _fp8.resolve_recipe(fp8)
     for name, module in model.named_modules():
         if not name or covered(name):
             continue
-        if isinstance(module, (FusedDense, FusedGatedMLP, FusedMLP)):  # converted already, with its layers
+        if isinstance(module, (FusedDense, FusedGatedMLP, FusedMLP, FusedRMSNorm)):  # converted already
             taken.add(name)
+            continue
+        norm, why = _handoff_norm(name, module, recipe)
+        if norm is not None or why:
+            if norm is None:
+                report.left.append((name, _type_name(module), why))
+            elif wanted(name, module):
+                replacements.append((name, norm))
+                report.converted.append((name, _type_name(module), "FusedRMSNorm (FP8 output handed to its layers)"))
             continue
         if is_llama_mlp(module):
             try:

@@ -48,6 +48,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import ops
 from ._common import autocast_off, cast_for_op, compute_dtype
@@ -332,9 +333,10 @@ class Fp8Layer:
             xc, x2, (b,) = _op_inputs(x, (self.bias,))
             weights = self._fp8_state.weight_copies((self.weight,), is_first_microbatch)
             scales, amax_out = _scaling(self, recipe, DENSE_SLOTS, x.device)
+            x_fp8 = quantized_copies(x, xc, recipe)
             with autocast_off(x.device.type):
                 out = torch.ops.fused_dense.fp8_dense(x2, self.weight, b, weights, recipe.grad_format_code, scales,
-                                                      amax_out)
+                                                      amax_out, x_fp8)
         else:
             act = ops.mlp_activation_code(self.activation, "any")
             lvl = self.checkpoint_lvl if self.training else 2
@@ -342,10 +344,40 @@ class Fp8Layer:
             xc, x2, (b1, b2) = _op_inputs(x, (fc1.bias, fc2.bias))
             weights = self._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
             scales, amax_out = _scaling(self, recipe, MLP_SLOTS, x.device)
+            x_fp8 = quantized_copies(x, xc, recipe)
             with autocast_off(x.device.type):
                 out = torch.ops.fused_dense.fused_mlp_fp8(x2, fc1.weight, b1, fc2.weight, b2, act, lvl, weights,
-                                                          recipe.grad_format_code, scales, amax_out)
+                                                          recipe.grad_format_code, scales, amax_out, x_fp8)
         return out if xc.dim() == 2 else out.reshape(*xc.shape[:-1], out.shape[-1])
+
+
+# ---- inputs quantized where they are made ------------------------------------------------------
+# A norm that feeds FP8 layers (fused_dense/norm.py, FusedRMSNorm) quantizes its output as it
+# writes it (the op norm_fp8) and hands the copies over here, keyed by the output tensor; each FP8
+# layer that reads that very tensor takes them (the ops' x_fp8) instead of quantizing it again:
+# q / k / v and the MLP read one copy. The copies are fp8_quantize's of the output, byte for byte,
+# so a layer computes the same bits with or without them. Weak keys: an entry goes with its tensor.
+_HANDOFF = WeakTensorKeyDictionary()
+_HANDOFF_LOCK = threading.Lock()
+
+
+def hand_off(out: Tensor, copies: Sequence[Tensor]) -> None:
+    """Records ``copies`` = [data, data_t, scale_inv, amax] (e4m3, current scaling) as ``out``'s FP8
+    copies, valid while ``out`` is not modified in place."""
+    with _HANDOFF_LOCK:
+        _HANDOFF[out] = (out._version, list(copies))
+
+
+def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe) -> List[Tensor]:
+    """The FP8 copies handed over for the layer input x (``[]``: none, the op quantizes x): only
+    for current scaling, x unchanged since, and read as it is (``xc`` is x: no cast, no gather)."""
+    if recipe.scaling != "current" or xc is not x or torch.compiler.is_compiling():
+        return []
+    with _HANDOFF_LOCK:
+        entry = _HANDOFF.get(x)
+    if entry is None or entry[0] != x._version:
+        return []
+    return entry[1]
 
 
 def _load_scaling_state(module, state_dict, prefix, *args, slots):

@@ -630,7 +630,7 @@ def test_recipe_errors():
     with pytest.raises(ValueError, match="activation must be 1 .* got 6"):
         torch.ops.fused_dense.fused_mlp_fp8(randn(4, 64), m.fc1.weight, None, m.fc2.weight, None, 6, 0,
                                             fused_dense.fp8.quantize_weight(m.fc1.weight)
-                                            + fused_dense.fp8.quantize_weight(m.fc2.weight), 1, None, None)
+                                            + fused_dense.fp8.quantize_weight(m.fc2.weight), 1, None, None, [])
 
 
 def test_torchao_converted_mlp_runs_fp8_and_warns():

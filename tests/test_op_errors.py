@@ -213,7 +213,7 @@ def _mlp_pair(x, w1, w2, activation=1):
     """The same arguments to the bf16 / fp16 MLP and to the FP8 MLP."""
     return [lambda: OPS.fused_mlp(x, w1, None, w2, None, activation, 0, -2),
             lambda: torch.ops.fused_dense.fused_mlp_fp8(x, w1, None, w2, None, activation, 0, _fp8_copies(w1, w2), 1,
-                                                        None, None)]
+                                                        None, None, [])]
 
 
 # The same mistake given to a bf16 / fp16 op and to its FP8 counterpart: (id, calls, fragment of each message)
@@ -255,11 +255,11 @@ def test_cpu_fp8_width_error_names_the_users_argument(case):
     x = tensor(4, in_f)
     if case == "dense-out":
         w = tensor(out_f, in_f)
-        call = lambda: torch.ops.fused_dense.fp8_dense(x, w, None, _fp8_copies(w), 1, None, None)  # noqa: E731
+        call = lambda: torch.ops.fused_dense.fp8_dense(x, w, None, _fp8_copies(w), 1, None, None, [])  # noqa: E731
         name, got = "out_features (weight.size(0))", out_f
     else:
         w1, w2 = tensor(hidden, in_f), tensor(out_f, hidden)
-        call = lambda: mlp(x, w1, None, w2, None, 1, 0, _fp8_copies(w1, w2), 1, None, None)  # noqa: E731
+        call = lambda: mlp(x, w1, None, w2, None, 1, 0, _fp8_copies(w1, w2), 1, None, None, [])  # noqa: E731
         name, got = {"mlp-hidden": ("hidden_features (weight2.size(1))", hidden),
                      "mlp-in": ("in_features (x.size(1))", in_f),
                      "mlp-out": ("out_features (weight2.size(0))", out_f)}[case]

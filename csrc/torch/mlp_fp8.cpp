@@ -73,6 +73,29 @@ void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad
                     ": weights_fp8 must hold 3 tensors (the weight's data, data_t, scale_inv), got ", weights_fp8.size());
 }
 
+void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const Opt& scales, const char* op) {
+  if (x_fp8.empty()) return;
+  TORCH_CHECK_VALUE(x_fp8.size() == 4, op, ": x_fp8 must be empty or hold 4 tensors (x's data, data_t, scale_inv, "
+                    "amax), got ", x_fp8.size());
+  TORCH_CHECK_VALUE(!(scales.has_value() && scales->defined()), op, ": x_fp8 (an input quantized before the op) "
+                    "serves current scaling only; got delayed scaling's scales too");
+  const at::Tensor &d = x_fp8[0], &t = x_fp8[1];
+  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && d.sizes() == x.sizes(), op,
+                    ": x_fp8[0] must be x's float8_e4m3fn copy of shape ", x.sizes(), ", got ", d.scalar_type(), " ",
+                    d.sizes());
+  const int64_t ld = core::fp8_padded_rows(x.size(0));
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat8_e4m3fn &&
+                        (t.numel() == 0 || (t.dim() == 2 && t.size(0) == x.size(1) && t.size(1) == ld)),
+                    op, ": x_fp8[1] must be x's transposed float8_e4m3fn copy [", x.size(1), ", ", ld, "] or empty, got ",
+                    t.scalar_type(), " ", t.sizes());
+  for (int i = 2; i < 4; ++i) {
+    TORCH_CHECK_VALUE(x_fp8[i].scalar_type() == at::kFloat && x_fp8[i].numel() == 1, op, ": x_fp8[", i,
+                      "] must be a float32 scalar (", i == 2 ? "scale_inv" : "amax", "), got ",
+                      x_fp8[i].scalar_type(), " ", x_fp8[i].sizes());
+  }
+  for (const auto& e : x_fp8) check_same_device(op, "x_fp8", e, "x", x);
+}
+
 Fp8Weight fp8_weight_at(at::TensorList w, size_t i, const at::Tensor& weight, const char* op) {
   const at::Tensor& d = w[3 * i];
   const at::Tensor& t = w[3 * i + 1];
@@ -96,11 +119,13 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   // gate / up weight); checkpoint_lvl 0 / 1 / 2;
   // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3);
   // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
-  // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward).
+  // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward);
+  // x_fp8: x quantized before the op (mlp_fp8.h, check_x_fp8), used in place of quantizing x.
   m.def("fused_mlp_fp8(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
-        "int checkpoint_lvl, Tensor[] weights_fp8, int grad_format, Tensor? scales, Tensor(a!)? amax_out) -> Tensor");
+        "int checkpoint_lvl, Tensor[] weights_fp8, int grad_format, Tensor? scales, Tensor(a!)? amax_out, "
+        "Tensor[] x_fp8) -> Tensor");
   // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv];
-  // scales / amax_out: [x, grad_out].
+  // scales / amax_out: [x, grad_out]; x_fp8 as fused_mlp_fp8's.
   m.def("fp8_dense(Tensor x, Tensor weight, Tensor? bias, Tensor[] weights_fp8, int grad_format, Tensor? scales, "
-        "Tensor(a!)? amax_out) -> Tensor");
+        "Tensor(a!)? amax_out, Tensor[] x_fp8) -> Tensor");
 }

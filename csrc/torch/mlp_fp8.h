@@ -20,6 +20,11 @@ void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad
                      const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& amax_out,
                      at::TensorList weights_fp8);
 
+// x_fp8: empty, or x's FP8 copies made before the op (a norm's, norm_fp8): [data [B, K] e4m3,
+// data_t [K, pad16(B)] e4m3 (or [0] where no weight gradient reads it), scale_inv [], amax []
+// float32], current scaling only (scales None). Checked against x.
+void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const std::optional<at::Tensor>& scales, const char* op);
+
 // A weight's FP8 copies, made by fp8_quantize(weight, rowwise and columnwise).
 struct Fp8Weight {
   at::Tensor data, data_t, scale_inv;

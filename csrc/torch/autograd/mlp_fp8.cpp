@@ -6,7 +6,7 @@
 // Per step, with per-tensor scales (current: from each tensor's amax; delayed: `scales`); for the
 // gated activations (swiglu, geglu) pre is the packed gu [B, 2h] (core/common/types.h), act(pre) is
 // act(g) * u [B, h] and d_act * act'(pre) the packed (d_h * u * act'(g), d_h * act(g)) [B, 2h]:
-//   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient)
+//   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient), or the caller's x_fp8
 //             pre = fp8_linear(xq, W1q) + b1                       (model dtype)
 //             aq = Q(act(pre)) (e4m3; + its transpose for fc2's weight gradient)
 //             (plain activations: these two as one op, fp8_linear_act)
@@ -55,6 +55,15 @@ Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool
   return Q{d, t, s, si, a, c};
 }
 
+// x's quantized copy: x_fp8 when the caller made it (check_x_fp8), else fp8_quantize of x (e4m3;
+// the transposed copy when a weight gradient reads it).
+Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool columnwise, const char* op) {
+  if (x_fp8.empty()) return quantize(x, std::nullopt, 0, false, kE4M3, scale, true, columnwise, false);
+  TORCH_CHECK_VALUE(!columnwise || x_fp8[1].numel() > 0, op, ": x_fp8[1] (x's transposed copy) is empty, but the "
+                    "weight needs a gradient, which reads it");
+  return Q{x_fp8[0], x_fp8[1], at::Tensor(), x_fp8[2], x_fp8[3], at::Tensor()};
+}
+
 // The slot of a delayed-scaling scale, or none (current scaling).
 Opt slot(const Opt& scales, int64_t i) {
   if (!scales.has_value() || !scales->defined()) return std::nullopt;
@@ -97,11 +106,11 @@ struct Fp8MlpSaved {
 // activations; the gated ones run fp8_linear and fp8_quantize.
 bool fc1_one_op(const Fp8MlpConfig& c) { return !is_gated_activation(c.activation); }
 
-at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor& x, const Fp8Weight& w1,
-                       const Opt& b1, const Fp8Weight& w2, const Opt& b2, const Opt& scales, const Opt& amax_out,
-                       Fp8MlpSaved* s) {
+at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor& x, at::TensorList x_fp8,
+                       const Fp8Weight& w1, const Opt& b1, const Fp8Weight& w2, const Opt& b2, const Opt& scales,
+                       const Opt& amax_out, Fp8MlpSaved* s) {
   const auto dtype = x.scalar_type();
-  const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, p.need.w1, false);
+  const Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1, kMlpOp);
   record_amax(amax_out, 0, xq.amax);
   at::Tensor pre;
   Q aq;
@@ -174,7 +183,8 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tens
 struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Function> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                             const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
-                            at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+                            at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out,
+                            at::TensorList x_fp8) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const bool has_b1 = bias1.has_value() && bias1->defined(), has_b2 = bias2.has_value() && bias2->defined();
     size_t edge = 0;
@@ -189,7 +199,8 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     const Fp8Weight w1 = fp8_weight_at(weights_fp8, 0, weight1, kMlpOp);
     const Fp8Weight w2 = fp8_weight_at(weights_fp8, 1, weight2, kMlpOp);
     Fp8MlpSaved s;
-    at::Tensor out = mlp_forward(p, c, x, w1, bias1, w2, bias2, scales, amax_out, &s);
+    at::Tensor out = mlp_forward(p, c, x, x_fp8, w1, bias1, w2, bias2, scales, amax_out, &s);
+    ctx->saved_data["x_fp8_count"] = static_cast<int64_t>(x_fp8.size());
     ctx->saved_data["needs"] = c10::List<bool>({need.x, need.w1, need.b1, need.w2, need.b2});
     ctx->saved_data["config"] = c10::List<int64_t>({activation, checkpoint_lvl, grad_format});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight1.scalar_type());
@@ -222,9 +233,9 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     Fp8MlpGrads r = mlp_backward(p, c, g, w1, opt(v[0]), w2, weight_dtype, s, scales, amax_out);
     // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
     // weight2, bias2, then activation, checkpoint_lvl, the 6 FP8 weight tensors, grad_format,
-    // scales and amax_out, none of which has a gradient.
+    // scales, amax_out and the x_fp8 tensors, none of which has a gradient.
     variable_list grads{r.x, r.w1, r.b1, r.w2, r.b2};
-    grads.resize(5 + 2 + 6 + 3);
+    grads.resize(5 + 2 + 6 + 3 + ctx->saved_data["x_fp8_count"].toInt());
     return grads;
   }
 };
@@ -232,29 +243,31 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
 at::Tensor fused_mlp_fp8_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                                  const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                  int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
-                                 const Opt& scales, const Opt& amax_out) {
+                                 const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
   check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
+  check_x_fp8(x, x_fp8, scales, kMlpOp);
   const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kMlpOp);
   const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
-  return mlp_forward(p, c, x, fp8_weight_at(weights_fp8, 0, weight1, kMlpOp), bias1,
+  return mlp_forward(p, c, x, x_fp8, fp8_weight_at(weights_fp8, 0, weight1, kMlpOp), bias1,
                      fp8_weight_at(weights_fp8, 1, weight2, kMlpOp), bias2, scales, amax_out, nullptr);
 }
 
 at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                                   const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                   int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
-                                  const Opt& scales, const Opt& amax_out) {
+                                  const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
   check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
+  check_x_fp8(x, x_fp8, scales, kMlpOp);
   check_mlp_codes(activation, checkpoint_lvl, kMlpOp);
   const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight1.requires_grad() || requires(bias1) ||
                                        weight2.requires_grad() || requires(bias2))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fused_mlp_fp8_forward(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, weights_fp8,
-                                 grad_format, scales, amax_out);
+                                 grad_format, scales, amax_out, x_fp8);
   }
   return FusedMLPFp8Function::apply(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, weights_fp8,
-                                    grad_format, scales, amax_out);
+                                    grad_format, scales, amax_out, x_fp8);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -264,16 +277,18 @@ constexpr const char* kDenseOp = "fused_dense::fp8_dense";
 
 struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Opt& bias,
-                            at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+                            at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out,
+                            at::TensorList x_fp8) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const bool has_b = bias.has_value() && bias->defined();
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(2);
     const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
-    const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, need_w, false);
+    const Q xq = input_q(x, x_fp8, slot(scales, 0), need_w, kDenseOp);
     record_amax(amax_out, 0, xq.amax);
     at::Tensor out = op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
     ctx->saved_data["needs"] = c10::List<bool>({need_x, need_w, need_b});
+    ctx->saved_data["x_fp8_count"] = static_cast<int64_t>(x_fp8.size());
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["w"] = c10::List<at::Tensor>({w.data, w.data_t, w.scale_inv});
@@ -302,31 +317,34 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
       gx = op_calls::fp8_linear(gq.data, wl.get(1), gq.scale_inv, wl.get(2), std::nullopt, g.scalar_type(), false, -2);
     if (need_w) gw = op_calls::fp8_linear(gq.data_t, v[0], gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
     if (need_b) gb = gq.sums;
-    // x, weight, bias, then the 3 FP8 weight tensors, grad_format, scales and amax_out (no gradients)
+    // x, weight, bias, then the 3 FP8 weight tensors, grad_format, scales, amax_out and the x_fp8
+    // tensors (no gradients)
     variable_list grads{gx, gw, gb};
-    grads.resize(3 + 3 + 3);
+    grads.resize(3 + 3 + 3 + ctx->saved_data["x_fp8_count"].toInt());
     return grads;
   }
 };
 
 at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
-                             int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+                             int64_t grad_format, const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
   check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
+  check_x_fp8(x, x_fp8, scales, kDenseOp);
   const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
-  const Q xq = quantize(x, std::nullopt, 0, false, kE4M3, slot(scales, 0), true, false, false);
+  const Q xq = input_q(x, x_fp8, slot(scales, 0), false, kDenseOp);
   record_amax(amax_out, 0, xq.amax);
   return op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
 }
 
 at::Tensor fp8_dense_autograd(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
-                              int64_t grad_format, const Opt& scales, const Opt& amax_out) {
+                              int64_t grad_format, const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
   check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
+  check_x_fp8(x, x_fp8, scales, kDenseOp);
   const bool b_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || b_grad)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return fp8_dense_forward(x, weight, bias, weights_fp8, grad_format, scales, amax_out);
+    return fp8_dense_forward(x, weight, bias, weights_fp8, grad_format, scales, amax_out, x_fp8);
   }
-  return Fp8DenseFunction::apply(x, weight, bias, weights_fp8, grad_format, scales, amax_out);
+  return Fp8DenseFunction::apply(x, weight, bias, weights_fp8, grad_format, scales, amax_out, x_fp8);
 }
 
 }  // namespace

@@ -1,0 +1,145 @@
+"""FusedRMSNorm (fused_dense/norm.py): Hugging Face's LlamaRMSNorm by default; with fp8_handoff
+its FP8 output copy reaches the FP8 layers that read it (fused_dense.fp8.hand_off), and they
+compute the same bits as when they quantize that output themselves."""
+import pytest
+import torch
+
+import fused_dense
+from conftest import rel_err
+from fused_dense import Float8Recipe, FusedDense, FusedGatedMLP, FusedMLP, convert_model
+from fused_dense.norm import FusedRMSNorm
+
+transformers = pytest.importorskip("transformers")
+
+C = 64
+RECIPE = Float8Recipe(scaling="current", min_features=0)
+
+
+@pytest.fixture
+def hits(monkeypatch):
+    """Counts the FP8 layers that took handed-over copies."""
+    count = {"n": 0}
+    real = fused_dense.fp8.quantized_copies
+
+    def counting(*args):
+        copies = real(*args)
+        count["n"] += bool(copies)
+        return copies
+
+    monkeypatch.setattr(fused_dense.fp8, "quantized_copies", counting)
+    return count
+
+
+def stack(dtype=torch.bfloat16):
+    norm = FusedRMSNorm(C, 1e-5, fp8_handoff=True, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1)
+    layers = [FusedDense(C, 32, bias=False, dtype=dtype, fp8=RECIPE), FusedDense(C, 48, dtype=dtype, fp8=RECIPE),
+              FusedGatedMLP(C, 48, dtype=dtype, fp8=RECIPE), FusedMLP(C, 64, dtype=dtype, fp8=RECIPE)]
+    return norm, layers
+
+
+def run(norm, layers, x, fresh_copy):
+    h = norm(x)
+    if fresh_copy:
+        h = h.clone()  # another tensor: nothing handed over, the layers quantize it themselves
+    loss = sum((layer(h).float() * (i + 1)).square().mean() for i, layer in enumerate(layers))
+    params = [x, norm.weight] + [p for layer in layers for p in layer.parameters()]
+    return loss, torch.autograd.grad(loss, params)
+
+
+def test_handed_copies_give_the_same_bits(hits):
+    norm, layers = stack()
+    x = torch.randn(3, 20, C, dtype=torch.bfloat16, requires_grad=True)
+    loss, grads = run(norm, layers, x, fresh_copy=False)
+    assert hits["n"] == 4
+    loss2, grads2 = run(norm, layers, x, fresh_copy=True)
+    assert hits["n"] == 4
+    assert torch.equal(loss, loss2)
+    for a, b in zip(grads, grads2):
+        assert torch.equal(a, b)
+
+
+def test_in_place_change_voids_the_copies(hits):
+    norm, layers = stack()
+    x = torch.randn(40, C, dtype=torch.bfloat16)
+    with torch.no_grad():
+        h = norm.train()(x)
+        h.mul_(2)
+        layers[0](h)
+    assert hits["n"] == 0
+
+
+def test_delayed_scaling_and_eval_take_no_copies(hits):
+    norm, layers = stack()
+    x = torch.randn(40, C, dtype=torch.bfloat16)
+    delayed = FusedDense(C, 32, dtype=torch.bfloat16, fp8=Float8Recipe(scaling="delayed", min_features=0))
+    delayed(norm(x))
+    norm.eval()
+    layers[0](norm(x))
+    assert hits["n"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_without_handoff_it_is_llamas_norm(dtype):
+    ref = transformers.models.llama.modeling_llama.LlamaRMSNorm(C, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.normal_(1, 0.1)
+    ours = fused_dense.norm.fused_rms_norm_from(ref, fp8_handoff=False)
+    assert ours.weight is ref.weight
+    x = torch.randn(5, 7, C, dtype=dtype)
+    assert torch.equal(ours(x), ref(x))
+
+
+def test_handoff_output_and_gradients():
+    norm, _ = stack(torch.bfloat16)
+    x = torch.randn(50, C, dtype=torch.bfloat16, requires_grad=True)
+    out = norm(x)
+    xd, wd = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * wd
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert rel_err(out, ref) <= 0.6 * u  # one rounding from fp32 (0.44 u measured)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, norm.weight), g)
+    want = torch.autograd.grad(ref, (xd, wd), g.double())
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= u  # 0.48 u measured (tests/test_norm_fp8.py)
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=C, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+
+
+def test_convert_model_hands_the_decoder_norms_over(hits):
+    model = tiny_llama()
+    report = convert_model(model, fp8=RECIPE)
+    converted = {n for n, _, what in report.converted if what.startswith("FusedRMSNorm")}
+    assert converted == {f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm",
+                                                                              "post_attention_layernorm")}
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"  # the final norm feeds the bf16 LM head
+    assert "model.layers.0.input_layernorm.weight" in model.state_dict()
+    ids = torch.randint(0, 97, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    # per layer: q, k, v from the first norm, the MLP from the second
+    assert hits["n"] == 2 * 4
+
+
+def test_convert_model_keeps_the_norms_without_current_scaling():
+    for fp8 in (None, Float8Recipe(scaling="delayed", min_features=0)):
+        model = tiny_llama()
+        report = convert_model(model, fp8=fp8)
+        assert not any(what.startswith("FusedRMSNorm") for _, _, what in report.converted)
+
+
+def test_converted_model_close_to_unconverted():
+    model = tiny_llama()
+    ref = tiny_llama()
+    ref.load_state_dict(model.state_dict())
+    convert_model(model, fp8=RECIPE)
+    ids = torch.randint(0, 97, (2, 16))
+    loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
+    # FP8 (e4m3) activations and weights at this size: within 1% of the bf16 model's loss
+    assert abs(loss.item() - ref_loss.item()) <= 0.01 * ref_loss.item()
