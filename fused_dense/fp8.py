@@ -85,6 +85,7 @@ class Float8Recipe:
     amax_compute: str = "max"
     min_features: int = DEFAULT_MIN_FEATURES
     amax_reduction_group: Optional[object] = dataclasses.field(default=None, compare=False)
+    compiled_input_quantize: str = "traced"
 
     def __post_init__(self):
         if self.scaling not in ("current", "delayed"):
@@ -95,6 +96,9 @@ class Float8Recipe:
             raise ValueError(f"Float8Recipe: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if self.amax_compute not in ("max", "most_recent"):
             raise ValueError(f"Float8Recipe: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
+        if self.compiled_input_quantize not in ("traced", "op"):
+            raise ValueError("Float8Recipe: compiled_input_quantize must be 'traced' or 'op', got "
+                             f"{self.compiled_input_quantize!r}")
         if not isinstance(self.min_features, int) or self.min_features < 0:
             raise ValueError(f"Float8Recipe: min_features must be an int >= 0, got {self.min_features!r}")
         if self.amax_reduction_group is not None:
@@ -333,7 +337,7 @@ class Fp8Layer:
             xc, x2, (b,) = _op_inputs(x, (self.bias,))
             weights = self._fp8_state.weight_copies((self.weight,), is_first_microbatch)
             scales, amax_out = _scaling(self, recipe, DENSE_SLOTS, x.device)
-            x_fp8 = quantized_copies(x, xc, recipe)
+            x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and self.weight.requires_grad)
             with autocast_off(x.device.type):
                 out = torch.ops.fused_dense.fp8_dense(x2, self.weight, b, weights, recipe.grad_format_code, scales,
                                                       amax_out, x_fp8)
@@ -344,7 +348,7 @@ class Fp8Layer:
             xc, x2, (b1, b2) = _op_inputs(x, (fc1.bias, fc2.bias))
             weights = self._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
             scales, amax_out = _scaling(self, recipe, MLP_SLOTS, x.device)
-            x_fp8 = quantized_copies(x, xc, recipe)
+            x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and fc1.weight.requires_grad)
             with autocast_off(x.device.type):
                 out = torch.ops.fused_dense.fused_mlp_fp8(x2, fc1.weight, b1, fc2.weight, b2, act, lvl, weights,
                                                           recipe.grad_format_code, scales, amax_out, x_fp8)
@@ -368,16 +372,40 @@ def hand_off(out: Tensor, copies: Sequence[Tensor]) -> None:
         _HANDOFF[out] = (out._version, list(copies))
 
 
-def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe) -> List[Tensor]:
-    """The FP8 copies handed over for the layer input x (``[]``: none, the op quantizes x): only
-    for current scaling, x unchanged since, and read as it is (``xc`` is x: no cast, no gather)."""
-    if recipe.scaling != "current" or xc is not x or torch.compiler.is_compiling():
+def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, columnwise: bool) -> List[Tensor]:
+    """x's FP8 copies for the op's x_fp8, ``[]`` where the op quantizes x itself. Current scaling
+    only. Under torch.compile: :func:`traced_quantize` of the op's input ``x2``, which Inductor
+    fuses with what makes it (the norm before it; q / k / v's three quantizations of one input are
+    one after AOTAutograd's common-subexpression pass). Eager: the copies handed over for x, if x
+    is unchanged since and read as it is (``xc`` is x: no cast, no gather)."""
+    if recipe.scaling != "current":
+        return []
+    if torch.compiler.is_compiling():
+        return traced_quantize(x2, columnwise) if recipe.compiled_input_quantize == "traced" else []
+    if xc is not x:
         return []
     with _HANDOFF_LOCK:
         entry = _HANDOFF.get(x)
     if entry is None or entry[0] != x._version:
         return []
     return entry[1]
+
+
+def traced_quantize(x2: Tensor, columnwise: bool) -> List[Tensor]:
+    """fp8_quantize(x2, e4m3, current scaling, rowwise, ``columnwise``) written in PyTorch ops, the
+    same bytes (tests/test_norm_handoff.py): [data, data_t, scale_inv, amax]."""
+    fmax = ops.FP8_FORMAT_MAX["e4m3"]
+    v = x2.float()
+    amax = v.abs().amax()
+    scale = fmax / torch.clamp(amax, min=ops.FP8_MIN_AMAX)
+    q = (v * scale).clamp(-fmax, fmax)
+    data = q.to(torch.float8_e4m3fn)
+    if columnwise:
+        pad = (-x2.shape[0]) % 16  # the transposed copy's rows padded with zeros to a multiple of 16
+        data_t = torch.nn.functional.pad(q.t(), (0, pad)).contiguous().to(torch.float8_e4m3fn)
+    else:
+        data_t = x2.new_empty((0,), dtype=torch.float8_e4m3fn)
+    return [data, data_t, torch.reciprocal(scale), amax]
 
 
 def _load_scaling_state(module, state_dict, prefix, *args, slots):

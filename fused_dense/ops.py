@@ -29,6 +29,8 @@ MLP_ACTIVATIONS = tuple(name for name in _ACTIVATION_NAMES
 # largest finite value of each, where saturation clamps.
 FP8_FORMATS = {name: code for code, name in enumerate(torch.ops.fused_dense.fp8_formats())}
 FP8_FORMAT_MAX = {name: torch.ops.fused_dense.fp8_format_max(code) for name, code in FP8_FORMATS.items()}
+# Current scaling's scale is FP8_FORMAT_MAX / max(amax, FP8_MIN_AMAX).
+FP8_MIN_AMAX = torch.ops.fused_dense.fp8_min_amax()
 
 Heuristic = Union[int, str]
 

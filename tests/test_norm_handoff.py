@@ -21,8 +21,8 @@ def hits(monkeypatch):
     count = {"n": 0}
     real = fused_dense.fp8.quantized_copies
 
-    def counting(*args):
-        copies = real(*args)
+    def counting(*args, **kwargs):
+        copies = real(*args, **kwargs)
         count["n"] += bool(copies)
         return copies
 
@@ -143,3 +143,52 @@ def test_converted_model_close_to_unconverted():
     loss, ref_loss = model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
     # FP8 (e4m3) activations and weights at this size: within 1% of the bf16 model's loss
     assert abs(loss.item() - ref_loss.item()) <= 0.01 * ref_loss.item()
+
+
+@pytest.mark.parametrize("columnwise", [True, False])
+@pytest.mark.parametrize("rows", [40, 37])
+def test_traced_quantize_gives_fp8_quantizes_bytes(rows, columnwise):
+    x = torch.randn(rows, C, dtype=torch.bfloat16) * 5
+    x[3, 4] = 0.0
+    want = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, columnwise, False)
+    got = fused_dense.fp8.traced_quantize(x, columnwise)
+    for i, (a, b) in enumerate(zip(got, (want[0], want[1], want[3], want[4]))):
+        assert a.shape == b.shape and a.dtype == b.dtype, i
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), i
+    tiny = fused_dense.fp8.traced_quantize(torch.full((16, C), 1e-30, dtype=torch.float32), False)
+    assert tiny[2].item() == pytest.approx(ops_min_amax() / 448.0)
+
+
+def ops_min_amax():
+    return fused_dense.ops.FP8_MIN_AMAX
+
+
+@pytest.mark.parametrize("mode", ["traced", "op"])
+def test_compiled_fp8_layers_match_eager(mode, monkeypatch):
+    """Under torch.compile (fullgraph) the layers' inputs are quantized in traced PyTorch ops (or by
+    the op): the same bits as eager, forward and backward."""
+    recipe = Float8Recipe(scaling="current", min_features=0, compiled_input_quantize=mode)
+    torch.manual_seed(0)
+    layers = [FusedDense(C, 32, bias=False, dtype=torch.bfloat16, fp8=recipe),
+              FusedDense(C, 48, dtype=torch.bfloat16, fp8=recipe), FusedGatedMLP(C, 48, dtype=torch.bfloat16, fp8=recipe)]
+
+    def step(x):
+        h = x * 2  # exact: a producer Inductor fuses the quantization into, the same bits as eager
+        return tuple(layer(h) for layer in layers)
+
+    x = torch.randn(40, C, dtype=torch.bfloat16, requires_grad=True)
+    # the parameters' gradients (x's sums three layers' in an order Inductor picks: not compared)
+    params = [p for layer in layers for p in layer.parameters()]
+    eager = step(x)
+    grad_outs = [torch.randn_like(y) for y in eager]
+    eager_grads = torch.autograd.grad(eager, params, grad_outs)
+    traced = []
+    real = fused_dense.fp8.traced_quantize
+    monkeypatch.setattr(fused_dense.fp8, "traced_quantize", lambda *a: traced.append(1) or real(*a))
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, params, grad_outs)
+    assert len(traced) == (3 if mode == "traced" else 0)  # one per layer, traced once
+    for a, b in zip(eager + eager_grads, compiled + compiled_grads):
+        assert torch.equal(a, b)

@@ -77,6 +77,8 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   // The FP8 format names in code order, and the largest finite value of fp8_format 0 (e4m3) or 1 (e5m2).
   m.def("fp8_formats() -> str[]", &fused_dense::fp8_formats);
   m.def("fp8_format_max(int fp8_format) -> float", &fused_dense::fp8_format_max);
+  // The smallest amax current scaling divides by (core/common/types.h, fp8_scale_from_amax).
+  m.def("fp8_min_amax() -> float", []() { return static_cast<double>(fused_dense::core::kFp8MinAmax); });
   // Whether this build holds the library's cutlass_sm90 kernels (csrc/core/cutlass_sm90/), more
   // candidates of 'auto' on compute capability 9.0.
   m.def("cutlass_gemms_compiled() -> bool", &fused_dense::cutlass_gemms_compiled);
