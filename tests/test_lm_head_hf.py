@@ -34,17 +34,18 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_h
 
 
 def _config(family, **kw):
+    args = dict(COMMON, **kw)
     if family == "llama":
-        return transformers.LlamaConfig(**COMMON, **kw)
+        return transformers.LlamaConfig(**args)
     if family == "mistral":
-        return transformers.MistralConfig(**COMMON, sliding_window=None, **kw)
+        return transformers.MistralConfig(sliding_window=None, **args)
     if family == "qwen2":
-        return transformers.Qwen2Config(**COMMON, **kw)
+        return transformers.Qwen2Config(**args)
     if family == "gemma":
-        return transformers.GemmaConfig(**COMMON, head_dim=16, hidden_activation="gelu_pytorch_tanh", **kw)
+        return transformers.GemmaConfig(head_dim=16, hidden_activation="gelu_pytorch_tanh", **args)
     if family == "gemma2":
-        kw.setdefault("final_logit_softcapping", 30.0)
-        return transformers.Gemma2Config(**COMMON, head_dim=16, hidden_activation="gelu_pytorch_tanh", **kw)
+        args.setdefault("final_logit_softcapping", 30.0)
+        return transformers.Gemma2Config(head_dim=16, hidden_activation="gelu_pytorch_tanh", **args)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
@@ -191,6 +192,14 @@ def test_tied_embeddings(family):
     assert len(shared) == 1 and grads[shared[0]].abs().sum() > 0
 
 
+def test_chunk_size():
+    # 24 rows in chunks of 5: four full chunks and a partial one
+    model, fused = build("llama", torch.float64)
+    assert "LlamaForCausalLM" in use_fused_linear_cross_entropy(fused, chunk_size=5)
+    ids, labels = batch()
+    assert_matches_hf(model, fused, ids, labels)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_gradient_checkpointing(family):
     model, fused = build(family)
@@ -277,3 +286,36 @@ def test_convert_model_reports_it():
     # nothing else to convert and no causal LM: the usual error
     with pytest.raises(ValueError, match="found nothing to convert"):
         convert_model(torch.nn.Sequential(torch.nn.ReLU()), linear_cross_entropy=True)
+
+
+def _cuda_step(model, ids, labels):
+    """(loss, {name: grad}, peak bytes of the step over what was allocated before it)."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.cuda.synchronize()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_cuda_bf16_matches_without_the_logits_memory(family):
+    vocab, tokens = 32000, 1024
+    model, fused = build(family, torch.bfloat16, vocab_size=vocab, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=1)
+    model.cuda(), fused.cuda()
+    ids = torch.randint(0, vocab, (2, tokens // 2), device="cuda")
+    labels = ids.clone()
+    labels[:, :7] = -100
+    ref_loss, ref_grads, ref_peak = _cuda_step(model, ids, labels)
+    loss, grads, peak = _cuda_step(fused, ids, labels)
+    # bf16: the unconverted model rounds its logits to bf16 before the float32 loss, the fused one not
+    assert rel_err(loss, ref_loss) <= 1e-2
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g, floor=1e-30) <= 3e-2, name
+    # Hugging Face's step holds the float32 logits (and more); the fused one a chunk of them at a time
+    assert peak <= ref_peak - tokens * vocab * 4, (peak, ref_peak)
