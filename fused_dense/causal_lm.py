@@ -11,14 +11,18 @@ by the ``num_items_in_batch`` keyword when it is given, and Gemma 2's
 ``loss`` set and ``logits=None``; the decoder's other outputs (the cache, hidden states,
 attentions) are carried over as they are.
 
-Every other call (eval mode, no labels, ``generate``) runs the class's own forward unchanged. The
-instance's ``forward`` is replaced (the class is not touched); ``del model.forward`` restores it.
+Every other call (eval mode, no labels, ``generate``, or a ``loss_function`` set on the model
+afterwards) runs the class's own forward unchanged. The instance's ``forward`` is replaced (the
+class is not touched); ``del model.forward`` restores it. The LM head's weight and bias are read at
+each call, so a head that :func:`fused_dense.convert_model` replaced later is the one used; its
+GEMMs run in the weight's dtype (autocast's under autocast).
 
 Supported families (each tested on a small random-init model in tests/test_lm_head_hf.py): Llama,
 Mistral, Qwen2, Gemma, Gemma 2 and GPT-2. Others are refused with a ValueError: families that
 transform the logits further (Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...) would
-otherwise get a wrong loss, and a subclass that overrides ``forward`` or a model whose
-``loss_function`` is not Hugging Face's causal-LM loss is refused for the same reason.
+otherwise get a wrong loss; a subclass that overrides ``forward``, a model whose ``loss_function``
+is not Hugging Face's causal-LM loss, one whose instance ``forward`` is replaced already (such as
+accelerate's device-map hooks) and an LM head in FP8 are refused for the same reason.
 """
 import dataclasses
 import functools
@@ -87,6 +91,10 @@ def causal_lm_family(model: nn.Module) -> Tuple[Optional[str], str]:
     cls, why = _family_class(model)
     if cls is None:
         return None, why
+    own = vars(model).get("forward")
+    if own is not None and getattr(own, "__func__", None) is not _fused_forward(cls):
+        return None, (f"its forward is already replaced on the instance ({own!r}, e.g. by accelerate's hooks), "
+                      "which the fused loss would bypass")
     family = _FAMILIES[cls.__name__]
     decoder = getattr(model, family.decoder, None)
     if not isinstance(decoder, nn.Module):

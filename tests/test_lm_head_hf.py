@@ -15,6 +15,7 @@ float64): the loss is a float32 value, so within one rounding to float32 of it (
 and the gradients, float64 throughout, within 1e-12.
 """
 import copy
+import functools
 import math
 
 import pytest
@@ -261,10 +262,20 @@ def test_refused_models():
     custom = Custom(_config("llama"))
     with pytest.raises(ValueError, match="Custom overrides the forward of LlamaForCausalLM"):
         use_fused_linear_cross_entropy(custom)
+    hooked, _ = build("llama")
+    hooked.forward = functools.partial(type(hooked).forward, hooked)
+    with pytest.raises(ValueError, match="forward is already replaced on the instance"):
+        use_fused_linear_cross_entropy(hooked)
     llama, _ = build("llama")
     llama.loss_function = lambda *a, **k: 0
     with pytest.raises(ValueError, match="loss_function"):
         use_fused_linear_cross_entropy(llama)
+    # a loss_function set after the patch: the class's forward computes it, with the logits
+    _, fused = build("llama")
+    fused.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()
+    ids, labels = batch()
+    out = fused(input_ids=ids, labels=labels)
+    assert out.logits is not None and torch.equal(out.loss, out.logits.float().mean())
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         use_fused_linear_cross_entropy(build("llama")[0], chunk_size=0)
     assert set(MODEL_CLASSES.values()) <= set(SUPPORTED_FAMILIES)
