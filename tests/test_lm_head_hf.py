@@ -169,6 +169,25 @@ def test_num_items_in_batch_and_shift_labels(family):
     assert not torch.allclose(out.loss, plain)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_padding_mask_and_positional_input_ids(family):
+    # row 1's last 3 positions (right padding, labels -100) and position 5 masked out, which changes
+    # the later positions' hidden states; input_ids passed by position
+    model, fused = build(family, torch.float64)
+    ids, labels = batch()
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = mask[1, 5] = 0
+    ref, ref_grads = step(model, ids, labels, attention_mask=mask)
+    model.zero_grad(set_to_none=True), fused.zero_grad(set_to_none=True)
+    out = fused(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    assert out.logits is None
+    assert rel_err(out.loss, ref.loss) <= _f32_tol(ids.numel(), VOCAB)
+    assert rel_err(out.loss, fused(ids, labels=labels).loss) > 1e-4
+    for name, p in fused.named_parameters():
+        assert rel_err(p.grad, ref_grads[name], floor=1e-30) <= 4 * _f32_tol(ids.numel(), VOCAB), name
+
+
 def test_gemma2_softcap():
     # a cap of 0.5 changes every logit of this model; the loss without it is far off
     model, fused = build("gemma2", torch.float64, final_logit_softcapping=0.5)
