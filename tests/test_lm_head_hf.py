@@ -16,6 +16,7 @@ and the gradients, float64 throughout, within 1e-12.
 """
 import copy
 import functools
+import inspect
 import math
 
 import pytest
@@ -140,6 +141,8 @@ def test_training_loss_and_gradients_match(family, dtype):
 def test_eval_no_labels_and_generate_unchanged(family):
     model, fused = build(family)
     ids, labels = batch()
+    # what generate and the Trainer read off the forward (the accepted names, **kwargs) is the class's
+    assert inspect.signature(fused.forward) == inspect.signature(model.forward)
     # training without labels, and eval with and without labels: the class's forward, bit for bit
     for mode in ("train", "eval"):
         model.train(mode == "train"), fused.train(mode == "train")
@@ -229,6 +232,20 @@ def test_gradient_checkpointing(family):
     assert fused.model.gradient_checkpointing if family == "llama" else fused.transformer.gradient_checkpointing
     ids, labels = batch()
     assert_matches_hf(model, fused, ids, labels)
+
+
+def test_autocast_bf16():
+    # float32 weights under CPU autocast, as mixed-precision training runs: the unconverted model
+    # rounds its logits to bf16 before the float32 loss, the fused one does not (bf16's tolerance)
+    model, fused = build("llama")
+    ids, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_grads = step(model, ids, labels)
+        out, grads = step(fused, ids, labels)
+    assert out.logits is None and out.loss.dtype == torch.float32
+    assert rel_err(out.loss, ref.loss) <= 1e-2
+    for name, g in ref_grads.items():
+        assert grads[name].dtype == torch.float32 and rel_err(grads[name], g, floor=1e-30) <= 3e-2, name
 
 
 def test_return_dict_false_and_outputs_carried():
