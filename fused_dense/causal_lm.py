@@ -6,7 +6,7 @@ with ``labels`` runs the model's decoder, then computes Hugging Face's causal-LM
 :func:`fused_dense.loss.linear_cross_entropy`, so the ``[tokens, vocab]`` logits never exist: the
 labels shifted by one (padded on the right with ``ignore_index``, or the ``shift_labels`` keyword as
 given), ``ignore_index`` -100 (or the keyword), the mean over the counted tokens, or the sum divided
-by the ``num_items_in_batch`` keyword when it is given, and Gemma 2's
+by the ``num_items_in_batch`` keyword when it is given, and Gemma 2's and 3's
 ``config.final_logit_softcapping`` as the softcap. The output is the model's own output class with
 ``loss`` set and ``logits=None``; the decoder's other outputs (the cache, hidden states,
 attentions) are carried over as they are.
@@ -18,8 +18,8 @@ each call, so a head that :func:`fused_dense.convert_model` replaced later is th
 GEMMs run in the weight's dtype (autocast's under autocast).
 
 Supported families (each tested on a small random-init model in tests/test_lm_head_hf.py): Llama,
-Mistral, Qwen2, Gemma, Gemma 2 and GPT-2. Others are refused with a ValueError: families that
-transform the logits further (Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...) would
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 (text) and GPT-2. Others are refused with a
+ValueError: families that transform the logits further (Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...) would
 otherwise get a wrong loss; a subclass that overrides ``forward``, a model whose ``loss_function``
 is not Hugging Face's causal-LM loss, one whose instance ``forward`` is replaced already (such as
 accelerate's device-map hooks) and an LM head in FP8 are refused for the same reason.
@@ -53,6 +53,9 @@ _FAMILIES = {
     "Qwen2ForCausalLM": _Family("qwen2", "model", None),
     "GemmaForCausalLM": _Family("gemma", "model", None),
     "Gemma2ForCausalLM": _Family("gemma2", "model", "final_logit_softcapping"),
+    "Gemma3ForCausalLM": _Family("gemma3", "model", "final_logit_softcapping"),
+    "Qwen3ForCausalLM": _Family("qwen3", "model", None),
+    "Phi3ForCausalLM": _Family("phi3", "model", None),
     "GPT2LMHeadModel": _Family("gpt2", "transformer", None),
 }
 SUPPORTED_FAMILIES = tuple(_FAMILIES)

@@ -48,6 +48,13 @@ def _config(family, **kw):
     if family == "gemma2":
         args.setdefault("final_logit_softcapping", 30.0)
         return transformers.Gemma2Config(head_dim=16, hidden_activation="gelu_pytorch_tanh", **args)
+    if family == "gemma3":
+        args.setdefault("final_logit_softcapping", 30.0)
+        return transformers.Gemma3TextConfig(head_dim=16, hidden_activation="gelu_pytorch_tanh", **args)
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **args)
+    if family == "phi3":
+        return transformers.Phi3Config(pad_token_id=0, bos_token_id=0, eos_token_id=0, **args)
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64,
                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
@@ -56,7 +63,8 @@ def _config(family, **kw):
 
 
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 FAMILIES = list(MODEL_CLASSES)
 
 
