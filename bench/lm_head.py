@@ -102,12 +102,12 @@ def make_variant(name, device):
 
 def problem(d, vocab, tokens, device, dtype, seed=0):
     """(x, weight, target): the hidden states and weight (leaves that require grad) and the targets."""
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(tokens, d, generator=g) / d ** 0.25).to(device=device, dtype=dtype).requires_grad_()
-    weight = (torch.randn(vocab, d, generator=g) / d ** 0.25).to(device=device, dtype=dtype).requires_grad_()
-    target = torch.randint(0, vocab, (tokens,), generator=g)
-    target[torch.rand(tokens, generator=g) < IGNORED_SHARE] = IGNORE_INDEX
-    return x, weight, target.to(device)
+    g = torch.Generator(device).manual_seed(seed)
+    x = (torch.randn(tokens, d, generator=g, device=device) / d ** 0.25).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, d, generator=g, device=device) / d ** 0.25).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), generator=g, device=device)
+    target[torch.rand(tokens, generator=g, device=device) < IGNORED_SHARE] = IGNORE_INDEX
+    return x, weight, target
 
 
 def sync(device):
