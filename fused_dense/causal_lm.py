@@ -19,10 +19,11 @@ GEMMs run in the weight's dtype (autocast's under autocast).
 
 Supported families (each tested on a small random-init model in tests/test_lm_head_hf.py): Llama,
 Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 (text) and GPT-2. Others are refused with a
-ValueError: families that transform the logits further (Cohere's ``logit_scale``, Granite's ``logits_scaling``, ...) would
-otherwise get a wrong loss; a subclass that overrides ``forward``, a model whose ``loss_function``
-is not Hugging Face's causal-LM loss, one whose instance ``forward`` is replaced already (such as
-accelerate's device-map hooks) and an LM head in FP8 are refused for the same reason.
+ValueError: families that transform the logits further (Cohere's ``logit_scale``, Granite's
+``logits_scaling``, ...) would otherwise get a wrong loss; a subclass that overrides ``forward``,
+a model whose ``loss_function`` is not Hugging Face's causal-LM loss, one whose instance
+``forward`` is replaced already (such as accelerate's device-map hooks) and an LM head in FP8 are
+refused for the same reason.
 """
 import dataclasses
 import functools
@@ -146,7 +147,8 @@ def use_fused_linear_cross_entropy(model: nn.Module, *, chunk_size: Optional[int
     if not isinstance(model, nn.Module):
         raise TypeError(f"use_fused_linear_cross_entropy: model must be a torch.nn.Module, got {type(model).__name__}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
-        raise ValueError(f"use_fused_linear_cross_entropy: chunk_size must be a positive int or None, got {chunk_size!r}")
+        raise ValueError(f"use_fused_linear_cross_entropy: chunk_size must be a positive int or None, "
+                         f"got {chunk_size!r}")
     name, why = causal_lm_family(model)
     if name is None:
         raise ValueError(f"use_fused_linear_cross_entropy: {why}")

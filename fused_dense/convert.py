@@ -27,10 +27,10 @@ activation, whose linear layers are converted one by one; gated MLPs with biases
 activation; MLPs with parts beyond these.
 
 With ``linear_cross_entropy=True``, a Hugging Face causal LM of a supported family (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, GPT-2: :mod:`fused_dense.causal_lm`) also computes its training loss
-with the LM head fused into the cross-entropy (:func:`fused_dense.loss.linear_cross_entropy`), so
-the logits are never materialised in training; reported as ``lm_head`` converted. Another model is
-reported as left alone there, with the reason.
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, GPT-2: :mod:`fused_dense.causal_lm`) also
+computes its training loss with the LM head fused into the cross-entropy
+(:func:`fused_dense.loss.linear_cross_entropy`), so the logits are never materialised in training;
+reported as ``lm_head`` converted. Another model is reported as left alone there, with the reason.
 
 State-dict names stay the model's own (FusedDense is an ``nn.Linear``; FusedGatedMLP saves and
 loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedMLP its MLP's; ConvertedConv1D

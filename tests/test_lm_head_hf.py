@@ -8,9 +8,11 @@ model's loss and the gradient of its logits are float32 results in both float32 
 float64 the logits are rounded to float32 first). Against it the fused loss is held to float32's
 rounding: a sum over N rows of log-sum-exps over V logits carries at most about
 (log2 V + log2 N) roundings of eps = 2^-24 each, taken 8 times over for the logits' own rounding
-and the different order of the sums (``_f32_tol``); the gradients, which go back through the
-decoder from that float32 gradient of the logits, are held to 20 times that. In float64 the fused
-loss is also compared with an all-float64 reference (the logits in float64 and F.cross_entropy in
+and the different order of the sums (``_f32_tol``). The gradients are held to 4 times that: the
+float32 gradient of the logits carries as many roundings as the loss, and each of the two GEMMs
+it feeds (the hidden states' gradient over V, the weight's over N) at most as many again, before
+the decoder's backward, the same on both sides, carries them to the other parameters. In float64
+the fused loss is also compared with an all-float64 reference (the logits in float64 and F.cross_entropy in
 float64): the loss is a float32 value, so within one rounding to float32 of it (2^-24, doubled),
 and the gradients, float64 throughout, within 1e-12.
 """
@@ -106,7 +108,7 @@ def assert_matches_hf(model, fused, ids, labels, same_parameters=True, **kw):
     ref, ref_grads = step(model, ids, labels, **kw)
     out, grads = step(fused, ids, labels, **kw)
     tol = _f32_tol(ids.numel(), VOCAB)
-    assert out.logits is None
+    assert type(out) is type(ref) and out.logits is None
     assert out.loss.dtype == ref.loss.dtype == torch.float32
     assert rel_err(out.loss, ref.loss) <= tol, (float(out.loss), float(ref.loss), tol)
     if same_parameters:
@@ -121,7 +123,7 @@ def assert_matches_hf(model, fused, ids, labels, same_parameters=True, **kw):
 
 
 def float64_reference(model, ids, labels):
-    """(loss, {name: grad}): the model's logits in float64 (its forward applies Gemma 2's softcap)
+    """(loss, {name: grad}): the model's logits in float64 (its forward applies Gemma's softcap)
     and Hugging Face's causal-LM loss on them, without the float32 upcast."""
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids).logits
@@ -137,7 +139,6 @@ def test_training_loss_and_gradients_match(family, dtype):
     model, fused = build(family, dtype)
     ids, labels = batch()
     out, grads = assert_matches_hf(model, fused, ids, labels)
-    assert type(out).__name__.startswith("CausalLMOutput")
     if dtype == torch.float64:
         ref_loss, ref_grads = float64_reference(model, ids, labels)
         assert rel_err(out.loss, ref_loss) <= 2 * 2.0 ** -24
