@@ -719,3 +719,7 @@ def test_lm_head_section_runs_on_cpu(tmp_path):
     from bench import lm_head
     with open(path[:-5] + ".md") as f:
         assert f.read() == lm_head.markdown(res)
+    os.remove(path[:-5] + ".md")
+    lm_head.main(["--report", path])  # the markdown again, from the JSON alone
+    with open(path[:-5] + ".md") as f:
+        assert f.read() == lm_head.markdown(res)
