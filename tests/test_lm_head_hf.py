@@ -224,6 +224,18 @@ def test_tied_embeddings(family):
     assert len(shared) == 1 and grads[shared[0]].abs().sum() > 0
 
 
+@pytest.mark.parametrize("frozen", ["lm_head", "all_but_lm_head"])
+def test_frozen_parameters(frozen):
+    # fine-tuning with a frozen head (adapters), or a probe that trains the head alone
+    model, fused = build("llama", torch.float64)
+    for m in (model, fused):
+        for name, p in m.named_parameters():
+            p.requires_grad_((name == "lm_head.weight") != (frozen == "lm_head"))
+    ids, labels = batch()
+    _, grads = assert_matches_hf(model, fused, ids, labels)
+    assert ("lm_head.weight" in grads) == (frozen != "lm_head") and grads
+
+
 def test_chunk_size():
     # 24 rows in chunks of 5: four full chunks and a partial one
     model, fused = build("llama", torch.float64)
