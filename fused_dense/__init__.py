@@ -14,6 +14,7 @@ from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_g
                          fused_mlp_func)
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # noqa: E402
 from .convert import ConversionReport, convert_model  # noqa: E402
+from .loss import FusedLinearCrossEntropyLoss, linear_cross_entropy  # noqa: E402
 
 import torch.distributed as _dist  # noqa: E402
 
@@ -37,6 +38,8 @@ __all__ = [
     "replace_llama_mlps",
     "convert_model",
     "ConversionReport",
+    "linear_cross_entropy",
+    "FusedLinearCrossEntropyLoss",
     "Float8Recipe",
     "fp8_autocast",
     "convert_to_fp8",

@@ -145,7 +145,7 @@ _PLAN_FIELDS = ("keep_pre", "keep_act_out", "recompute_fc1", "save_x", "save_wei
 _OVERLOADS = {name: getattr(torch.ops.fused_dense, name).default
               for name in ("linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "dense", "fused_mlp",
                            "fused_mlp_plan", "fused_mlp_train_forward", "fused_mlp_backward", "gated_linear",
-                           "gated_linear_dgrad", "gated_act_forward")}
+                           "gated_linear_dgrad", "gated_act_forward", "linear_cross_entropy")}
 
 
 def op_overload(name: str):

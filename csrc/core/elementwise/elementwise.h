@@ -11,6 +11,7 @@
 //   bias_grad_reduction.cu  the pass with bias gradient, reduction_workspace_bytes
 //   sum_partials.cu         sum_partials
 //   gated_act.cu            gated_act_forward, gated_act_backward
+//   cross_entropy.cu        cross_entropy_rows
 // and, shared by those files only: vector_pack.cuh (element conversions, 16-byte vectors),
 // flat_grid.cuh (launch shape, grid-stride iteration), type_dispatch.cuh (codes to template
 // arguments), act_backward_step.cuh (one vector of the activation backward, the ReLU mask
@@ -70,5 +71,30 @@ void gated_act_forward(DType dtype, Activation act, const void* gu, void* out, i
                        int device, cudaStream_t stream);
 void gated_act_backward(DType dtype, Activation act, const void* d_out, const void* gu, void* d_gu, void* out,
                         int64_t rows, int64_t hidden, int device, cudaStream_t stream);
+
+// Cross-entropy over rows of logits y [rows, vocab] (the LM head's chunk), one block per row,
+// fp32 math. With z = softcap * tanh(y / softcap) (z = y when softcap is 0), lse = log sum_j
+// exp(z_j), eps = label_smoothing and t = target[i]:
+//   loss[i] = (1 - eps) (lse - z_t) + eps (lse - mean_j z_j) + z_loss lse^2;
+//   write_grad: y[i, j] is overwritten by scale[i * scale_stride] * d loss[i] / d y_j
+//     = scale * (exp(z_j - lse) (1 + 2 z_loss lse) - eps / vocab - (1 - eps) [j = t]) * dz/dy
+//     with dz/dy = 1 - (z / softcap)^2 (1 without softcap).
+// A row whose target is ignore_index gets loss 0, lse 0 and a zero gradient; a target outside
+// [0, vocab) otherwise gets NaN in all three. lse_known: lse is read instead of computed (the
+// backward's recomputation), and loss is not written. loss may be null.
+struct CrossEntropyRowsArgs {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0, vocab = 0;
+  void* logits = nullptr;
+  const int64_t* target = nullptr;
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.f, z_loss = 0.f, softcap = 0.f;
+  const float* scale = nullptr;
+  int64_t scale_stride = 0;
+  float* loss = nullptr;
+  float* lse = nullptr;
+  bool lse_known = false, write_grad = false;
+};
+void cross_entropy_rows(const CrossEntropyRowsArgs& args, cudaStream_t stream);
 
 }  // namespace fused_dense::core

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "torch/checks.h"
+#include "torch/lm_head.h"
 
 namespace fused_dense {
 
@@ -51,5 +52,9 @@ struct NoAutocast {
 
 // d * gelu'(p), tanh approximation, with the CUDA kernels' limits where p^2 overflows (cpu/linear.cpp).
 at::Tensor gelu_tanh_backward(const at::Tensor& d, const at::Tensor& p);
+
+// The LM head's rows (lm_head.h, LceRows; the math of core/elementwise/elementwise.h,
+// cross_entropy_rows) in fp32 (fp64 for float64 logits), device-generic.
+void cross_entropy_rows_reference(const LceRows& rows, const LceOptions& opts);
 
 }  // namespace fused_dense

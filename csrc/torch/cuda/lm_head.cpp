@@ -1,0 +1,56 @@
+// CUDA kernels of the LM head family (lm_head.cpp has their contract): the chunk loop's GEMMs are
+// ATen's (cuBLAS), the rows are the core's cross_entropy_rows (core/elementwise/elementwise.h) on
+// the tensors' device and stream; float64 takes the reference's rows.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "core/elementwise/elementwise.h"
+#include "torch/cpu/reference.h"
+#include "torch/cuda/core_call.h"
+#include "torch/lm_head.h"
+
+namespace fused_dense {
+namespace {
+
+namespace core = ::fused_dense::core;
+
+struct CudaBackend {
+  static void rows(const LceRows& r, const LceOptions& o) {
+    if (r.logits.scalar_type() == at::kDouble) return cross_entropy_rows_reference(r, o);
+    const c10::cuda::CUDAGuard guard(r.logits.device());
+    core::CrossEntropyRowsArgs a;
+    a.dtype = core_dtype(r.logits.scalar_type());
+    a.rows = r.logits.size(0), a.vocab = r.logits.size(1);
+    a.logits = r.logits.data_ptr();
+    a.target = r.target.data_ptr<int64_t>();
+    a.ignore_index = o.ignore_index;
+    a.label_smoothing = static_cast<float>(o.label_smoothing);
+    a.z_loss = static_cast<float>(o.z_loss);
+    a.softcap = static_cast<float>(o.softcap);
+    a.scale = r.scale.data_ptr<float>();
+    a.scale_stride = r.scale.dim() == 0 ? 0 : 1;
+    a.loss = r.loss.defined() ? r.loss.data_ptr<float>() : nullptr;
+    a.lse = r.lse.data_ptr<float>();
+    a.lse_known = r.lse_known, a.write_grad = r.write_grad;
+    TORCH_CHECK_NOT_IMPLEMENTED(a.rows <= kMaxCudaDim, "fused_dense::linear_cross_entropy: a chunk of ", a.rows,
+                                " rows is more than the CUDA kernel's ", kMaxCudaDim);
+    run_core([&] { core::cross_entropy_rows(a, at::cuda::getCurrentCUDAStream(r.logits.get_device()).stream()); });
+  }
+
+  // The range check reads the targets on the host: not while a CUDA graph is captured (there
+  // the rows kernel's NaN marks a target out of range).
+  static bool reads_targets(const at::Tensor& target) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(target.get_device()).stream(), &capture));
+    return capture == cudaStreamCaptureStatusNone;
+  }
+};
+
+}  // namespace
+}  // namespace fused_dense
+
+TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
+  m.impl("linear_cross_entropy_forward", &fused_dense::lce_forward_op<fused_dense::CudaBackend>);
+  m.impl("linear_cross_entropy_backward", &fused_dense::lce_backward_op<fused_dense::CudaBackend>);
+}
