@@ -9,7 +9,8 @@ given), ``ignore_index`` -100 (or the keyword), the mean over the counted tokens
 by the ``num_items_in_batch`` keyword when it is given, and Gemma 2's and 3's
 ``config.final_logit_softcapping`` as the softcap. The output is the model's own output class with
 ``loss`` set and ``logits=None``; the decoder's other outputs (the cache, hidden states,
-attentions) are carried over as they are.
+attentions) are carried over as they are. The loss is float32, as transformers' (float64 for a
+float64 model, whose transformers loss is float32: the logits are cast with ``.float()``).
 
 Every other call (eval mode, no labels, ``generate``, or a ``loss_function`` set on the model
 afterwards) runs the class's own forward unchanged. The instance's ``forward`` is replaced (the
