@@ -711,6 +711,7 @@ def test_lm_head_section_runs_on_cpu(tmp_path):
         assert vs[name]["status"] == "ok" and vs[name]["ms"] > 0 and len(vs[name]["round_ms"]) == 2, vs[name]
     assert vs["hf_compile"]["status"] == "unavailable" and vs["liger"]["status"] == "unavailable"
     (acc,) = res["accuracy"]
+    assert (acc["vocab"], acc["tokens"]) == (shape["vocab"], shape["tokens"])
     for name in ("hf_eager", "fused"):
         errs = acc["variants"][name]
         assert 0 < errs["loss"] < 1e-2 and 0 < errs["x_grad"] < 2e-2 and 0 < errs["weight_grad"] < 2e-2, errs
