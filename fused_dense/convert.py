@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fp8 as _fp8
+from .causal_lm import causal_lm_family, use_fused_linear_cross_entropy
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
 
 __all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "convert_model"]
@@ -274,7 +275,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
     bias_free_linears: convert linear layers without a bias (default: only with ``fp8``).
     checkpoint_lvl, heuristic: the new MLPs' arguments (FusedGatedMLP, ConvertedMLP).
     linear_cross_entropy: a supported Hugging Face causal LM computes its training loss with the LM
-        head fused into the loss (:func:`fused_dense.causal_lm.use_fused_linear_cross_entropy`);
+        head fused into the loss (:func:`fused_dense.use_fused_linear_cross_entropy`);
         any other model is reported as left alone there.
 
     A model with nothing to convert, or a filter that refuses every candidate, is a ValueError.
@@ -361,7 +362,6 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
 
     loss_patch = None
     if linear_cross_entropy:
-        from .causal_lm import causal_lm_family, use_fused_linear_cross_entropy
         family, why = causal_lm_family(model)
         if family is None:
             report.left.append(("lm_head", "lm_head + loss", why))

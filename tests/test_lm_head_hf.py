@@ -29,8 +29,8 @@ from conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
 
-from fused_dense import convert_model  # noqa: E402
-from fused_dense.causal_lm import SUPPORTED_FAMILIES, causal_lm_family, use_fused_linear_cross_entropy  # noqa: E402
+from fused_dense import Float8Recipe, convert_model, use_fused_linear_cross_entropy  # noqa: E402
+from fused_dense.causal_lm import SUPPORTED_FAMILIES, causal_lm_family  # noqa: E402
 
 VOCAB, HIDDEN, BATCH, SEQ = 128, 64, 2, 12
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
@@ -352,6 +352,11 @@ def test_convert_model_reports_it():
     rep = convert_model(cohere, linear_cross_entropy=True)
     left = [r for r in rep.left if r[0] == "lm_head" and r[1] == "lm_head + loss"]
     assert rep.converted and len(left) == 1 and "CohereForCausalLM is not a supported causal LM" in left[0][2]
+    # an LM head converted to FP8 on the way: the loss stays the model's, and the report says why
+    fp8_model, _ = build("llama")
+    rep = convert_model(fp8_model, fp8=Float8Recipe(min_features=0), lm_head=True, linear_cross_entropy=True)
+    assert ("lm_head", "lm_head + loss", "its lm_head runs in FP8, which the fused loss does not") in rep.left
+    assert "forward" not in vars(fp8_model)
     # nothing else to convert and no causal LM: the usual error
     with pytest.raises(ValueError, match="found nothing to convert"):
         convert_model(torch.nn.Sequential(torch.nn.ReLU()), linear_cross_entropy=True)
