@@ -305,11 +305,8 @@ def markdown(res):
 
 
 def make_png(res, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report.pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     if "passes" in res:
@@ -333,17 +330,11 @@ def make_png(res, path):
                 ax.plot(range(1, len(v) + 1), v, "--" if "nn.Linear" in k else "-", label=k)
         ax.set(xlabel="step", ylabel="cumulative tokens/s", title="GPT, variable sequence lengths")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(plt, fig, path)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", help="output directory (docs/results for the run of record)")
-    p.add_argument("--report", metavar="FILE.json", help="rewrite the markdown and chart of a result")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = report.record_parser(__doc__)
     p.add_argument("--parts", default="passes,buckets,training", help="comma list of passes, buckets, training")
     p.add_argument("--rounds", type=int, default=2, help="processes per MLP and protocol (passes)")
     p.add_argument("--bucket-rounds", type=int, default=3, help="timing rounds (buckets)")

@@ -34,7 +34,6 @@ Targets (#38, the H200): fd_compile >= 0.99x hf_compile at the Llama configs, an
 torchao compiled; gpt2-small fd_eager >= 1.02x hf_eager and fd_compile >= 0.99x hf_compile.
 Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<date> files there.
 """
-import argparse
 import contextlib
 import copy
 import gc
@@ -442,11 +441,8 @@ def markdown(res):
 
 
 def make_png(res, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = report.pyplot()
+    if plt is None:
         return None
     names = list(res["configs"])
     fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 8), squeeze=False)
@@ -464,17 +460,11 @@ def make_png(res, path):
             ax.plot(c["variants"][k]["losses"], label=k, lw=0.9)
         ax.set(title=f"{name}: loss", xlabel="step")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(plt, fig, path, dpi=100)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="output directory (docs/results for the run of record)")
-    p.add_argument("--report", metavar="FILE.json", help="rewrite the markdown and chart of a result")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p = report.record_parser(__doc__.split("\n")[0])
     p.add_argument("--configs", default=None, help="comma list (default: all of the device's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=5)

@@ -792,6 +792,36 @@ def make_png(res, path):
     return path
 
 
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(plt, fig, path, dpi=110):
+    """Lays out, writes and closes a chart; returns its path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def record_parser(description):
+    """The command line of a standalone benchmark, with the options they share: --out, --report and
+    --device."""
+    import argparse
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="output directory (docs/results for the run of record)")
+    p.add_argument("--report", metavar="FILE.json", help="rewrite the markdown and chart of a result")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    return p
+
+
 def write_dated_record(out_dir, prefix, res, markdown_of, png_of):
     """A standalone benchmark's run: out_dir/<prefix>-<UTC date>.json, .md (markdown_of(res)) and
     .png (png_of(res, path), which returns None where it cannot draw), after removing the other

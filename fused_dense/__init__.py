@@ -16,6 +16,7 @@ from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # 
 from .convert import ConversionReport, convert_model  # noqa: E402
 from .loss import FusedLinearCrossEntropyLoss, linear_cross_entropy  # noqa: E402
 from .norm import FusedRMSNorm  # noqa: E402
+from .causal_lm import use_fused_linear_cross_entropy  # noqa: E402
 
 import torch.distributed as _dist  # noqa: E402
 
@@ -42,6 +43,7 @@ __all__ = [
     "linear_cross_entropy",
     "FusedLinearCrossEntropyLoss",
     "FusedRMSNorm",
+    "use_fused_linear_cross_entropy",
     "Float8Recipe",
     "fp8_autocast",
     "convert_to_fp8",

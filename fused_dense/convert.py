@@ -30,6 +30,12 @@ default, BERT, Falcon: the fused ops have the tanh GELU, 2e-4 relative apart) or
 activation, whose linear layers are converted one by one; gated MLPs with biases or another
 activation; MLPs with parts beyond these.
 
+With ``linear_cross_entropy=True``, a Hugging Face causal LM of a supported family (Llama,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, GPT-2: :mod:`fused_dense.causal_lm`) also
+computes its training loss with the LM head fused into the cross-entropy
+(:func:`fused_dense.loss.linear_cross_entropy`), so the logits are never materialised in training;
+reported as ``lm_head`` converted. Another model is reported as left alone there, with the reason.
+
 State-dict names stay the model's own (FusedDense is an ``nn.Linear``; FusedGatedMLP saves and
 loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedMLP its MLP's; ConvertedConv1D
 Conv1D's layout), so checkpoints load both ways. Convert before building the optimizer: the gated
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fp8 as _fp8
+from .causal_lm import causal_lm_family, use_fused_linear_cross_entropy
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
 from .norm import FusedRMSNorm, fused_rms_norm_from
 
@@ -278,7 +285,8 @@ def _fused_dense_from(linear: nn.Linear, fp8) -> FusedDense:
 def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None,
                   module_filter: Optional[Callable[[str, nn.Module], bool]] = None, lm_head: bool = False,
                   bias_free_linears: Optional[bool] = None, checkpoint_lvl: int = 0,
-                  heuristic: Union[int, str] = "auto", verbose: bool = False) -> ConversionReport:
+                  heuristic: Union[int, str] = "auto", linear_cross_entropy: bool = False,
+                  verbose: bool = False) -> ConversionReport:
     """Replaces, in place, the dense layers of `model` that the library runs faster (module
     docstring) and returns a :class:`ConversionReport` of what it converted and what it left and
     why (printed with ``verbose=True``).
@@ -290,6 +298,9 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
     lm_head: convert the LM head too (``lm_head`` or ``model.get_output_embeddings()``).
     bias_free_linears: convert linear layers without a bias (default: only with ``fp8``).
     checkpoint_lvl, heuristic: the new MLPs' arguments (FusedGatedMLP, ConvertedMLP).
+    linear_cross_entropy: a supported Hugging Face causal LM computes its training loss with the LM
+        head fused into the loss (:func:`fused_dense.use_fused_linear_cross_entropy`);
+        any other model is reported as left alone there.
 
     A model with nothing to convert, or a filter that refuses every candidate, is a ValueError.
     Call it before building the optimizer.
@@ -382,13 +393,28 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             replacements.append((name, _fused_dense_from(module, fp8)))
             report.converted.append((name, "Linear", "FusedDense"))
 
-    if not replacements:
+    loss_patch = None
+    if linear_cross_entropy:
+        family, why = causal_lm_family(model)
+        if family is None:
+            report.left.append(("lm_head", "lm_head + loss", why))
+        else:
+            loss_patch = ("lm_head", "lm_head + loss", "fused linear cross-entropy (training)")
+
+    if not replacements and loss_patch is None:
         if candidates:
             raise ValueError(f"convert_model: module_filter refused all {candidates} candidates:\n{report}")
         raise ValueError(f"convert_model: found nothing to convert in {_type_name(model)}:\n{report}")
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
+    if loss_patch is not None:  # checked again: the replacements may have changed the LM head (FP8)
+        family, why = causal_lm_family(model)
+        if family is None:
+            report.left.append(loss_patch[:2] + (why,))
+        else:
+            use_fused_linear_cross_entropy(model)
+            report.converted.append(loss_patch)
     if verbose:
         print(report)
     return report

@@ -694,3 +694,33 @@ def test_model_section_runs_on_cpu(tmp_path):
     assert list(merged["configs"]) == ["gpt2-tiny", "llama-tiny"]
     assert merged["configs"]["llama-tiny"]["variants"] == res["configs"]["llama-tiny"]["variants"]
     assert "Measured in another call: commit 0123456789ab" in bench_model.markdown(merged)
+
+
+def test_lm_head_section_runs_on_cpu(tmp_path):
+    """bench.lm_head: Hugging Face's LM head + loss against the fused one at tiny shapes, interleaved,
+    with errors against float64 and targets reported, and a markdown the report code rewrites the
+    same from the JSON."""
+    _run([sys.executable, "-m", "bench.lm_head", "--device", "cpu", "--quick", "--out", str(tmp_path)], timeout=600)
+    (path,) = glob.glob(str(tmp_path / "lm_head-*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    (shape,) = res["shapes"]
+    vs = shape["variants"]
+    assert set(vs) == {"hf_eager", "hf_compile", "liger", "fused"}, sorted(vs)
+    for name in ("hf_eager", "fused"):
+        assert vs[name]["status"] == "ok" and vs[name]["ms"] > 0 and len(vs[name]["round_ms"]) == 2, vs[name]
+    assert vs["hf_compile"]["status"] == "unavailable" and vs["liger"]["status"] == "unavailable"
+    (acc,) = res["accuracy"]
+    assert (acc["vocab"], acc["tokens"]) == (shape["vocab"], shape["tokens"])
+    for name in ("hf_eager", "fused"):
+        errs = acc["variants"][name]
+        assert 0 < errs["loss"] < 1e-2 and 0 < errs["x_grad"] < 2e-2 and 0 < errs["weight_grad"] < 2e-2, errs
+    verdicts = {k: v for per in res["targets_met"].values() for k, v in per.items()}
+    assert verdicts["time_vs_liger"] == "n/a" and verdicts["error_vs_hf_eager"] in ("met", "not met")
+    from bench import lm_head
+    with open(path[:-5] + ".md") as f:
+        assert f.read() == lm_head.markdown(res)
+    os.remove(path[:-5] + ".md")
+    lm_head.main(["--report", path])  # the markdown again, from the JSON alone
+    with open(path[:-5] + ".md") as f:
+        assert f.read() == lm_head.markdown(res)
