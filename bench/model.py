@@ -10,6 +10,8 @@ labels + backward + gradient-norm clipping at 1 + optimizer):
   llama-2048   LlamaForCausalLM d 2048, h 8192, 4 layers, 16 heads, 8 KV heads, vocab 32000, 4 x 2048 tokens
   llama-4096   LlamaForCausalLM d 4096, h 14336, 2 layers, 32 heads, 8 KV heads, vocab 32000, 2 x 4096 tokens
   gpt2-small   GPT2LMHeadModel d 768, 12 layers, 12 heads, vocab 50304, 8 x 1024 tokens (the main job's size)
+  llama-4096-v128k  as llama-4096 with Llama 3's vocabulary, 128256 (the fused LM head's config, #42;
+               not in the default list: --configs llama-4096-v128k --variants hf_eager,hf_compile,fd_lce_compile)
 
 Variants, each a model of its own built from the same initial weights, all held at once and
 stepped in interleaved rounds on the same batches (so their loss curves compare step for step):
@@ -19,6 +21,13 @@ stepped in interleaved rounds on the same batches (so their loss curves compare 
   fd_fp8_delayed_compile        convert_model(fp8=Float8Recipe(scaling=...)), its default size rule, compiled
   torchao_compile               torchao convert_to_float8_training (tensorwise, every nn.Linear but the
                                 LM head), compiled; where torchao is installed
+  fd_fp8_current_eager          convert_model(fp8=current) uncompiled: the decoder norms hand their FP8
+                                output to q / k / v and the MLP (FusedRMSNorm)
+and, on request (--variants):
+  fd_fp8_current_opq_compile    as fd_fp8_current_compile with Float8Recipe(compiled_input_quantize='op'):
+                                the FP8 op quantizes each layer's input, not Inductor (against 'traced')
+  fd_lce_compile                convert_model(linear_cross_entropy=True) (bf16): the LM head fused with
+                                its loss, no logits in training; compiled
 The GPT-2 config runs the bf16 variants only (its MLP is what the main job measures).
 
 Reported per config and variant: ms a step (median over rounds of each round's median; the first
@@ -59,15 +68,19 @@ CONFIGS = {
     "llama-4096": dict(family="llama", d=4096, h=14336, layers=2, heads=32, kv_heads=8, vocab=32000, batch=2,
                        seq=4096),
     "gpt2-small": dict(family="gpt2", d=768, h=3072, layers=12, heads=12, kv_heads=12, vocab=50304, batch=8, seq=1024),
+    "llama-4096-v128k": dict(family="llama", d=4096, h=14336, layers=2, heads=32, kv_heads=8, vocab=128256, batch=2,
+                             seq=4096),
 }
+DEFAULT_CONFIGS = ["llama-2048", "llama-4096", "gpt2-small"]
 CPU_CONFIGS = {
     "llama-tiny": dict(family="llama", d=64, h=176, layers=2, heads=4, kv_heads=2, vocab=512, batch=2, seq=32),
     "gpt2-tiny": dict(family="gpt2", d=64, h=256, layers=2, heads=4, kv_heads=4, vocab=512, batch=2, seq=32),
 }
-VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_current_compile", "fd_fp8_delayed_compile",
-            "torchao_compile"]
-BF16_VARIANTS = VARIANTS[:4]
-TARGETS = {"fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
+DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_current_compile",
+                    "fd_fp8_delayed_compile", "torchao_compile", "fd_fp8_current_eager"]
+VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_lce_compile"]
+BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
+TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
 KERNEL_CLASSES = (  # (class, name pattern), first match wins
     ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
@@ -136,9 +149,12 @@ def make_variant(key, base, device):
         if "_fp8_" in key:
             if device.type != "cuda":
                 raise Unavailable("FP8 variants run on the GPU")
-            fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed")
-        rep = fused_dense.convert_model(model, fp8=fp8)
-        note = f"convert_model(fp8={fp8!r}): {len(rep.converted)} converted, {len(rep.left)} left"
+            fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed",
+                                           compiled_input_quantize="op" if "_opq_" in key else "traced")
+        lce = "_lce_" in key
+        rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce)
+        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}): {len(rep.converted)} converted, "
+                f"{len(rep.left)} left")
     elif key.startswith("torchao"):
         try:
             from torchao.float8 import convert_to_float8_training
@@ -383,6 +399,11 @@ def targets(res):
             for fp8 in ("fd_fp8_current_compile", "fd_fp8_delayed_compile"):
                 q, rng = _ratio(c, fp8, "torchao_compile")
                 rows.append((f"{name}: torchao_compile / {fp8} >= 1", q, rng, None if q is None else q >= 1.0))
+            lce, hf = c["variants"].get("fd_lce_compile", {}), c["variants"].get("hf_compile", {})
+            if lce.get("step_bytes") and hf.get("step_bytes"):
+                m = lce["step_bytes"] / hf["step_bytes"]
+                rows.append((f"{name}: fd_lce_compile / hf_compile step memory <= {TARGETS['lce_memory']}", m, None,
+                             m <= TARGETS["lce_memory"]))
         else:
             for num, den, t in (("fd_eager", "hf_eager", "gpt2_fd_eager_vs_hf_eager"),
                                 ("fd_compile", "hf_compile", "gpt2_fd_compile_vs_hf_compile")):
@@ -466,7 +487,7 @@ def make_png(res, path):
 def parse_args(argv):
     p = report.record_parser(__doc__.split("\n")[0])
     p.add_argument("--configs", default=None, help="comma list (default: all of the device's)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps-per-round", type=int, default=40, help="steps per variant and round (5 x 40 = 200)")
     p.add_argument("--compile-cpu", action="store_true", help="include the compiled variants on the CPU")
@@ -480,7 +501,8 @@ def parse_args(argv):
     if not args.out:
         p.error("--out is required")
     table = CONFIGS if args.device == "cuda" else CPU_CONFIGS
-    args.configs = args.configs.split(",") if args.configs else list(table)
+    args.configs = args.configs.split(",") if args.configs else [c for c in table if c in DEFAULT_CONFIGS or
+                                                                 table is CPU_CONFIGS]
     unknown = [c for c in args.configs if c not in table]
     if unknown:
         p.error(f"--configs: unknown {unknown} on {args.device} (known: {list(table)})")
