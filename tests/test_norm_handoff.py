@@ -77,7 +77,13 @@ def test_delayed_scaling_and_eval_take_no_copies(hits):
     delayed(norm(x))
     norm.eval()
     layers[0](norm(x))
+    norm.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the layers read a cast of an fp32 output
+        out = FusedRMSNorm(C, fp8_handoff=True)(x.float())
+        layers[0](out)
     assert hits["n"] == 0
+    # and the norm made no copies for it (its output, read as it is, finds none)
+    assert fused_dense.fp8.quantized_copies(out, out, RECIPE, out.reshape(-1, C), True) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
