@@ -47,6 +47,10 @@ void check_matrix(const char* op, const char* name, const at::Tensor& t) {
                     " for shape ", t.sizes());
 }
 
+at::ScalarType float_math_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 void check_float(const char* op, const char* name, const at::Tensor& t) {
   const auto s = t.scalar_type();
   TORCH_CHECK_VALUE(s == at::kHalf || s == at::kBFloat16 || s == at::kFloat || s == at::kDouble, op, ": ", name,

@@ -53,6 +53,10 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
 // heuristic is -2 (auto), -1 (unfused) or an index >= 0 that fits in int32.
 void check_heuristic(const char* op, int64_t heuristic);
 
+// The dtype the reference math and the float statistics of an op on t use: float64 for float64
+// t, else float32 (the loss and lse of lm_head, the rstd and mean of norm).
+at::ScalarType float_math_dtype(const at::Tensor& t);
+
 // Output allocation shared by Meta and the real kernels: the saved pre-activation [rows, cols],
 // or for ReLU its bit-mask [rows, relu_mask_row_bytes(cols)] uint8.
 at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act);

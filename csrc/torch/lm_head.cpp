@@ -93,10 +93,6 @@ at::Tensor grad_bias_of(const at::Tensor& sums, const std::optional<at::Tensor>&
 
 }  // namespace
 
-at::ScalarType lce_loss_dtype(const at::Tensor& input) {
-  return input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const at::Tensor& target, const LceOptions& opts,
                                 const std::optional<at::Tensor>& divisor, int64_t chunk_size, const char* op) {
@@ -162,8 +158,8 @@ void check_lce_backward(const at::Tensor& grad_loss, const at::Tensor& lse, cons
                       "got shape ", grad_loss.sizes());
   }
   check_same_device(op, "grad_loss", grad_loss, "input", input);
-  TORCH_CHECK_VALUE(lse.scalar_type() == lce_loss_dtype(input) && lse.dim() == 1 && lse.size(0) == N, op,
-                    ": lse must be ", lce_loss_dtype(input), " [tokens] = [", N, "] (the forward's), got ",
+  TORCH_CHECK_VALUE(lse.scalar_type() == float_math_dtype(input) && lse.dim() == 1 && lse.size(0) == N, op,
+                    ": lse must be ", float_math_dtype(input), " [tokens] = [", N, "] (the forward's), got ",
                     lse.scalar_type(), " ", lse.sizes());
   check_same_device(op, "lse", lse, "input", input);
 }
@@ -199,7 +195,7 @@ ChunkGrads empty_chunk_grads(const at::Tensor& input, const at::Tensor& weight, 
                              std::array<bool, 3> grads) {
   const bool gb = grads[2] && bias.has_value() && bias->defined();
   return {empty_grad_input(input, grads[0]), empty_grad_weight(weight, grads[1], input.size(0) == 0),
-          gb ? at::zeros({weight.size(0)}, input.options().dtype(lce_loss_dtype(input))) : at::Tensor(),
+          gb ? at::zeros({weight.size(0)}, input.options().dtype(float_math_dtype(input))) : at::Tensor(),
           grads[0] || grads[1] || gb};
 }
 
@@ -228,7 +224,7 @@ LceForwardResult lce_forward(const at::Tensor& input, const at::Tensor& weight, 
                              const at::Tensor& target, const LceOptions& opts, const std::optional<at::Tensor>& divisor,
                              int64_t chunk_size, std::array<bool, 3> grads, LceRowsFn rows_fn) {
   const int64_t N = input.size(0);
-  const auto acc = input.options().dtype(lce_loss_dtype(input));
+  const auto acc = input.options().dtype(float_math_dtype(input));
   const at::Tensor scale = base_scale(target, opts, divisor, acc);
   at::Tensor loss_rows = at::empty({N}, acc), lse = at::empty({N}, acc);
   ChunkGrads g = empty_chunk_grads(input, weight, bias, grads);
@@ -245,7 +241,7 @@ LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& in
                                const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
                                const LceOptions& opts, const std::optional<at::Tensor>& divisor, int64_t chunk_size,
                                std::array<bool, 3> grads, LceRowsFn rows_fn) {
-  const auto acc = input.options().dtype(lce_loss_dtype(input));
+  const auto acc = input.options().dtype(float_math_dtype(input));
   // per row for reduction none, else one scale for every row
   const bool per_row = opts.reduction == kReduceNone;
   const at::Tensor scale = per_row ? grad_loss.to(acc).contiguous()
@@ -264,7 +260,7 @@ LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& in
 LceForwardResult empty_lce_forward(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, int64_t reduction, std::array<bool, 3> grads) {
   const int64_t N = input.size(0);
-  const auto f32 = input.options().dtype(lce_loss_dtype(input));
+  const auto f32 = input.options().dtype(float_math_dtype(input));
   auto [gi, gw, gb] = empty_lce_grads(input, weight, bias, grads);
   return {reduction == kReduceNone ? at::empty({N}, f32) : at::empty({}, f32), at::empty({N}, f32), gi, gw, gb};
 }

@@ -29,9 +29,6 @@ struct LceRows {
 };
 using LceRowsFn = void (*)(const LceRows& rows, const LceOptions& opts);
 
-// The dtype of the loss, the lse and the scales: float64 for float64 input, else float32.
-at::ScalarType lce_loss_dtype(const at::Tensor& input);
-
 void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const at::Tensor& target, const LceOptions& opts,
                                 const std::optional<at::Tensor>& divisor, int64_t chunk_size, const char* op);

@@ -40,10 +40,6 @@ void check_vector_of(const at::Tensor& t, const at::Tensor& x, const char* op, c
 
 }  // namespace
 
-at::ScalarType norm_stats_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 void check_norm_fp8(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps,
                     int64_t fp8_format, const std::optional<at::Tensor>& scale) {
   constexpr const char* op = "fused_dense::norm_fp8";
@@ -68,7 +64,7 @@ void check_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const 
   TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes(), op, ": grad_out must have x's shape ", x.sizes(), ", got ",
                     grad_out.sizes());
   check_same(op, "grad_out", grad_out, "x", x);
-  const auto stats = norm_stats_dtype(x);
+  const auto stats = float_math_dtype(x);
   TORCH_CHECK_VALUE(rstd.scalar_type() == stats && rstd.dim() == 1 && rstd.size(0) == x.size(0), op,
                     ": rstd must be ", stats, " [rows] = [", x.size(0), "] (norm_fp8's), got ", rstd.scalar_type(),
                     " ", rstd.sizes());
@@ -83,7 +79,7 @@ void check_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const 
 NormFp8Result empty_norm_fp8(const at::Tensor& x, bool layer_norm, int64_t fp8_format, bool rowwise, bool columnwise) {
   auto [data, data_t, s, s_inv, amax, sums] = empty_fp8_quantize(x, x.size(1), fp8_format, rowwise, columnwise, false);
   (void)sums;
-  const auto stats = x.options().dtype(norm_stats_dtype(x));
+  const auto stats = x.options().dtype(float_math_dtype(x));
   return {at::empty_like(x), data, data_t, s, s_inv, amax, at::empty({x.size(0)}, stats),
           layer_norm ? at::empty({x.size(0)}, stats) : at::empty({0}, stats)};
 }

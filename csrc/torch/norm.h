@@ -15,9 +15,6 @@ using NormFp8Result =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using NormBackwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-// The dtype of rstd and mean: float64 for float64 x, else float32.
-at::ScalarType norm_stats_dtype(const at::Tensor& x);
-
 void check_norm_fp8(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, double eps,
                     int64_t fp8_format, const std::optional<at::Tensor>& scale);
 void check_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,

@@ -14,7 +14,7 @@ NormFp8Result norm_fp8_reference(const at::Tensor& x, const at::Tensor& weight, 
                                  double eps, bool layer_norm, int64_t fp8_format, const std::optional<at::Tensor>& scale,
                                  bool rowwise, bool columnwise) {
   check_norm_fp8(x, weight, bias, eps, fp8_format, scale);
-  const auto stats = norm_stats_dtype(x);
+  const auto stats = float_math_dtype(x);
   const at::Tensor xf = x.to(stats);
   const at::Tensor mean = layer_norm ? xf.mean({1}) : at::zeros({x.size(0)}, xf.options());
   const at::Tensor centred = xf - mean.unsqueeze(1);
@@ -35,7 +35,7 @@ NormBackwardResult norm_backward_reference(const at::Tensor& grad_out, const at:
                                            std::array<bool, 3> grads) {
   check_norm_backward(grad_out, x, weight, rstd, mean);
   const bool layer_norm = mean.has_value() && mean->defined();
-  const auto stats = norm_stats_dtype(x);
+  const auto stats = float_math_dtype(x);
   const at::Tensor g = grad_out.to(stats);
   at::Tensor xhat = x.to(stats);
   if (layer_norm) xhat = xhat - mean->unsqueeze(1);
