@@ -171,10 +171,17 @@ def test_cuda_matches_the_cpu_reference(layer_norm):
     cpu = OPS.norm_fp8(x, weight, b, 1e-6, layer_norm, E4M3, None, True, True)
     cuda = OPS.norm_fp8(x.cuda(), weight.cuda(), b.cuda() if layer_norm else None, 1e-6, layer_norm, E4M3, None,
                         True, True)
-    # the row sums run in another order: out may differ by one bf16 unit in a few places
+    # the row sums run in another order, so mean and rstd differ in their last fp32 bits (rstd:
+    # <= 1e-6 relative, checked below); out may then round to the neighbouring bf16 value. Where
+    # the bias cancels the normalised term, out is small and that fp32 difference, relative to the
+    # terms (|x - mean| * rstd * |w| + |b|), exceeds out's own unit: the bound is both.
     diff = (cuda[0].cpu().float() - cpu[0].float()).abs()
     ulp = cpu[0].float().abs() * torch.finfo(torch.bfloat16).eps
-    assert bool((diff <= ulp + 1e-30).all())
+    mean = cpu[7].view(-1, 1) if layer_norm else 0.0
+    terms = (x.float() - mean).abs() * cpu[6].view(-1, 1) * weight.float().abs()
+    if layer_norm:
+        terms = terms + b.float().abs()
+    assert bool((diff <= ulp + 4e-6 * terms).all())
     assert (diff > 0).float().mean().item() < 0.01
     assert rel_err(cuda[6].cpu(), cpu[6]) <= 1e-6
 
