@@ -15,7 +15,7 @@ from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_g
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # noqa: E402
 from .convert import ConversionReport, convert_model  # noqa: E402
 from .loss import FusedLinearCrossEntropyLoss, linear_cross_entropy  # noqa: E402
-from .norm import FusedRMSNorm  # noqa: E402
+from .norm import FusedLayerNorm, FusedRMSNorm  # noqa: E402
 from .causal_lm import use_fused_linear_cross_entropy  # noqa: E402
 
 import torch.distributed as _dist  # noqa: E402
@@ -42,6 +42,7 @@ __all__ = [
     "ConversionReport",
     "linear_cross_entropy",
     "FusedLinearCrossEntropyLoss",
+    "FusedLayerNorm",
     "FusedRMSNorm",
     "use_fused_linear_cross_entropy",
     "Float8Recipe",

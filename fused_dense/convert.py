@@ -11,10 +11,12 @@ tests/test_convert.py):
   ``bias_free_linears=True`` or in FP8 (in bf16 a bias-free linear runs the same cuBLASLt GEMM as
   ``nn.Linear``, so converting it gains nothing); the LM head (``lm_head``, or the model's output
   embedding) only with ``lm_head=True``;
-- in FP8 with current scaling, a Llama-family decoder layer's ``input_layernorm`` and
-  ``post_attention_layernorm`` (LlamaRMSNorm's shape: Llama, Mistral, Qwen2) become a
-  :class:`~fused_dense.norm.FusedRMSNorm` holding the same weight, which quantizes its output as
-  it writes it and hands the FP8 copy to q / k / v and the MLP (one copy for all: fused_dense/norm.py);
+- in FP8 with current scaling, a decoder layer's ``input_layernorm`` and
+  ``post_attention_layernorm`` (Llama family, GPT-NeoX) or ``ln_1`` and ``ln_2`` (GPT-2) become
+  a :class:`~fused_dense.norm.FusedRMSNorm` (LlamaRMSNorm's shape: Llama, Mistral, Qwen2) or a
+  :class:`~fused_dense.norm.FusedLayerNorm` (an ``nn.LayerNorm``) holding the same parameters,
+  which quantizes its output as it writes it and hands the FP8 copy to q / k / v and the MLP (one
+  copy for all: fused_dense/norm.py), where its width meets the recipe's ``min_features``;
 - GPT-2's other ``Conv1D`` layers (the attention's ``c_attn`` / ``c_proj``: ``x @ weight + bias``
   with the weight stored [in, out]) become a :class:`ConvertedConv1D`, a FusedDense that keeps the
   weight [out, in] for the GEMM and saves and loads it in Conv1D's layout (a new parameter).
@@ -51,7 +53,7 @@ from torch import nn
 from . import fp8 as _fp8
 from .causal_lm import causal_lm_family, use_fused_linear_cross_entropy
 from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
-from .norm import FusedRMSNorm, fused_rms_norm_from
+from .norm import FusedLayerNorm, FusedRMSNorm, fused_layer_norm_from, fused_rms_norm_from
 
 __all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "convert_model"]
 
@@ -84,23 +86,35 @@ def _is_conv1d(module: nn.Module) -> bool:
     return _type_name(module) == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
-# The norms of a Llama-family decoder layer that feed its FP8 projections (q / k / v) and its MLP.
-_DECODER_NORMS = ("input_layernorm", "post_attention_layernorm")
+# The norms of a decoder layer that feed its FP8 projections (q / k / v, GPT-2's c_attn) and its
+# MLP: Llama-family and GPT-NeoX names, then GPT-2's.
+_DECODER_NORMS = ("input_layernorm", "post_attention_layernorm", "ln_1", "ln_2")
 
 
-def _handoff_norm(name: str, module: nn.Module, recipe) -> Tuple[Optional[FusedRMSNorm], str]:
-    """(FusedRMSNorm handing its FP8 output over, '') for a decoder layer's RMSNorm when the new
-    layers run FP8 with current scaling; (None, reason) for one of another shape; (None, '') for
-    what is not such a norm."""
-    if name.split(".")[-1] not in _DECODER_NORMS or not _type_name(module).endswith("RMSNorm"):
-        return None, ""
-    if recipe is None or recipe.scaling != "current":
-        return None, ""
-    fused = fused_rms_norm_from(module, fp8_handoff=True)
+def _handoff_norm(name: str, module: nn.Module, recipe) -> Tuple[Optional[nn.Module], str, str]:
+    """(the norm handing its FP8 output over, '', what it is now) for a decoder layer's RMSNorm or
+    LayerNorm when the new layers run FP8 with current scaling; (None, reason, '') for one that
+    stays; (None, '', '') for what is not such a norm."""
+    if name.split(".")[-1] not in _DECODER_NORMS or recipe is None or recipe.scaling != "current":
+        return None, "", ""
+    kind = _type_name(module)
+    if kind.endswith("RMSNorm"):
+        fused, now = fused_rms_norm_from(module, fp8_handoff=True), "FusedRMSNorm"
+        why = "not LlamaRMSNorm's shape (weight, variance_epsilon; Gemma's 1 + weight is another)"
+    elif isinstance(module, nn.LayerNorm):
+        fused, now = fused_layer_norm_from(module, fp8_handoff=True), "FusedLayerNorm"
+        why = "an nn.LayerNorm over more than the last dim or without a weight"
+    elif kind.endswith("LayerNorm"):
+        return None, "not torch.nn.LayerNorm (its own class): its FP8 layers quantize its output themselves", ""
+    else:
+        return None, "", ""
     if fused is None:
-        return None, ("not LlamaRMSNorm's shape (weight, variance_epsilon; Gemma's 1 + weight is another): "
-                      "its FP8 layers quantize its output themselves")
-    return fused, ""
+        return None, why + ": its FP8 layers quantize its output themselves", ""
+    width = fused.weight.shape[0]
+    if not recipe.applies([width]):
+        return None, (f"width {width} < the FP8 recipe's min_features {recipe.min_features}: the layers it feeds "
+                      "run in bf16, nothing to hand over"), ""
+    return fused, "", now + " (FP8 output handed to its layers)"
 
 
 def _plain_mlp_pair(module: nn.Module) -> Optional[Tuple[str, str]]:
@@ -334,16 +348,16 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
     for name, module in model.named_modules():
         if not name or covered(name):
             continue
-        if isinstance(module, (FusedDense, FusedGatedMLP, FusedMLP, FusedRMSNorm)):  # converted already
+        if isinstance(module, (FusedDense, FusedGatedMLP, FusedMLP, FusedRMSNorm, FusedLayerNorm)):  # converted already
             taken.add(name)
             continue
-        norm, why = _handoff_norm(name, module, recipe)
+        norm, why, now = _handoff_norm(name, module, recipe)
         if norm is not None or why:
             if norm is None:
                 report.left.append((name, _type_name(module), why))
             elif wanted(name, module):
                 replacements.append((name, norm))
-                report.converted.append((name, _type_name(module), "FusedRMSNorm (FP8 output handed to its layers)"))
+                report.converted.append((name, _type_name(module), now))
             continue
         if is_llama_mlp(module):
             try:

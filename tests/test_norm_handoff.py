@@ -1,13 +1,14 @@
-"""FusedRMSNorm (fused_dense/norm.py): Hugging Face's LlamaRMSNorm by default; with fp8_handoff
-its FP8 output copy reaches the FP8 layers that read it (fused_dense.fp8.hand_off), and they
-compute the same bits as when they quantize that output themselves."""
+"""FusedRMSNorm and FusedLayerNorm (fused_dense/norm.py): Hugging Face's LlamaRMSNorm and
+nn.LayerNorm by default; with fp8_handoff their FP8 output copy reaches the FP8 layers that read it
+(fused_dense.fp8.hand_off), and they compute the same bits as when they quantize that output
+themselves."""
 import pytest
 import torch
 
 import fused_dense
 from conftest import rel_err
 from fused_dense import Float8Recipe, FusedDense, FusedGatedMLP, FusedMLP, convert_model
-from fused_dense.norm import FusedRMSNorm
+from fused_dense.norm import FusedLayerNorm, FusedRMSNorm
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,8 +31,13 @@ def hits(monkeypatch):
     return count
 
 
-def stack(dtype=torch.bfloat16):
-    norm = FusedRMSNorm(C, 1e-5, fp8_handoff=True, dtype=dtype)
+def stack(dtype=torch.bfloat16, layer_norm=False):
+    if layer_norm:
+        norm = FusedLayerNorm(C, 1e-5, fp8_handoff=True, dtype=dtype)
+        with torch.no_grad():
+            norm.bias.normal_(0, 0.1)
+    else:
+        norm = FusedRMSNorm(C, 1e-5, fp8_handoff=True, dtype=dtype)
     with torch.no_grad():
         norm.weight.normal_(1, 0.1)
     layers = [FusedDense(C, 32, bias=False, dtype=dtype, fp8=RECIPE), FusedDense(C, 48, dtype=dtype, fp8=RECIPE),
@@ -48,13 +54,16 @@ def run(norm, layers, x, fresh_copy):
     return loss, torch.autograd.grad(loss, params)
 
 
-def test_handed_copies_give_the_same_bits(hits):
-    norm, layers = stack()
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["rms", "layer"])
+def test_handed_copies_give_the_same_bits(hits, layer_norm):
+    norm, layers = stack(layer_norm=layer_norm)
     x = torch.randn(3, 20, C, dtype=torch.bfloat16, requires_grad=True)
     loss, grads = run(norm, layers, x, fresh_copy=False)
     assert hits["n"] == 4
     loss2, grads2 = run(norm, layers, x, fresh_copy=True)
     assert hits["n"] == 4
+    if layer_norm:
+        assert len(grads) == len(grads2) and grads[2] is not None  # the bias is among the parameters
     assert torch.equal(loss, loss2)
     for a, b in zip(grads, grads2):
         assert torch.equal(a, b)
@@ -110,6 +119,73 @@ def test_handoff_output_and_gradients():
     want = torch.autograd.grad(ref, (xd, wd), g.double())
     for a, b in zip(got, want):
         assert rel_err(a, b) <= u  # 0.48 u measured (tests/test_norm_fp8.py)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_layer_norm_without_handoff_is_nn_layer_norm(dtype, bias):
+    ref = torch.nn.LayerNorm(C, eps=1e-5, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.normal_(1, 0.1)
+        if bias:
+            ref.bias.normal_(0, 0.1)
+    ours = fused_dense.norm.fused_layer_norm_from(ref, fp8_handoff=False)
+    assert isinstance(ours, torch.nn.LayerNorm) and ours.weight is ref.weight and ours.bias is ref.bias
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(5, 7, C, dtype=dtype)
+    assert torch.equal(ours(x), ref(x))
+    assert fused_dense.norm.fused_layer_norm_from(torch.nn.LayerNorm((4, C)), fp8_handoff=True) is None
+    assert fused_dense.norm.fused_layer_norm_from(torch.nn.LayerNorm(C, elementwise_affine=False), True) is None
+    with pytest.raises(ValueError, match="normalized_shape must be one width"):
+        FusedLayerNorm((4, C))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_handoff_output_and_gradients(bias):
+    norm = FusedLayerNorm(C, 1e-5, bias=bias, fp8_handoff=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.1)
+        if bias:
+            norm.bias.normal_(0, 0.1)
+    x = (torch.randn(50, C) * 2 + 0.7).to(torch.bfloat16).requires_grad_()
+    out = norm(x)
+    params = [x, norm.weight] + ([norm.bias] if bias else [])
+    refs = [p.detach().double().requires_grad_() for p in params]
+    ref = torch.nn.functional.layer_norm(refs[0], (C,), refs[1], refs[2] if bias else None, 1e-5)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert rel_err(out, ref) <= 0.6 * u  # one rounding from fp32
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, params, g)
+    want = torch.autograd.grad(ref, refs, g.double())
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= u
+
+
+def tiny_gpt2(d=C):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=97, n_embd=d, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).to(torch.bfloat16).train()
+
+
+def test_convert_model_hands_gpt2s_layer_norms_over(hits):
+    model = tiny_gpt2()
+    report = convert_model(model, fp8=RECIPE)
+    converted = {n for n, _, what in report.converted if what.startswith("FusedLayerNorm")}
+    assert converted == {f"transformer.h.{i}.{n}" for i in range(2) for n in ("ln_1", "ln_2")}
+    assert isinstance(model.transformer.ln_f, torch.nn.LayerNorm) and not isinstance(model.transformer.ln_f,
+                                                                                     FusedLayerNorm)
+    ids = torch.randint(0, 97, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    # per block: c_attn from ln_1, the MLP from ln_2
+    assert hits["n"] == 2 * 2
+
+
+def test_convert_model_leaves_norms_whose_layers_stay_bf16():
+    model = tiny_gpt2()
+    report = convert_model(model, fp8=Float8Recipe(scaling="current", min_features=2 * C))
+    assert not any(what.startswith("Fused") and "Norm" in what for _, _, what in report.converted)
+    left = {n: why for n, _, why in report.left}
+    assert "min_features 128" in left["transformer.h.0.ln_1"]
 
 
 def tiny_llama():
