@@ -63,7 +63,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     ignored rows). num_items_in_batch: with ``'mean'``, the divisor in place of the count (Hugging
     Face's gradient-accumulation normalisation: the sum over this batch divided by it).
     chunk_size: tokens per chunk (None: the op's rule, docs/contract.md; what it picks:
-        ``torch.ops.fused_dense.linear_cross_entropy_chunk_rows(tokens, vocab, element_size, 0)``).
+        ``torch.ops.fused_dense.linear_cross_entropy_chunk_rows(tokens, d, 0)``).
 
     Returns the loss in float32 (float64 for float64 inputs). The input, weight and bias gradients are computed during the forward
     when ``reduction`` is ``'mean'`` or ``'sum'`` (backward then scales them by the incoming

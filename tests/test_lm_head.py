@@ -196,11 +196,40 @@ def test_cpu_module_form():
 
 def test_chunk_rule():
     rows = OPS.linear_cross_entropy_chunk_rows
-    assert rows(8192, 128256, 2, 0) == 512  # 128 MiB of bf16 logits
-    assert rows(8192, 32000, 2, 0) == 2048
-    assert rows(100, 32000, 2, 0) == 100
-    assert rows(8192, 10**7, 2, 0) == 256  # the floor
-    assert rows(8192, 32000, 2, 300) == 300
+    assert rows(8192, 4096, 0) == 896  # 7/32 of d, a multiple of 128
+    assert rows(8192, 8192, 0) == 1792
+    assert rows(8192, 2048, 0) == 384
+    assert rows(8192, 768, 0) == 256  # the floor
+    assert rows(100, 4096, 0) == 100
+    assert rows(8192, 4096, 300) == 300
+
+
+def assert_same_bytes(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_cpu_scale_grads_is_mul(dtype):
+    g = torch.tensor(1 / 3, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    ts = [torch.randn(37, 5, dtype=dtype), torch.randn(11, dtype=dtype)]
+    want = [t.clone().mul_(g) for t in ts]
+    OPS.linear_cross_entropy_scale_grads_(ts, g)
+    for got, w in zip(ts, want):
+        assert_same_bytes(got, w)
+    torch.library.opcheck(OPS.linear_cross_entropy_scale_grads_, ([t.clone() for t in ts], g))
+
+
+@pytest.mark.parametrize("args, match", [
+    (lambda: ([torch.randn(3)], torch.ones(2)), "grad_loss must be one floating-point number"),
+    (lambda: ([torch.randn(3)], torch.ones((), dtype=torch.int64)), "grad_loss must be one floating-point number"),
+    (lambda: ([torch.ones(3, dtype=torch.int32)], torch.ones(())), r"grads\[0\] must be floating point"),
+    (lambda: ([torch.randn(3), torch.randn(2, device="meta")], torch.ones(())), r"grads\[1\] must be on"),
+])
+def test_scale_grads_bad_input(args, match):
+    grads, g = args()
+    with pytest.raises(ValueError, match=match):
+        OPS.linear_cross_entropy_scale_grads_(grads, g)
 
 
 def _bad(**over):
@@ -308,6 +337,27 @@ def test_cuda_rows_kernel_equals_the_cpu_reference_per_row():
     assert rel_err(cuda[1].cpu(), cpu[1]) <= 1e-3
     for got, want in zip(cuda[2:], cpu[2:]):
         assert rel_err(got.cpu(), want) <= 2 * torch.finfo(torch.bfloat16).eps
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offset", [0, 1], ids=["vectors", "unaligned"])
+@pytest.mark.parametrize("g", [1 / 3, 1.0, -2.5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_cuda_scale_grads_is_mul(dtype, g, offset):
+    # the core's in-place kernel (or mul_ for float64): PyTorch's t.mul_(g) byte for byte, g read
+    # on the device, nothing outside the tensors written; 3M elements run the grid-stride loop
+    n = 3 * 2 ** 20 + 8
+    flat = torch.randn(n + 16, device="cuda", dtype=dtype)
+    a = flat[offset:offset + n - (3 if offset else 0)]
+    b = torch.randn(1000, device="cuda", dtype=dtype)
+    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    gt = torch.tensor(g, device="cuda", dtype=loss_dtype)
+    outside = torch.cat([flat[:offset], flat[offset + a.numel():]]).clone()
+    want = [a.clone().mul_(gt), b.clone().mul_(gt)]
+    OPS.linear_cross_entropy_scale_grads_([a, b], gt)
+    assert_same_bytes(a, want[0])
+    assert_same_bytes(b, want[1])
+    assert_same_bytes(torch.cat([flat[:offset], flat[offset + a.numel():]]), outside)
 
 
 @pytest.mark.cuda

@@ -49,7 +49,11 @@ void check_lce_backward(const at::Tensor& grad_loss, const at::Tensor& lse, cons
 void check_targets_in_range(const at::Tensor& target, int64_t vocab, int64_t ignore_index, const char* op);
 
 // The tokens per chunk: chunk_size when positive, else the rule of lm_head.cpp.
-int64_t lce_chunk_rows(int64_t rows, int64_t vocab, int64_t element_size, int64_t chunk_size);
+int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t chunk_size);
+
+// linear_cross_entropy_scale_grads_'s argument checks (every backend): each of grads on
+// grad_loss's device, grad_loss one number of a floating dtype.
+void check_lce_scale_grads(at::TensorList grads, const at::Tensor& grad_loss);
 
 // (loss, lse, grad_input, grad_weight, grad_bias): lm_head.cpp's header comment.
 using LceForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

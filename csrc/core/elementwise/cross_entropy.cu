@@ -1,4 +1,5 @@
-// cross_entropy_rows (elementwise.h): one block per row of logits, two passes over the row.
+// cross_entropy_rows (elementwise.h): one block per row of logits, two passes over the row; and
+// scale_unless_one, the backward's scaling of the gradients by the incoming gradient.
 //
 // Pass 1 reads the row once and keeps, per thread, an online log-sum-exp (running maximum m and
 // sum s of exp(z - m)) and the sum of z (label smoothing's mean term); the block merges them.
@@ -7,11 +8,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 #include "core/common/cuda_check.h"
 #include "core/elementwise/elementwise.h"
+#include "core/elementwise/flat_grid.cuh"
 #include "core/elementwise/type_dispatch.cuh"
 #include "core/elementwise/vector_pack.cuh"
 
@@ -173,7 +176,42 @@ __global__ void __launch_bounds__(kRowThreads) cross_entropy_rows_kernel(CrossEn
   }
 }
 
+// Grid-stride, N elements a step (16-byte vectors, or N = 1 for the scalar path).
+template <typename T, int N>
+__global__ void scale_unless_one_kernel(T* __restrict__ data, int64_t steps, const float* __restrict__ scale) {
+  const float s = *scale;
+  if (s == 1.f) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < steps; i += stride) {
+    Pack<T, N> p = load_pack<T, N>(data + i * N);
+    float f[N];
+    pack_to_floats(f, p);
+#pragma unroll
+    for (int k = 0; k < N; ++k) f[k] *= s;
+    floats_to_pack(p, f);
+    store_pack(data + i * N, p);
+  }
+}
+
 }  // namespace
+
+void scale_unless_one(const ScaleUnlessOneArgs& a, cudaStream_t stream) {
+  if (a.n == 0) return;
+  dispatch_dtype(a.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    const bool vectorized = reinterpret_cast<uintptr_t>(a.data) % 16 == 0 && a.n % kVec == 0;
+    const int64_t steps = vectorized ? a.n / kVec : a.n;
+    const int64_t resident = int64_t{device_info(a.device).sm_count()} * kBlocksPerSm;
+    const auto blocks = static_cast<unsigned>(std::max<int64_t>(1, std::min(ceil_div(steps, kThreads), resident)));
+    if (vectorized) {
+      scale_unless_one_kernel<T, kVec><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(a.data), steps, a.scale);
+    } else {
+      scale_unless_one_kernel<T, 1><<<blocks, kThreads, 0, stream>>>(static_cast<T*>(a.data), steps, a.scale);
+    }
+  });
+  FD_CHECK_LAUNCH();
+}
 
 void cross_entropy_rows(const CrossEntropyRowsArgs& a, cudaStream_t stream) {
   if (a.rows == 0) return;

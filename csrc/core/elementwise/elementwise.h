@@ -11,7 +11,7 @@
 //   bias_grad_reduction.cu  the pass with bias gradient, reduction_workspace_bytes
 //   sum_partials.cu         sum_partials
 //   gated_act.cu            gated_act_forward, gated_act_backward
-//   cross_entropy.cu        cross_entropy_rows
+//   cross_entropy.cu        cross_entropy_rows, scale_unless_one
 //   norm.cu                 norm_forward
 // and, shared by those files only: vector_pack.cuh (element conversions, 16-byte vectors),
 // flat_grid.cuh (launch shape, grid-stride iteration), type_dispatch.cuh (codes to template
@@ -97,6 +97,19 @@ struct CrossEntropyRowsArgs {
   bool lse_known = false, write_grad = false;
 };
 void cross_entropy_rows(const CrossEntropyRowsArgs& args, cudaStream_t stream);
+
+// data[0..n) *= *scale in place (fp32 math, rounded once to dtype: the bytes of PyTorch's
+// data.mul_(scale) with scale a float32 scalar), where *scale, read on the device, is not 1; when it
+// is 1 every block returns at once. The LM head's backward scales the gradients the forward made
+// by the incoming gradient, which is 1 in the common loss.backward(): no host read, graph-safe.
+struct ScaleUnlessOneArgs {
+  DType dtype = DType::kBFloat16;
+  int64_t n = 0;
+  void* data = nullptr;
+  const float* scale = nullptr;
+  int device = 0;
+};
+void scale_unless_one(const ScaleUnlessOneArgs& args, cudaStream_t stream);
 
 // RMSNorm (layer_norm false: mean = 0) or LayerNorm over rows of x [rows, cols], one block per
 // row, fp32 math: rstd = 1 / sqrt(mean_j (x_j - mean)^2 + eps), out = (x - mean) * rstd * weight

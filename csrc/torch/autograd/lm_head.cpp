@@ -11,6 +11,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "torch/lm_head.h"
 
 namespace fused_dense {
@@ -42,6 +44,13 @@ LceBackwardResult call_backward(const at::Tensor& grad_loss, const at::Tensor& x
                                                 int64_t, const Opt&, int64_t, Grads)>();
   return op.call(grad_loss, x, weight, bias, target, lse, o.ignore_index, o.label_smoothing, o.z_loss, o.softcap,
                  o.reduction, divisor, chunk_size, grads);
+}
+
+void call_scale_grads(at::TensorList grads, const at::Tensor& grad_loss) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fused_dense::linear_cross_entropy_scale_grads_", "")
+                       .typed<void(at::TensorList, const at::Tensor&)>();
+  op.call(grads, grad_loss);
 }
 
 at::Tensor defined_or_none(const at::Tensor& t, bool need) { return need ? t : at::Tensor(); }
@@ -81,12 +90,13 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
       const at::Tensor g = grad_outputs[0];
       auto grads = ctx->saved_data["grads"].toTensorList();
       at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::vector<at::Tensor> scaled;
       for (int i = 0; i < 3; ++i) {
         if (!need[i]) continue;
-        at::Tensor t = grads.get(i);
-        t.mul_(g);
-        out[i] = t;
+        out[i] = grads.get(i);
+        if (out[i].numel() > 0) scaled.push_back(out[i]);
       }
+      call_scale_grads(scaled, g);
       ctx->saved_data["grads"] = c10::List<at::Tensor>();  // the returned tensors are the only references
       ctx->saved_data["spent"] = true;
       return out;

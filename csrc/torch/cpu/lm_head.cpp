@@ -50,6 +50,12 @@ void cross_entropy_rows_reference(const LceRows& r, const LceOptions& o) {
 
 namespace {
 
+void lce_scale_grads_cpu(at::TensorList grads, const at::Tensor& grad_loss) {
+  check_lce_scale_grads(grads, grad_loss);
+  const at::Tensor g = grad_loss.reshape({});
+  for (const at::Tensor& t : grads) t.mul_(g);
+}
+
 struct CpuBackend {
   static void rows(const LceRows& r, const LceOptions& o) { cross_entropy_rows_reference(r, o); }
   static bool reads_targets(const at::Tensor&) { return true; }
@@ -61,4 +67,5 @@ struct CpuBackend {
 TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
   m.impl("linear_cross_entropy_forward", &fused_dense::lce_forward_op<fused_dense::CpuBackend>);
   m.impl("linear_cross_entropy_backward", &fused_dense::lce_backward_op<fused_dense::CpuBackend>);
+  m.impl("linear_cross_entropy_scale_grads_", &fused_dense::lce_scale_grads_cpu);
 }

@@ -1,6 +1,8 @@
 // CUDA kernels of the LM head family (lm_head.cpp has their contract): the chunk loop's GEMMs are
 // ATen's (cuBLAS), the rows are the core's cross_entropy_rows (core/elementwise/elementwise.h) on
-// the tensors' device and stream; float64 takes the reference's rows.
+// the tensors' device and stream; float64 takes the reference's rows. The gradients' scaling is
+// the core's scale_unless_one for float32 grad_loss and float16 / bfloat16 / float32 tensors,
+// else PyTorch's mul_.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -47,10 +49,34 @@ struct CudaBackend {
   }
 };
 
+void lce_scale_grads_cuda(at::TensorList grads, const at::Tensor& grad_loss) {
+  check_lce_scale_grads(grads, grad_loss);
+  const at::Tensor g = grad_loss.reshape({});
+  const c10::cuda::CUDAGuard guard(g.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(g.get_device()).stream();
+  for (const at::Tensor& t : grads) {
+    const auto dtype = t.scalar_type();
+    const bool ours = g.scalar_type() == at::kFloat && t.is_contiguous() &&
+                      (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
+    if (!ours) {
+      t.mul_(g);
+      continue;
+    }
+    core::ScaleUnlessOneArgs a;
+    a.dtype = core_dtype(dtype);
+    a.n = t.numel();
+    a.data = t.data_ptr();
+    a.scale = g.data_ptr<float>();
+    a.device = g.get_device();
+    run_core([&] { core::scale_unless_one(a, stream); });
+  }
+}
+
 }  // namespace
 }  // namespace fused_dense
 
 TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
   m.impl("linear_cross_entropy_forward", &fused_dense::lce_forward_op<fused_dense::CudaBackend>);
   m.impl("linear_cross_entropy_backward", &fused_dense::lce_backward_op<fused_dense::CudaBackend>);
+  m.impl("linear_cross_entropy_scale_grads_", &fused_dense::lce_scale_grads_cuda);
 }

@@ -26,10 +26,14 @@ LceBackwardResult lce_backward_meta(const at::Tensor& grad_loss, const at::Tenso
   return empty_lce_grads(input, weight, bias, grads);
 }
 
+// In place: nothing to compute for fake tensors.
+void lce_scale_grads_meta(at::TensorList grads, const at::Tensor& grad_loss) { check_lce_scale_grads(grads, grad_loss); }
+
 }  // namespace
 }  // namespace fused_dense
 
 TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
   m.impl("linear_cross_entropy_forward", &fused_dense::lce_forward_meta);
   m.impl("linear_cross_entropy_backward", &fused_dense::lce_backward_meta);
+  m.impl("linear_cross_entropy_scale_grads_", &fused_dense::lce_scale_grads_meta);
 }
