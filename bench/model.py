@@ -433,6 +433,8 @@ def markdown(res):
         ce = c.get("environment", env)
         if (ce.get("git_commit"), ce.get("date_utc")) != (env.get("git_commit"), env.get("date_utc")):
             L += [f"Measured in another call: commit {str(ce.get('git_commit'))[:12]}, {ce.get('date_utc', '')}.", ""]
+        if c.get("steps_per_round", res["steps_per_round"]) != res["steps_per_round"]:
+            L += [f"{res['rounds']} interleaved rounds of {c['steps_per_round']} steps here.", ""]
         L += ["| variant | ms a step | tokens/s | vs hf_eager | vs hf_compile | step memory over resident (MiB) "
               "| loss gap to hf_eager | what |", "|---|---|---|---|---|---|---|---|"]
         for key, v in c["variants"].items():
@@ -546,6 +548,7 @@ def main(argv=None):
     for name in args.configs:
         res["configs"][name] = run_config(name, args.config_table[name], args, device, data)
         res["configs"][name]["environment"] = env
+        res["configs"][name]["steps_per_round"] = args.steps_per_round
         # written after each config, so a run cut short keeps what it measured
         for other, c in earlier.items():
             if other not in args.configs:
