@@ -196,12 +196,19 @@ def test_cpu_module_form():
 
 def test_chunk_rule():
     rows = OPS.linear_cross_entropy_chunk_rows
-    assert rows(8192, 4096, 0) == 896  # 7/32 of d, a multiple of 128
-    assert rows(8192, 8192, 0) == 1792
-    assert rows(8192, 2048, 0) == 384
+    assert rows(8192, 4096, 0) == 1024  # the largest power of two <= d / 4
+    assert rows(8192, 8192, 0) == 2048
+    assert rows(8192, 5120, 0) == 1024
+    assert rows(8192, 2048, 0) == 512
     assert rows(8192, 768, 0) == 256  # the floor
     assert rows(100, 4096, 0) == 100
     assert rows(8192, 4096, 300) == 300
+
+
+def scaled(t, g):
+    """t * g in fp32 (fp64 for float64) rounded once: the scale op's definition."""
+    math = torch.float64 if t.dtype == torch.float64 else torch.float32
+    return (t.to(math) * g.to(math)).to(t.dtype)
 
 
 def assert_same_bytes(got, want):
@@ -209,11 +216,11 @@ def assert_same_bytes(got, want):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
-def test_cpu_scale_grads_is_mul(dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_cpu_scale_grads_rounds_once(dtype):
     g = torch.tensor(1 / 3, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
     ts = [torch.randn(37, 5, dtype=dtype), torch.randn(11, dtype=dtype)]
-    want = [t.clone().mul_(g) for t in ts]
+    want = [scaled(t, g) for t in ts]
     OPS.linear_cross_entropy_scale_grads_(ts, g)
     for got, w in zip(ts, want):
         assert_same_bytes(got, w)
@@ -343,9 +350,10 @@ def test_cuda_rows_kernel_equals_the_cpu_reference_per_row():
 @pytest.mark.parametrize("offset", [0, 1], ids=["vectors", "unaligned"])
 @pytest.mark.parametrize("g", [1 / 3, 1.0, -2.5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
-def test_cuda_scale_grads_is_mul(dtype, g, offset):
-    # the core's in-place kernel (or mul_ for float64): PyTorch's t.mul_(g) byte for byte, g read
-    # on the device, nothing outside the tensors written; 3M elements run the grid-stride loop
+def test_cuda_scale_grads_rounds_once(dtype, g, offset):
+    # the core's in-place kernel (the reference for float64): t * g in fp32 rounded once, byte for
+    # byte (PyTorch's CUDA t.mul_(g) would round g to t's dtype first), g read on the device,
+    # nothing outside the tensors written; 3M elements run the grid-stride loop
     n = 3 * 2 ** 20 + 8
     flat = torch.randn(n + 16, device="cuda", dtype=dtype)
     a = flat[offset:offset + n - (3 if offset else 0)]
@@ -353,7 +361,7 @@ def test_cuda_scale_grads_is_mul(dtype, g, offset):
     loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     gt = torch.tensor(g, device="cuda", dtype=loss_dtype)
     outside = torch.cat([flat[:offset], flat[offset + a.numel():]]).clone()
-    want = [a.clone().mul_(gt), b.clone().mul_(gt)]
+    want = [scaled(a, gt), scaled(b, gt)]
     OPS.linear_cross_entropy_scale_grads_([a, b], gt)
     assert_same_bytes(a, want[0])
     assert_same_bytes(b, want[1])

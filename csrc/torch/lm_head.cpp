@@ -19,9 +19,11 @@
 //       -> (grad_input, grad_weight, grad_bias)
 //     the gradients for the incoming grad_loss (the loss's shape), the logits recomputed.
 //   linear_cross_entropy_scale_grads_(grads Tensor[], grad_loss []) -> ()
-//     each of grads *= grad_loss in place, PyTorch's t.mul_(grad_loss) byte for byte; on CUDA one
-//     kernel a tensor that reads grad_loss on the device and does nothing when it is 1 (the common
-//     loss.backward()): the backward of the mean and the sum, whose gradients the forward made.
+//     each of grads becomes t * grad_loss in place, in fp32 (fp64 for float64) rounded once to t's
+//     dtype (lce_scale_reference; PyTorch's t.mul_ on CUDA would round grad_loss to bf16 first);
+//     on CUDA one kernel a tensor that reads grad_loss on the device and does nothing when it is 1
+//     (the common loss.backward()): the backward of the mean and the sum, whose gradients the
+//     forward made.
 //
 // The tokens go in chunks of lce_chunk_rows: each chunk's logits [c, V] are one GEMM, the rows
 // kernel turns them into the loss and the gradient in place, and two GEMMs take the input's and
@@ -42,14 +44,14 @@ namespace fused_dense {
 namespace {
 
 // The chunk rule. The weight gradient's accumulation reads and writes [V, d] once a chunk, so
-// its memory traffic per GEMM flop falls as 1 / rows: on the H200 at d 4096, vocab 128,256 and
-// 8,192 tokens, 512-row chunks took 46-47 ms a step and 1,024 rows 43-45 (2,048: 41-43, within
-// the spread of 1,024). A chunk's logits [rows, V] in the weight's dtype are rows / d of the weight
-// gradient's bytes: rows at most kChunkRowsPerD of d keeps them within 7/32 (22%) of the weight
-// gradient the step holds anyway, 896 rows at d 4096 (peak 1.14x Liger's 256-row chunks there).
-// Rows are a multiple of 128 (whole GEMM tiles), at least 256.
-constexpr int64_t kChunkRowsNum = 7, kChunkRowsDen = 32;
-constexpr int64_t kChunkRowsMultiple = 128;
+// its memory traffic per GEMM flop falls as 1 / rows. On the H200 at d 4096, vocab 128,256 and
+// 8,192 tokens (forward + backward, medians of 3): 512 rows 43.6-45.3 ms, 896 rows 43.5-45.1,
+// 1,024 rows 41.3-42.6, 2,048 rows 39.9-40.3; rows that are not a power of two gained nothing
+// (896 ran as slowly as 512). A chunk's logits [rows, V] in the weight's dtype are rows / d of the
+// weight gradient's bytes: the largest power of two of rows at most d / kChunkRowsPerD keeps
+// them within a quarter of the weight gradient the step holds anyway (1,024 rows at d 4096:
+// peak 1.17x Liger's 256-row chunks there, where 2,048 rows would be 1.39x). At least 256.
+constexpr int64_t kChunkRowsPerD = 4;
 constexpr int64_t kMinChunkRows = 256;
 
 void logits_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight_t, const std::optional<at::Tensor>& bias) {
@@ -194,11 +196,16 @@ void check_lce_scale_grads(at::TensorList grads, const at::Tensor& grad_loss) {
   }
 }
 
+void lce_scale_reference(const at::Tensor& t, const at::Tensor& grad_loss) {
+  const auto math = float_math_dtype(t);
+  t.copy_(t.to(math).mul(grad_loss.reshape({}).to(math)));
+}
+
 int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t chunk_size) {
   int64_t c = chunk_size;
   if (c <= 0) {
-    c = d * kChunkRowsNum / kChunkRowsDen / kChunkRowsMultiple * kChunkRowsMultiple;
-    c = std::max(c, kMinChunkRows);
+    c = kMinChunkRows;
+    while (c * 2 <= d / kChunkRowsPerD) c *= 2;
   }
   return std::max<int64_t>(std::min(c, rows), 1);
 }

@@ -54,6 +54,9 @@ int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t chunk_size);
 // linear_cross_entropy_scale_grads_'s argument checks (every backend): each of grads on
 // grad_loss's device, grad_loss one number of a floating dtype.
 void check_lce_scale_grads(at::TensorList grads, const at::Tensor& grad_loss);
+// t = t * grad_loss in fp32 (fp64 for float64), rounded once to t's dtype: the CPU kernel and the
+// CUDA kernel's fallback.
+void lce_scale_reference(const at::Tensor& t, const at::Tensor& grad_loss);
 
 // (loss, lse, grad_input, grad_weight, grad_bias): lm_head.cpp's header comment.
 using LceForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;

@@ -98,8 +98,8 @@ struct CrossEntropyRowsArgs {
 };
 void cross_entropy_rows(const CrossEntropyRowsArgs& args, cudaStream_t stream);
 
-// data[0..n) *= *scale in place (fp32 math, rounded once to dtype: the bytes of PyTorch's
-// data.mul_(scale) with scale a float32 scalar), where *scale, read on the device, is not 1; when it
+// data[0..n) *= *scale in place (fp32 math, rounded once to dtype), where *scale, read on the
+// device, is not 1; when it
 // is 1 every block returns at once. The LM head's backward scales the gradients the forward made
 // by the incoming gradient, which is 1 in the common loss.backward(): no host read, graph-safe.
 struct ScaleUnlessOneArgs {

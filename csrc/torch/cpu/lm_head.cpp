@@ -52,8 +52,7 @@ namespace {
 
 void lce_scale_grads_cpu(at::TensorList grads, const at::Tensor& grad_loss) {
   check_lce_scale_grads(grads, grad_loss);
-  const at::Tensor g = grad_loss.reshape({});
-  for (const at::Tensor& t : grads) t.mul_(g);
+  for (const at::Tensor& t : grads) lce_scale_reference(t, grad_loss);
 }
 
 struct CpuBackend {

@@ -2,7 +2,7 @@
 // ATen's (cuBLAS), the rows are the core's cross_entropy_rows (core/elementwise/elementwise.h) on
 // the tensors' device and stream; float64 takes the reference's rows. The gradients' scaling is
 // the core's scale_unless_one for float32 grad_loss and float16 / bfloat16 / float32 tensors,
-// else PyTorch's mul_.
+// else lce_scale_reference.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -59,7 +59,7 @@ void lce_scale_grads_cuda(at::TensorList grads, const at::Tensor& grad_loss) {
     const bool ours = g.scalar_type() == at::kFloat && t.is_contiguous() &&
                       (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
     if (!ours) {
-      t.mul_(g);
+      lce_scale_reference(t, g);
       continue;
     }
     core::ScaleUnlessOneArgs a;
