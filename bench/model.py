@@ -36,7 +36,10 @@ round's first steps, which compile and tune, are left out), tokens/s, step memor
 its largest gap to hf_eager's (10-step moving averages), and where a step's kernel time goes
 (torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other). Beside the
 steps, the MLP alone (forward + backward at the config's token count; Hugging Face's MLP compiled
-against the fused one) gives the isolated lead the step should carry.
+against the fused one) gives the isolated lead the step should carry; with an FP8 variant, a Llama
+decoder layer's linears and norms alone (DecoderLinears: no attention), converted to FP8 with
+current scaling, eager and compiled, against the floor of their GEMMs (FP8 where the size rule
+converts the layer, bf16 where it does not): #39's kernel-time target.
 
 Targets (#38, the H200): fd_compile >= 0.99x hf_compile at the Llama configs, and its step gain
 >= 0.75 x (the MLP's share of hf_compile's step) x (the MLP's isolated lead); FP8 compiled >=
@@ -297,6 +300,95 @@ def mlp_isolated(cfg, base, device, rounds, reps=20):
     return {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
 
 
+class DecoderLinears(torch.nn.Module):
+    """A Llama decoder layer without its attention: input_layernorm -> q, k, v; o_proj(q) added to
+    the input; post_attention_layernorm -> MLP added: the linears convert_model converts and the
+    norms, casts and gating around them, with the layer's own names (so convert_model treats them
+    as in the model)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.input_layernorm = copy.deepcopy(layer.input_layernorm)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, copy.deepcopy(getattr(layer.self_attn, name)))
+        self.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
+        self.mlp = copy.deepcopy(layer.mlp)
+
+    def forward(self, x):
+        h = self.input_layernorm(x)
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        x = x + self.o_proj(q)
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+def linear_floor_steps(cfg, recipe, device):
+    """The GEMMs of the decoder layer's linears a training step (forward, input gradient, weight
+    gradient each), as torch._scaled_mm e4m3 x e4m3 -> bf16 where the recipe's size rule puts the
+    layer in FP8, else torch.mm in bf16; operands made here, out of the timing. A list of calls."""
+    from bench.fp8 import FAST_ACCUM, quantize
+    M, d, h = cfg["batch"] * cfg["seq"], cfg["d"], cfg["h"]
+    kv = d // cfg["heads"] * cfg["kv_heads"]
+    linears = [(d, d), (d, kv), (d, kv), (d, d), (d, 2 * h), (h, d)]  # (in, out): q, k, v, o, gate / up, down
+    calls = []
+    for k_in, n_out in linears:
+        fp8 = recipe.applies([k_in, n_out] if n_out != 2 * h else [d, h])
+        for kind, (m, k, n) in (("fwd", (M, k_in, n_out)), ("dgrad", (M, n_out, k_in)), ("wgrad", (n_out, M, k_in))):
+            a = torch.randn(m, k, device=device)
+            b = torch.randn(n, k, device=device)
+            if fp8:
+                (a8, sa), (b8, sb) = quantize(a), quantize(b)
+                calls.append(lambda a8=a8, b8=b8, sa=sa, sb=sb, fast=FAST_ACCUM[kind]: torch._scaled_mm(
+                    a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast))
+            else:
+                a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+                calls.append(lambda a16=a16, b16=b16: torch.mm(a16, b16.t()))
+    return calls
+
+
+def linears_isolated(cfg, base, device, rounds, reps=10):
+    """ms a forward + backward of one decoder layer's linears with their norms (DecoderLinears) at
+    the config's token count: converted in FP8 (current scaling, the model variants' recipe) eager
+    (the norms hand their FP8 output over) and compiled, against the floor of the same GEMMs
+    (linear_floor_steps), interleaved. #39's target: converted linears <= 1.20x their FP8 floor."""
+    import fused_dense
+    recipe = fused_dense.Float8Recipe(scaling="current")
+    holder = DecoderLinears(base.model.layers[0])
+    fused_dense.convert_model(holder, fp8=recipe)
+    holder.train()
+    M = cfg["batch"] * cfg["seq"]
+    x = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    grads = [torch.randn(M, n, device=device, dtype=torch.bfloat16) for n in
+             (cfg["d"], cfg["d"] // cfg["heads"] * cfg["kv_heads"], cfg["d"] // cfg["heads"] * cfg["kv_heads"])]
+    compiled = torch.compile(holder)
+    floor = linear_floor_steps(cfg, recipe, device)
+
+    def step(m):
+        def run():
+            torch.autograd.backward(list(m(x)), grads)
+        return run
+
+    def floor_step():
+        for call in floor:
+            call()
+    fns = {"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step}
+    for fn in fns.values():  # compile, tune
+        for _ in range(3):
+            fn()
+    times = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            torch.cuda.synchronize(device)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(reps):
+                fns[k]()
+            b.record()
+            b.synchronize()
+            times[k].append(a.elapsed_time(b) / reps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"ms": med, "rounds_ms": times, "vs_floor": {k: med[k] / med["floor"] for k in ("fp8_eager", "fp8_compile")}}
+
+
 def moving_gap(a, b, window=10):
     """Largest relative gap of window-step moving averages of two loss curves."""
     n = min(len(a), len(b))
@@ -366,6 +458,12 @@ def run_config(name, cfg, args, device, data):
         log(f"  MLP alone: {res['mlp']['ms']}, lead {res['mlp']['lead']:+.3f}")
     except Exception as exc:  # noqa: BLE001
         res["mlp"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:400]}
+    if device.type == "cuda" and cfg["family"] == "llama" and any("_fp8_" in v for v in variants):
+        try:
+            res["linears"] = linears_isolated(cfg, base, device, rounds=max(3, args.rounds))
+            log(f"  decoder linears alone: {res['linears']['ms']}, vs floor {res['linears']['vs_floor']}")
+        except Exception as exc:  # noqa: BLE001
+            res["linears"] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:400]}
     torch._dynamo.reset()
     return res
 
@@ -459,6 +557,14 @@ def markdown(res):
                   f"{mlp['ms']['hf_compile']:.3f} ms, converted {mlp['ms']['fd']:.3f} ms (lead {mlp['lead']:+.3f})."]
         elif mlp:
             L += ["", f"MLP alone: {mlp.get('error')}"]
+        lin = c.get("linears", {})
+        if "ms" in lin:
+            L += ["", f"A decoder layer's linears and norms alone (forward + backward, {cfg['batch'] * cfg['seq']} "
+                  f"tokens; FP8 current scaling): eager {lin['ms']['fp8_eager']:.3f} ms "
+                  f"({lin['vs_floor']['fp8_eager']:.3f}x their GEMM floor), compiled {lin['ms']['fp8_compile']:.3f} "
+                  f"ms ({lin['vs_floor']['fp8_compile']:.3f}x), floor {lin['ms']['floor']:.3f} ms (target: 1.20x)."]
+        elif lin:
+            L += ["", f"A decoder layer's linears alone: {lin.get('error')}"]
         L.append("")
     return "\n".join(L)
 
