@@ -261,6 +261,33 @@ def kernel_profile(r, ids_list):
     return out
 
 
+def interleaved_ms(fns, device, rounds, reps):
+    """{name: [ms a call, one per round]}: each fn called 3 times first (compile, tune), then
+    rounds of reps calls each, the order reversed every other round; CUDA events on the GPU, the
+    wall clock on the CPU."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(reps):
+                    fns[k]()
+                b.record()
+                b.synchronize()
+                times[k].append(a.elapsed_time(b) / reps)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fns[k]()
+                times[k].append((time.perf_counter() - t0) * 1e3 / reps)
+    return times
+
+
 def mlp_isolated(cfg, base, device, rounds, reps=20):
     """ms a forward + backward of one MLP at the config's token count: the model's own MLP
     compiled, and the fused one convert_model makes of it, interleaved."""
@@ -274,28 +301,8 @@ def mlp_isolated(cfg, base, device, rounds, reps=20):
     M = cfg["batch"] * cfg["seq"]
     x = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16)
-    times = {"hf_compile": [], "fd": []}
-    mods = {"hf_compile": hf, "fd": fd}
-    for k, m in mods.items():  # compile, tune
-        for _ in range(3):
-            m(x).backward(dy)
-    for r in range(rounds):
-        for k in (list(mods) if r % 2 == 0 else list(mods)[::-1]):
-            m = mods[k]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(reps):
-                    m(x).backward(dy)
-                b.record()
-                b.synchronize()
-                times[k].append(a.elapsed_time(b) / reps)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    m(x).backward(dy)
-                times[k].append((time.perf_counter() - t0) * 1e3 / reps)
+    times = interleaved_ms({k: (lambda m=m: m(x).backward(dy)) for k, m in (("hf_compile", hf), ("fd", fd))},
+                           device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
 
@@ -370,21 +377,8 @@ def linears_isolated(cfg, base, device, rounds, reps=10):
     def floor_step():
         for call in floor:
             call()
-    fns = {"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step}
-    for fn in fns.values():  # compile, tune
-        for _ in range(3):
-            fn()
-    times = {k: [] for k in fns}
-    for r in range(rounds):
-        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            torch.cuda.synchronize(device)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fns[k]()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b) / reps)
+    times = interleaved_ms({"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step},
+                           device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"ms": med, "rounds_ms": times, "vs_floor": {k: med[k] / med["floor"] for k in ("fp8_eager", "fp8_compile")}}
 
