@@ -13,7 +13,7 @@ from ._loader import has_cuda_kernels, load_library
 
 SHIPPED_TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning_tables", "choices.txt")
 
-_FIELDS = ("enabled", "budget_s", "problem_budget_ms", "pace", "buckets", "cache", "table", "deterministic")
+_FIELDS = ("enabled", "budget_s", "problem_budget_ms", "pace", "buckets", "cache", "table", "deterministic", "refine")
 
 
 def _require_tuner(what):
@@ -25,13 +25,13 @@ def _require_tuner(what):
 
 def settings() -> dict:
     """The tuner's current settings: enabled, budget_s, problem_budget_ms, pace, buckets, cache, table
-    (empty strings: no file), deterministic."""
+    (empty strings: no file), deterministic, refine."""
     _require_tuner("settings")
     return dict(zip(_FIELDS, torch.ops.fused_dense.tuning_settings()))
 
 
 def configure(*, enabled=None, budget_s=None, problem_budget_ms=None, pace=None, buckets=None, cache=None,
-              table=None, deterministic=None) -> dict:
+              table=None, deterministic=None, refine=None) -> dict:
     """Changes the given settings for this process and returns the previous ones (so a caller can
     restore them with ``configure(**previous)``).
 
@@ -49,13 +49,16 @@ def configure(*, enabled=None, budget_s=None, problem_budget_ms=None, pace=None,
     deterministic: choices never timed in this process (the table, the cache file, imported
         choices, else the fixed rule), as under ``torch.use_deterministic_algorithms(True)``; use it
         in a process group unless the ranks share their choices (:func:`share_choices`).
+    refine: a token count that is no representative of its bucket is measured at its exact M where
+        measuring is allowed (default True), and takes its bucket's choice until then; False: it
+        always takes its bucket's choice.
     """
     _require_tuner("configure")
     for name, value in (("budget_s", budget_s), ("problem_budget_ms", problem_budget_ms), ("pace", pace)):
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
                                       and math.isfinite(value) and value >= 0):
             raise ValueError(f"fused_dense.tuning.configure: {name} must be a finite number >= 0, got {value!r}")
-    for name, value in (("enabled", enabled), ("deterministic", deterministic)):
+    for name, value in (("enabled", enabled), ("deterministic", deterministic), ("refine", refine)):
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"fused_dense.tuning.configure: {name} must be True or False, got {value!r}")
     if buckets is not None and (isinstance(buckets, bool) or buckets not in (0, 1, 2, 4, 8)):
@@ -67,12 +70,13 @@ def configure(*, enabled=None, budget_s=None, problem_budget_ms=None, pace=None,
     previous = settings()
     new = dict(previous)
     given = dict(enabled=enabled, budget_s=budget_s, problem_budget_ms=problem_budget_ms, pace=pace,
-                 buckets=buckets, cache=cache, table=table, deterministic=deterministic)
+                 buckets=buckets, cache=cache, table=table, deterministic=deterministic, refine=refine)
     new.update({k: (os.fspath(v) if k in ("cache", "table") else v) for k, v in given.items() if v is not None})
     torch.ops.fused_dense.set_tuning_settings(bool(new["enabled"]), float(new["budget_s"]),
                                               float(new["problem_budget_ms"]), float(new["pace"]),
                                               int(new["buckets"]),
-                                              new["cache"], new["table"], bool(new["deterministic"]))
+                                              new["cache"], new["table"], bool(new["deterministic"]),
+                                              bool(new["refine"]))
     return previous
 
 

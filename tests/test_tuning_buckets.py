@@ -97,9 +97,11 @@ def test_bucket_rule():
 
 @pytest.mark.cuda
 def test_new_token_count_in_a_tuned_bucket_measures_nothing_and_queries_nothing(unpaced_without_table):
+    """With refine off, a count that is no representative takes its bucket's choice as it is."""
     gen = torch.Generator(device="cuda")
     gen.seed()
     mlp = FusedMLP(328, 712, device="cuda", dtype=torch.bfloat16)
+    tuning.configure(refine=False)
     before = tuning.stats()
     mlp_step_checked(mlp, 1500, gen)
     tuned = tuning.stats()
@@ -111,6 +113,34 @@ def test_new_token_count_in_a_tuned_bucket_measures_nothing_and_queries_nothing(
     assert after["problems_measured"] == tuned["problems_measured"], "a new M of a tuned bucket was measured"
     assert after["heuristic_queries"] == tuned["heuristic_queries"], \
         f"new M of a tuned bucket asked cuBLASLt's heuristic {after['heuristic_queries'] - tuned['heuristic_queries']} times"
+
+
+@pytest.mark.cuda
+def test_count_that_is_no_representative_is_measured_at_its_exact_m(unpaced_without_table):
+    """refine (the default): a count between representatives takes its bucket's choice while
+    measuring is not allowed, and is measured at its exact M, once, when it is."""
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    mlp = FusedMLP(336, 728, device="cuda", dtype=torch.bfloat16)
+    assert tuning.settings()["refine"] is True
+    before = tuning.stats()
+    mlp_step_checked(mlp, 1536, gen)  # the representative: measured at 1536
+    tuned = tuning.stats()
+    assert tuned["problems_measured"] > before["problems_measured"], "the representative was not measured"
+    assert tuning.m_bucket(1553)[1] == 1536
+    tuning.configure(enabled=False)  # not allowed: the bucket's choice, nothing measured
+    mlp_step_checked(mlp, 1553, gen)
+    assert tuning.stats()["problems_measured"] == tuned["problems_measured"], "measured while not allowed"
+    tuning.configure(enabled=True)
+    mlp_step_checked(mlp, 1553, gen)  # allowed: measured at 1553 (the MLP step's three GEMM problems)
+    refined = tuning.stats()
+    assert refined["problems_measured"] >= tuned["problems_measured"] + 3, (tuned, refined)
+    for _ in range(2):  # and kept: nothing measured again
+        mlp_step_checked(mlp, 1553, gen)
+    assert tuning.stats()["problems_measured"] == refined["problems_measured"], "the exact M was measured twice"
+    tuning.configure(deterministic=True)  # deterministic mode never keys by the exact M
+    mlp_step_checked(mlp, 1601, gen)
+    assert tuning.stats()["problems_measured"] == refined["problems_measured"], "measured in deterministic mode"
 
 
 @pytest.mark.cuda
@@ -210,7 +240,8 @@ def test_table_written_by_the_tool_serves_without_measuring(tmp_path):
 def test_configure_checks_its_arguments():
     cuda_or_skip()
     for bad in (dict(budget_s=-1.0), dict(problem_budget_ms=float("nan")), dict(pace="fast"), dict(enabled=1),
-                dict(buckets="yes"), dict(buckets=3), dict(buckets=True), dict(cache=3), dict(deterministic=1)):
+                dict(buckets="yes"), dict(buckets=3), dict(buckets=True), dict(cache=3), dict(deterministic=1),
+                dict(refine="on")):
         name = next(iter(bad))
         with pytest.raises(ValueError, match=name):
             tuning.configure(**bad)

@@ -5,9 +5,9 @@
 
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("tuning_settings() -> (bool enabled, float budget_s, float problem_budget_ms, float pace, int buckets, "
-        "str cache, str table, bool deterministic)");
+        "str cache, str table, bool deterministic, bool refine)");
   m.def("set_tuning_settings(bool enabled, float budget_s, float problem_budget_ms, float pace, int buckets, "
-        "str cache, str table, bool deterministic) -> ()");
+        "str cache, str table, bool deterministic, bool refine) -> ()");
   m.def("set_default_tuning_table(str path) -> ()");
   m.def("tuning_stats() -> (int problems_measured, int rule_choices, int table_choices, int cache_choices, "
         "float measuring_s, int heuristic_queries, int imported_choices, int process_choices, int plans_cached)");

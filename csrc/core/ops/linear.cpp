@@ -103,7 +103,12 @@ void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, 
       throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
     return;
   }
-  const MBucket bucket = m_bucket(args.batch);
+  MBucket bucket = m_bucket(args.batch);
+  if (bucket.representative != args.batch) {  // no representative: its exact M where key_exact_m says
+    const MBucket exact{args.batch, args.batch, 0};
+    if (key_exact_m(ctx.device, ctx.stream, tuning_key(op, ctx, exact, K, N, act, flag_a, flag_b), ctx.deterministic))
+      bucket = exact;
+  }
   // The rule's choice at the representative M, with cuBLASLt's first algorithm there.
   const auto rule = [&] {
     Args at_rep = args;

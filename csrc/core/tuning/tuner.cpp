@@ -133,6 +133,7 @@ void initialize_locked(TunerState& st) {
     throw Error("fused_dense: FUSED_DENSE_TUNING_BUCKETS must be 0, 1, 2, 4 or 8 (representatives per octave of M), got '" +
                 std::string(env("FUSED_DENSE_TUNING_BUCKETS")) + "'");
   st.settings.buckets = static_cast<int>(buckets);
+  st.settings.refine = env_flag("FUSED_DENSE_TUNING_REFINE", st.settings.refine);
   if (const char* c = env("FUSED_DENSE_TUNING_CACHE")) st.settings.cache_path = c;
   if (const char* t = env("FUSED_DENSE_TUNING_TABLE")) {
     st.table_from_env = true;
@@ -821,6 +822,19 @@ Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed,
   }
   keep_rule_choice(device, key, rule_choice);
   return rule_choice;
+}
+
+bool key_exact_m(int device, cudaStream_t stream, const TuningKey& exact_key, bool fixed) {
+  if (fixed) return false;
+  {
+    TunerState& st = state();
+    std::lock_guard<std::mutex> lock(st.mutex);
+    initialize_locked(st);
+    if (st.settings.deterministic || !st.settings.refine) return false;
+  }
+  Choice choice;
+  if (choice_cache().lookup(device, exact_key, false, &choice) == CachedKind::kFinal) return true;
+  return may_measure(stream);
 }
 
 std::vector<std::string> export_choices(int device) { return choice_cache().export_lines(device); }

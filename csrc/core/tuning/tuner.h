@@ -1,6 +1,7 @@
 // Measured choice for heuristic = auto. A problem is keyed by its op, dtype, widths, flags and the
 // representative of its token count M (m_bucket: the token counts people use, 2^k and the round
-// counts between, each measured at its exact M; another M takes the nearest of them). The
+// counts between, each measured at its exact M; another M takes the nearest of them, until its
+// own exact M is measured: key_exact_m). The
 // candidates are the fused epilogue with several of cuBLASLt's algorithms, plain GEMM +
 // elementwise kernel with several plain algorithms, and where it applies each variant of the
 // library's cutlass_sm90 kernels (cutlass_sm90_dgrad.h, cutlass_sm90_forward.h); they are timed on
@@ -40,6 +41,8 @@
 //   FUSED_DENSE_TUNING_PROBLEM_BUDGET_MS=ms  per problem (default 100)
 //   FUSED_DENSE_TUNING_PACE=f              share of wall time measuring may take (default 0.05)
 //   FUSED_DENSE_TUNING_BUCKETS=b           representatives per octave: 1, 2, 4 (default), 8; 0: exact M
+//   FUSED_DENSE_TUNING_REFINE=1|0          measure a count that is no representative at its exact M
+//                                          where measuring is allowed (default 1; key_exact_m)
 //   FUSED_DENSE_TUNING_CACHE=path          persist choices across processes (one line each)
 //   FUSED_DENSE_TUNING_TABLE=0|path        leave the shipped table out, or read another
 //   FUSED_DENSE_TUNING_VERBOSE=1|2         print each choice (2: every candidate's time)
@@ -98,6 +101,9 @@ struct TuningSettings {
   // Representatives per octave of M: 4 (the default, and the shipped table's grid), 1, 2 or 8; 0
   // keys by the exact M. A choice is stored for the grid it was measured on.
   int buckets = 4;
+  // A token count that is no representative is measured at its exact M where measuring is allowed
+  // (key_exact_m); false: it always takes its bucket's choice.
+  bool refine = true;
   // Deterministic mode for every call (choose()'s `fixed`), beside torch's own switch.
   bool deterministic = false;
   std::string cache_path;   // empty: none
@@ -150,6 +156,16 @@ struct TuningTrial {
 // fixed: deterministic mode (above).
 Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed, FunctionRef<Choice()> rule,
               FunctionRef<std::optional<TuningTrial>(TuningArena&)> trial);
+
+// Whether a call whose token count is no representative of its bucket is keyed by its exact M
+// (exact_key: the key with MBucket{M, M, 0}) rather than by the bucket: where the exact M has a
+// final choice in this process, or measuring is allowed now (choose() then measures it there).
+// Never in deterministic mode (fixed) or with refine off; otherwise the bucket's choice serves
+// the count provisionally, as the rule's choice serves a problem met while measuring is not
+// allowed. Why: the best algorithm moves with the exact M's tile and wave counts, so a count 1%
+// from its representative can lose 14% on the representative's choice (docs/performance.md,
+// "The tuner").
+bool key_exact_m(int device, cudaStream_t stream, const TuningKey& exact_key, bool fixed);
 
 // The final choices this device holds (measured here, read from files, imported) as lines of the
 // cache file's format, for sharing one process's choices with others (a process group).

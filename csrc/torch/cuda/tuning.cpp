@@ -15,7 +15,7 @@
 namespace fused_dense {
 namespace {
 
-using Settings = std::tuple<bool, double, double, double, int64_t, std::string, std::string, bool>;
+using Settings = std::tuple<bool, double, double, double, int64_t, std::string, std::string, bool, bool>;
 
 // Core errors (a bad budget) reach Python as RuntimeError with the core's message.
 template <class Fn>
@@ -31,12 +31,12 @@ Settings get_settings() {
   return translated([] {
     const core::TuningSettings s = core::tuning_settings();
     return Settings{s.enabled, s.budget_s, s.problem_budget_ms, s.pace, s.buckets, s.cache_path, s.table_path,
-                    s.deterministic};
+                    s.deterministic, s.refine};
   });
 }
 
 void set_settings(bool enabled, double budget_s, double problem_budget_ms, double pace, int64_t buckets, const std::string& cache,
-                  const std::string& table, bool deterministic) {
+                  const std::string& table, bool deterministic, bool refine) {
   translated([&] {
     core::TuningSettings s;
     s.enabled = enabled;
@@ -47,6 +47,7 @@ void set_settings(bool enabled, double budget_s, double problem_budget_ms, doubl
     s.cache_path = cache;
     s.table_path = table;
     s.deterministic = deterministic;
+    s.refine = refine;
     core::set_tuning_settings(s);
     return 0;
   });
