@@ -110,7 +110,7 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
                        const Fp8Weight& w1, const Opt& b1, const Fp8Weight& w2, const Opt& b2, const Opt& scales,
                        const Opt& amax_out, Fp8MlpSaved* s) {
   const auto dtype = x.scalar_type();
-  const Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1, kMlpOp);
+  Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1, kMlpOp);
   record_amax(amax_out, 0, xq.amax);
   at::Tensor pre;
   Q aq;
@@ -124,7 +124,6 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
     aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, p.keep_act_out, false);
   }
   record_amax(amax_out, 1, aq.amax);
-  at::Tensor out = op_calls::fp8_linear(aq.data, w2.data, aq.scale_inv, w2.scale_inv, b2, dtype, true, -2);
   if (s != nullptr) {
     s->x_data = p.recompute_fc1 ? xq.data : at::Tensor();
     s->x_t = p.need.w1 ? xq.data_t : at::Tensor();
@@ -134,14 +133,23 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
     s->a_scale = aq.scale;
     s->a_scale_inv = aq.scale_inv;
   }
-  return out;
+  // What fc2 does not read is released before its output is allocated (the transient peak): x's
+  // copies and pre where nothing keeps them, the activation's transposed copy where level 1 / 2
+  // rebuilds it.
+  xq = Q{};
+  pre.reset();
+  aq.data_t.reset();
+  return op_calls::fp8_linear(aq.data, w2.data, aq.scale_inv, w2.scale_inv, b2, dtype, true, -2);
 }
 
 struct Fp8MlpGrads {
   at::Tensor x, w1, b1, w2, b2;
 };
 
-Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor& g, const Fp8Weight& w1,
+// Each temporary is released once its last reader has run, and g once it is quantized (the caller
+// hands its reference over), so the step's transient peak holds as few of them at once as the
+// order of the GEMMs allows; the saved tensors themselves live until autograd releases them.
+Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, const Fp8Weight& w1,
                          const Opt& b1, const Fp8Weight& w2, const at::ScalarType weight_dtype, Fp8MlpSaved s,
                          const Opt& scales, const Opt& amax_out) {
   Fp8MlpGrads r;
@@ -159,20 +167,27 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tens
     // Levels 1 and 2: the forward's transposed activation, rebuilt with the forward's scale.
     s.a_t = quantize(s.pre, std::nullopt, c.activation, false, kE4M3, s.a_scale, false, true, false).data_t;
   }
-  const Q gq = quantize(g, std::nullopt, 0, false, c.grad_format, slot(scales, 2), p.need_d_pre, p.need.w2, p.need.b2);
+  Q gq = quantize(g, std::nullopt, 0, false, c.grad_format, slot(scales, 2), p.need_d_pre, p.need.w2, p.need.b2);
+  g.reset();
   record_amax(amax_out, 2, gq.amax);
   if (p.need.b2) r.b2 = gq.sums;
   if (p.need.w2) r.w2 = op_calls::fp8_linear(gq.data_t, s.a_t, gq.scale_inv, s.a_scale_inv, std::nullopt,
                                              weight_dtype, false, -2);
+  gq.data_t.reset();
+  s.a_t.reset();
   if (p.need_d_pre) {
-    const at::Tensor d_act =
+    at::Tensor d_act =
         op_calls::fp8_linear(gq.data, w2.data_t, gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
-    const Q dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), p.need.x, p.need.w1,
-                          p.need.b1);
+    gq = Q{};
+    Q dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), p.need.x, p.need.w1,
+                    p.need.b1);
+    d_act.reset();
+    s.pre.reset();
     record_amax(amax_out, 3, dq.amax);
     if (p.need.b1) r.b1 = dq.sums;
     if (p.need.x)
       r.x = op_calls::fp8_linear(dq.data, w1.data_t, dq.scale_inv, w1.scale_inv, std::nullopt, dtype, false, -2);
+    dq.data.reset();
     if (p.need.w1)
       r.w1 = op_calls::fp8_linear(dq.data_t, s.x_t, dq.scale_inv, s.x_scale_inv, std::nullopt, weight_dtype, false,
                                   -2);
@@ -229,8 +244,9 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     const auto [scales, amax_out] = saved_scaling(ctx);
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
-    const at::Tensor g = grad_outputs[0].contiguous();
-    Fp8MlpGrads r = mlp_backward(p, c, g, w1, opt(v[0]), w2, weight_dtype, s, scales, amax_out);
+    at::Tensor g = grad_outputs[0].contiguous();
+    grad_outputs[0].reset();  // g's one reference is handed to mlp_backward, which releases it when quantized
+    Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out);
     // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
     // weight2, bias2, then activation, checkpoint_lvl, the 6 FP8 weight tensors, grad_format,
     // scales, amax_out and the x_fp8 tensors, none of which has a gradient.
