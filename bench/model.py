@@ -28,13 +28,17 @@ and, on request (--variants):
                                 the FP8 op quantizes each layer's input, not Inductor (against 'traced')
   fd_lce_compile                convert_model(linear_cross_entropy=True) (bf16): the LM head fused with
                                 its loss, no logits in training; compiled
+  fd_fp8_current_lce_eager,
+  fd_fp8_current_lce_compile    convert_model(fp8=current, linear_cross_entropy=True): FP8 with the
+                                fused LM head and loss, uncompiled and compiled
 The GPT-2 config runs the bf16 variants only (its MLP is what the main job measures).
 
 Reported per config and variant: ms a step (median over rounds of each round's median; the first
 round's first steps, which compile and tune, are left out), tokens/s, step memory over resident
 (peak during one step, measured alone, minus what is allocated before it), the loss curve and
 its largest gap to hf_eager's (10-step moving averages), and where a step's kernel time goes
-(torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other). Beside the
+(torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other; the JSON
+also lists each variant's 15 largest kernels, `profile_top`). Beside the
 steps, the MLP alone (forward + backward at the config's token count; Hugging Face's MLP compiled
 against the fused one) gives the isolated lead the step should carry; with an FP8 variant, a Llama
 decoder layer's linears and norms alone (DecoderLinears: no attention), converted to FP8 with
@@ -81,7 +85,8 @@ CPU_CONFIGS = {
 }
 DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_current_compile",
                     "fd_fp8_delayed_compile", "torchao_compile", "fd_fp8_current_eager"]
-VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_lce_compile"]
+VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_lce_compile", "fd_fp8_current_lce_eager",
+                               "fd_fp8_current_lce_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -240,25 +245,28 @@ def step_memory(r, ids):
     return resident, torch.cuda.max_memory_allocated(r.device) - resident
 
 
-def kernel_profile(r, ids_list):
-    """Kernel time a step by class (ms), from torch.profiler over the given steps."""
+def kernel_profile(r, ids_list, top=15):
+    """(kernel time a step by class, ms; the `top` kernels by time a step as [name, class, ms]),
+    from torch.profiler over the given steps."""
     if r.device.type != "cuda":
-        return None
+        return None, None
     from torch.profiler import ProfilerActivity, profile
     r.sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for ids in ids_list:
             r.step(ids)
         r.sync()
-    out = {}
+    out, kernels = {}, []
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if not us or ev.key.startswith(("ProfilerStep", "cudaLaunch")):
             continue
         cls = next((c for c, pat in KERNEL_CLASSES if pat.search(ev.key)), "other")
-        out[cls] = out.get(cls, 0.0) + us / 1e3 / len(ids_list)
+        ms = us / 1e3 / len(ids_list)
+        out[cls] = out.get(cls, 0.0) + ms
+        kernels.append([ev.key[:160], cls, round(ms, 4)])
     out["total"] = sum(out.values())
-    return out
+    return out, sorted(kernels, key=lambda k: -k[2])[:top]
 
 
 def interleaved_ms(fns, device, rounds, reps):
@@ -439,7 +447,7 @@ def run_config(name, cfg, args, device, data):
         if ref is not None:
             v["loss_gap"] = moving_gap(v["losses"], ref)
         v["resident_bytes"], v["step_bytes"] = step_memory(r, ids_list[steps])
-        v["profile_ms"] = kernel_profile(r, ids_list[steps + 1:steps + 4])
+        v["profile_ms"], v["profile_top"] = kernel_profile(r, ids_list[steps + 1:steps + 4])
         log(f"  {key}: {v['ms']:.2f} ms, {v['tokens_per_s']:,.0f} tok/s, loss gap {v.get('loss_gap')}, "
             f"step memory {v['step_bytes']}, profile {v['profile_ms']}")
     for key in list(runners):
