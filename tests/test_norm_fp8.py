@@ -186,6 +186,77 @@ def test_cuda_matches_the_cpu_reference(layer_norm):
     assert rel_err(cuda[6].cpu(), cpu[6]) <= 1e-6
 
 
+def check_backward(device, dtype, layer_norm, rows, cols, offset=0, grads=None):
+    """norm_backward on device against the float64 definition's autograd; offset: the inputs start
+    that many elements past an aligned address (the kernel's scalar path)."""
+    x, weight, b = inputs(device, dtype, rows=rows, cols=cols, bias=layer_norm)
+    if offset:
+        flat = torch.empty(rows * cols + offset, device=device, dtype=dtype)
+        flat[offset:].copy_(x.flatten())
+        x = flat[offset:].view(rows, cols)
+    _, rstd, mean = definition(x, weight, b, 1e-5, layer_norm)
+    g = torch.randn_like(x)
+    grads = grads or [True, True, layer_norm]
+    got = OPS.norm_backward(g, x, weight, rstd.float(), mean.float() if layer_norm else None, grads)
+    leaves = [t.double().requires_grad_() for t in (x, weight) + ((b,) if layer_norm else ())]
+    y, _, _ = definition(leaves[0], leaves[1], leaves[2] if layer_norm else None, 1e-5, layer_norm)
+    want = torch.autograd.grad(y, leaves, g.double())
+    # as test_cpu_backward: fp32 math, one rounding of each result; the column sums of up to 600
+    # rows in fp32 (each block's rows, then the blocks' partial sums) add about 2 u_fp32 more
+    u = torch.finfo(dtype).eps / 2
+    tol = {torch.float32: 8 * u, torch.float16: u, torch.bfloat16: u}[dtype]
+    for name, asked, a, r in zip(("x", "weight", "bias"), grads, got, want):
+        if asked:
+            assert rel_err(a, r) <= tol, (name, rel_err(a, r))
+        else:
+            assert a.numel() == 0, name
+    return got
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer_norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows, cols", [(33, 64), (600, 4096), (7, 8192), (300, 36)])
+def test_cuda_backward(dtype, layer_norm, rows, cols):
+    """The core's kernel: 16-byte vectors (cols a multiple of 8), more rows than blocks (600),
+    fewer (7, 33), a width the vectors do not divide (36: the scalar path)."""
+    check_backward("cuda", dtype, layer_norm, rows, cols)
+
+
+@pytest.mark.cuda
+def test_cuda_backward_unaligned_and_partial():
+    check_backward("cuda", torch.bfloat16, True, 40, 64, offset=1)
+    for grads in ([True, False, False], [False, True, False], [False, False, True], [False, True, True]):
+        check_backward("cuda", torch.bfloat16, True, 70, 128, grads=grads)
+    # wider than the kernel's shared-memory column sums: the ATen composition, same contract
+    check_backward("cuda", torch.bfloat16, True, 3, 25_000)
+
+
+@pytest.mark.cuda
+def test_cuda_backward_matches_the_cpu_reference():
+    x, weight, b = inputs("cpu", torch.bfloat16, rows=300, cols=4096, bias=True)
+    _, rstd, mean = definition(x, weight, b, 1e-5, True)
+    g = torch.randn_like(x)
+    cpu = OPS.norm_backward(g, x, weight, rstd.float(), mean.float(), [True, True, True])
+    cuda = OPS.norm_backward(g.cuda(), x.cuda(), weight.cuda(), rstd.float().cuda(), mean.float().cuda(),
+                             [True, True, True])
+    # both round one fp32 result per element; the fp32 sums run in other orders (the row sums
+    # c1, c2 agree to ~1e-6 relative), so a value may round to the neighbouring bf16 one. Where
+    # grad_x's terms cancel, grad_x is small and that fp32 difference, relative to the terms
+    # rstd * (|g w| + |xhat c1| + |c2|), exceeds its own unit: the bound is both (as the forward's)
+    eps = torch.finfo(torch.bfloat16).eps
+    x64, g64, w64 = x.double(), g.double(), weight.double()
+    xhat = (x64 - mean.view(-1, 1)) * rstd.view(-1, 1)
+    gy = g64 * w64
+    c1, c2 = (gy * xhat).mean(1, keepdim=True), gy.mean(1, keepdim=True)
+    terms = rstd.view(-1, 1) * (gy.abs() + (xhat * c1).abs() + c2.abs())
+    bounds = (terms * 4e-6, 0.0, 0.0)
+    for a, r, extra in zip(cuda, cpu, bounds):
+        diff = (a.cpu().double() - r.double()).abs()
+        assert bool((diff <= r.double().abs() * eps + extra).all())
+        assert (diff > 0).double().mean().item() < 0.01
+
+
 @pytest.mark.cuda
 def test_cuda_nan_reaches_the_amax():
     x, weight, _ = inputs("cuda", torch.bfloat16, bias=False)

@@ -15,7 +15,8 @@
 //   norm_backward(grad_out [R, C], x, weight, rstd, mean?, grads bool[3])
 //       -> (grad_x [R, C] or [0], grad_weight [C] or [0], grad_bias [C] or [0])
 //     the gradients of out (LayerNorm when mean is given, else RMSNorm), fp32 math (fp64 for
-//     float64); on every device the ATen composition of cpu/norm.cpp.
+//     float64); on CUDA the core's norm_backward kernel (the ATen composition of cpu/norm.cpp for
+//     float64 and widths past the kernel's limit), elsewhere that composition.
 #include "torch/norm.h"
 
 #include <c10/util/Exception.h>

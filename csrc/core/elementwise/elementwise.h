@@ -12,7 +12,7 @@
 //   sum_partials.cu         sum_partials
 //   gated_act.cu            gated_act_forward, gated_act_backward
 //   cross_entropy.cu        cross_entropy_rows, scale_unless_one
-//   norm.cu                 norm_forward
+//   norm.cu                 norm_forward, norm_backward
 // and, shared by those files only: vector_pack.cuh (element conversions, 16-byte vectors),
 // flat_grid.cuh (launch shape, grid-stride iteration), type_dispatch.cuh (codes to template
 // arguments), act_backward_step.cuh (one vector of the activation backward, the ReLU mask
@@ -131,5 +131,31 @@ struct NormForwardArgs {
   float* amax = nullptr;
 };
 void norm_forward(const NormForwardArgs& args, cudaStream_t stream);
+
+// The gradients of norm_forward's out (LayerNorm where mean is non-null, else RMSNorm), fp32
+// math from the rounded inputs, one rounding of each result:
+//   xhat = (x - mean) * rstd, gy = grad_out * weight,
+//   grad_x = rstd * (gy - xhat * mean_j(gy * xhat) - mean_j(gy))   (RMSNorm: no last term),
+//   grad_weight = sum_i grad_out * xhat, grad_bias = sum_i grad_out.
+// Each output is skipped where its pointer is null. The column sums go through fp32 partial sums
+// per block into workspace (norm_backward_workspace_bytes), then sum_partials: their order is
+// fixed by rows alone, so the bits are the same on every device. A block keeps its partial sums
+// in shared memory, 4 bytes per column and sum: cols <= norm_backward_max_cols(both sums).
+struct NormBackwardArgs {
+  DType dtype = DType::kBFloat16;
+  int64_t rows = 0, cols = 0;
+  const void* grad_out = nullptr;
+  const void* x = nullptr;
+  const void* weight = nullptr;
+  const float* rstd = nullptr;
+  const float* mean = nullptr;
+  void* grad_x = nullptr;
+  void* grad_weight = nullptr;
+  void* grad_bias = nullptr;
+};
+std::size_t norm_backward_workspace_bytes(int64_t rows, int64_t cols, bool weight, bool bias);
+int64_t norm_backward_max_cols(bool weight_and_bias);
+void norm_backward(const NormBackwardArgs& args, void* workspace, std::size_t workspace_bytes, int device,
+                   cudaStream_t stream);
 
 }  // namespace fused_dense::core
