@@ -82,7 +82,7 @@ def environment(device, argv, commit=None, fused_dense_import_error=None):
            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "device": str(device),
            "fused_dense_import_error": fused_dense_import_error, "triton": _version("triton"),
            "flash_attn": _version("flash_attn"), "fused_dense": _version("fused_dense"),
-           "torchao": _dist_version("torchao")}
+           "torchao": _dist_version("torchao"), "transformers": _dist_version("transformers")}
     try:
         import fused_dense
         env["fused_dense_cuda_kernels"] = bool(fused_dense.has_cuda_kernels())

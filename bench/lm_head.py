@@ -32,7 +32,6 @@ rounding alone puts between two results of the same loss ((1 + log2 tokens) * 2^
 (a target whose comparator is unavailable is "n/a").
 Writes DIR/lm_head-<YYYY-MM-DD>.json, .md and .png and removes the other lm_head-<date> files there.
 """
-import gc
 import math
 import os
 import sys
@@ -46,7 +45,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench import report  # noqa: E402
-from bench.timing import MIB, Bench  # noqa: E402
+from bench.timing import MIB, Bench, step_memory  # noqa: E402
 
 D, VOCABS, TOKENS = 4096, (32000, 128256), (8192, 16384)
 CPU_D, CPU_VOCABS, CPU_TOKENS = 64, (512, 1000), (128, 256)
@@ -113,24 +112,12 @@ def problem(d, vocab, tokens, device, dtype, seed=0):
     return x, weight, target
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def peak_bytes(fn, x, weight, device):
     """The peak allocated during one step over what was allocated before it (the variant alone)."""
     if device.type != "cuda":
         return None
     x.grad = weight.grad = None
-    sync(device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    peak = step_memory(device, fn, count_saved=False)["peak_bytes"]
     x.grad = weight.grad = None
     return peak
 
@@ -203,17 +190,6 @@ def accuracy(d, vocab, tokens, fns, device, dtype):
     return out
 
 
-def _value(shape, name, key):
-    v = shape["variants"].get(name, {})
-    return v.get(key) if v.get("status") == "ok" else None
-
-
-def _met(num, den, limit, slack=0.0):
-    if num is None or den is None:
-        return "n/a"
-    return "met" if num <= limit * den + slack else "not met"
-
-
 def error_slack(tokens):
     """How far apart two float32 results of the same loss can be from rounding alone: the loss's
     own rounding and one per halving of the sum over the tokens, (1 + log2 tokens) * 2^-24."""
@@ -225,21 +201,19 @@ def targets(res):
     out = {}
     for s in res["shapes"]:
         label = f"{s['d']}x{s['vocab']} @ {s['tokens']}"
-        ms = {n: _value(s, n, "ms") for n in VARIANTS}
-        peak = {n: _value(s, n, "peak_bytes") for n in VARIANTS}
-        out[label] = {"time_vs_hf_compile": _met(ms["fused"], ms["hf_compile"], TARGETS["time_vs_hf_compile"]),
-                      "time_vs_liger": _met(ms["fused"], ms["liger"], TARGETS["time_vs_liger"]),
-                      "peak_vs_liger": _met(peak["fused"], peak["liger"], TARGETS["peak_vs_liger"])}
+        ms = {n: report.ok_value(s, n, "ms") for n in VARIANTS}
+        peak = {n: report.ok_value(s, n, "peak_bytes") for n in VARIANTS}
+        met = report.verdict
+        out[label] = {"time_vs_hf_compile": met(ms["fused"], ms["hf_compile"], TARGETS["time_vs_hf_compile"]),
+                      "time_vs_liger": met(ms["fused"], ms["liger"], TARGETS["time_vs_liger"]),
+                      "peak_vs_liger": met(peak["fused"], peak["liger"], TARGETS["peak_vs_liger"])}
     for a in res["accuracy"]:
-        verdicts = [_met(_value(a, "fused", k), _value(a, "hf_eager", k), TARGETS["error_vs_hf_eager"],
-                         error_slack(a["tokens"])) for k in ("loss", "x_grad", "weight_grad")]
+        verdicts = [report.verdict(report.ok_value(a, "fused", k), report.ok_value(a, "hf_eager", k),
+                                   TARGETS["error_vs_hf_eager"], error_slack(a["tokens"]))
+                    for k in ("loss", "x_grad", "weight_grad")]
         verdict = "n/a" if "n/a" in verdicts else ("met" if all(v == "met" for v in verdicts) else "not met")
         out.setdefault(f"{a['d']}x{a['vocab']} @ {a['tokens']}", {})["error_vs_hf_eager"] = verdict
     return out
-
-
-def _ms(v):
-    return f"{v['ms']:.3f} ({v['p20']:.3f}–{v['p80']:.3f})" if v.get("status") == "ok" else v.get("status", "–")
 
 
 def _mib(v):
@@ -265,7 +239,7 @@ def markdown(res):
         cells = []
         for n in VARIANTS:
             v = s["variants"].get(n, {"status": "unavailable"})
-            cells += [_ms(v), _mib(v)]
+            cells += [report.ms_cell(v), _mib(v)]
         lines.append(f"| {s['d']} → {s['vocab']}, {s['tokens']} tokens | " + " | ".join(cells) + " |")
     lines += ["", "## Relative error against float64 (the timed problems; the reference from the same bf16 "
               f"inputs on the same device, {REFERENCE_ROWS} tokens at a time)", "",
@@ -298,7 +272,7 @@ def make_png(res, path):
     for ax, key, scale, ylabel in ((axes[0], "ms", 1.0, "ms (forward + backward)"),
                                    (axes[1], "peak_bytes", 1.0 / MIB, "peak MiB over resident")):
         for j, n in enumerate(VARIANTS):
-            vals = [(_value(s, n, key) or 0.0) * scale for s in res["shapes"]]
+            vals = [(report.ok_value(s, n, key) or 0.0) * scale for s in res["shapes"]]
             ax.bar([i + j * width for i in range(len(labels))], vals, width, label=n)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels)
         ax.set(ylabel=ylabel, title=f"d {res['shapes'][0]['d'] if res['shapes'] else ''} LM head + loss")
@@ -311,27 +285,16 @@ def parse_args(argv):
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (at least 5 for the record)")
     p.add_argument("--quick", action="store_true", help="one vocabulary and token count (the CPU: tiny shapes)")
-    args = p.parse_args(argv)
+    args = report.parse_record_args(p, argv)
     if args.report:
         return args
-    if not args.out:
-        p.error("--out is required")
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
-    args.variants = variants
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device (--device cpu checks the script)")
-    return args
+    args.variants = report.comma_list(p, "--variants", args.variants, VARIANTS)
+    return report.checked_record_args(p, args)
 
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.report:
-        report.rewrite_dated_record(args.report, markdown, make_png)
+    if report.rewrote_record(args, markdown, make_png):
         return None
     from bench import environment
     device = torch.device(args.device)

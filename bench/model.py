@@ -68,7 +68,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import report  # noqa: E402
+from bench import report, timing  # noqa: E402
 
 CONFIGS = {
     "llama-2048": dict(family="llama", d=2048, h=8192, layers=4, heads=16, kv_heads=8, vocab=32000, batch=4, seq=2048),
@@ -235,14 +235,8 @@ def step_memory(r, ids):
     """(resident bytes before a step, peak over that step minus resident), the variant alone."""
     if r.device.type != "cuda":
         return None, None
-    r.sync()
-    gc.collect()
-    torch.cuda.empty_cache()
-    resident = torch.cuda.memory_allocated(r.device)
-    torch.cuda.reset_peak_memory_stats(r.device)
-    r.step(ids)
-    r.sync()
-    return resident, torch.cuda.max_memory_allocated(r.device) - resident
+    mem = timing.step_memory(r.device, lambda: r.step(ids), count_saved=False)
+    return mem["before_bytes"], mem["peak_bytes"]
 
 
 def kernel_profile(r, ids_list, top=15):
@@ -515,10 +509,7 @@ def targets(res):
 def markdown(res):
     env = res["environment"]
     L = [f"# Models: what convert_model gains in a training step ({env.get('date_utc', '')[:10]})", "",
-         f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
-         f"CUDA {env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str') or env.get('cublasLt_version')}, "
-         f"transformers {env.get('transformers', '–')}, torchao {env.get('torchao', '–')}, commit "
-         f"{str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}. bf16, fused AdamW; "
+         f"{report.environment_line(env)}. bf16, fused AdamW; "
          f"{res['rounds']} interleaved rounds of {res['steps_per_round']} steps. Produced by `python -m bench.model` "
          "(bench/model.py says what each figure is).", "", "## Targets", "",
          "| target | figure (rounds) | met |", "|---|---|---|"]
@@ -605,11 +596,9 @@ def parse_args(argv):
     p.add_argument("--merge", metavar="FILE.json",
                    help="keep the configs of this earlier result that this run does not measure (one record "
                         "from runs split across calls; each config names its own commit)")
-    args = p.parse_args(argv)
+    args = report.parse_record_args(p, argv)
     if args.report:
         return args
-    if not args.out:
-        p.error("--out is required")
     table = CONFIGS if args.device == "cuda" else CPU_CONFIGS
     args.configs = args.configs.split(",") if args.configs else [c for c in table if c in DEFAULT_CONFIGS or
                                                                  table is CPU_CONFIGS]
@@ -632,8 +621,7 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.report:
-        report.rewrite_dated_record(args.report, markdown, make_png)
+    if report.rewrote_record(args, markdown, make_png):
         return 0
     from bench import environment
     device = torch.device(args.device)

@@ -811,6 +811,33 @@ def save_figure(plt, fig, path, dpi=110):
     return path
 
 
+def ok_value(rec, name, key):
+    """A standalone record's figure: rec['variants'][name][key] where that variant ran, else None."""
+    v = rec["variants"].get(name, {})
+    return v.get(key) if v.get("status") == "ok" else None
+
+
+def verdict(num, den, limit, slack=0.0):
+    """'met' where num <= limit * den + slack, 'not met' where not, 'n/a' where either is missing."""
+    if num is None or den is None:
+        return "n/a"
+    return "met" if num <= limit * den + slack else "not met"
+
+
+def ms_cell(v):
+    """A variant's time as a table cell: median (p20–p80), or its status."""
+    return f"{v['ms']:.3f} ({v['p20']:.3f}–{v['p80']:.3f})" if v.get("status") == "ok" else v.get("status", "–")
+
+
+def environment_line(env):
+    """What a standalone record ran on, for its markdown: GPU, driver, torch, CUDA, cuBLASLt,
+    transformers, torchao and the commit."""
+    return (f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
+            f"CUDA {env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str') or env.get('cublasLt_version')}, "
+            f"transformers {env.get('transformers', '–')}, torchao {env.get('torchao', '–')}, commit "
+            f"{str(env.get('git_commit'))[:12]}{' (dirty)' if env.get('git_dirty') else ''}")
+
+
 def record_parser(description):
     """The command line of a standalone benchmark, with the options they share: --out, --report and
     --device."""
@@ -820,6 +847,41 @@ def record_parser(description):
     p.add_argument("--report", metavar="FILE.json", help="rewrite the markdown and chart of a result")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     return p
+
+
+def parse_record_args(p, argv):
+    """A standalone benchmark's arguments (p from record_parser); --out required unless --report."""
+    args = p.parse_args(argv)
+    if not args.report and not args.out:
+        p.error("--out is required")
+    return args
+
+
+def rewrote_record(args, markdown_of, png_of):
+    """With --report: that record's markdown and chart rewritten from its JSON, and True."""
+    if args.report:
+        rewrite_dated_record(args.report, markdown_of, png_of)
+    return bool(args.report)
+
+
+def comma_list(p, option, value, known):
+    """The names of a comma-list option, each one of known (else p.error naming the option)."""
+    picked = value.split(",")
+    unknown = [v for v in picked if v not in known]
+    if unknown:
+        p.error(f"{option}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return picked
+
+
+def checked_record_args(p, args):
+    """The checks a standalone benchmark's arguments share, after its own: --rounds at least 1, and a
+    CUDA device for --device cuda. Returns args."""
+    import torch
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device (--device cpu checks the script)")
+    return args
 
 
 def write_dated_record(out_dir, prefix, res, markdown_of, png_of):

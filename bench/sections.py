@@ -1,6 +1,7 @@
 """What is timed (the sections ceiling, mlp, ops, host and sustained; bench/README.md lists them)
 and the run's state: results, time budget, what crashed the process.
 """
+import contextlib
 import ctypes
 import gc
 import json
@@ -15,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import power, report
-from bench.timing import MIB, Bench
+from bench.timing import MIB, Bench, SavedStorages
 
 T0 = time.time()  # run.py sets it to the supervisor's start, so budget and log clock span restarts
 EXIT_CUDA_BROKEN = 3  # worker exit code: the CUDA context is unusable; the supervisor restarts
@@ -313,28 +314,17 @@ def measure_pass(ctx, mod, x, dy, params, use_hooks=True):
     for t in params + [x]:
         t.grad = None
     ctx.free()
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    saved = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in param_ptrs:
-            saved[s.data_ptr()] = s.nbytes()
-        return t
-
+    saved = SavedStorages(params)
     base = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    if use_hooks:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = first(mod(x))
-    else:
+    with saved if use_hooks else contextlib.nullcontext():
         out = first(mod(x))
     ctx.sync()
     kept = torch.cuda.memory_allocated(ctx.device) - base - out.numel() * out.element_size() if ctx.cuda else None
     out.backward(dy)
     ctx.sync()
-    mem = {"saved_bytes": sum(saved.values()), "saved_storages": len(saved)} if use_hooks else {}
+    mem = {"saved_bytes": saved.bytes, "saved_storages": saved.storages} if use_hooks else {}
     if ctx.cuda:
         mem.update(alloc_kept_bytes=kept, peak_delta_bytes=torch.cuda.max_memory_allocated(ctx.device) - base)
     outs = {"out": out.detach(), "dx": x.grad}

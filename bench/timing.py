@@ -5,7 +5,10 @@ each repetition), warm-up of at least warmup_ms and 2 calls, at least rep_ms and
 repetitions, the L2 cache flushed before each; a figure whose p80 / p20 exceeds RETRY_SPREAD is
 measured once more and the steadier of the two kept. Bench.interleaved(fns, rounds) times several
 functions in rounds, the order rotated by one place per round, each block after the whole warm-up.
+SavedStorages and step_memory: what a step keeps for backward and the peak it allocates.
 """
+import contextlib
+import gc
 import math
 import statistics
 import time
@@ -184,3 +187,62 @@ class Bench:
             if self.cuda:
                 res[k]["allocator_calls"] = allocs[k]
         return res
+
+
+class SavedStorages:
+    """A context in which torch.autograd.graph.saved_tensors_hooks counts what is saved for
+    backward: the distinct storages (by their untyped storage's data_ptr), so a tensor saved twice,
+    or two views of one storage, count once and two copies of one tensor count twice; the storages
+    of `exclude` (parameters) are left out. bytes: their total; storages: how many."""
+
+    def __init__(self, exclude=()):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.saved = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in self.exclude:
+            self.saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.saved.values())
+
+    @property
+    def storages(self):
+        return len(self.saved)
+
+
+def step_memory(device, step, exclude=(), count_saved=True):
+    """One call of step() measured alone: {before_bytes: allocated before it, peak_bytes: the most
+    allocated during it minus before_bytes (both None off the GPU), saved_bytes / saved_storages:
+    SavedStorages(exclude) over it (None where not count_saved: compiled code, where hooks at call
+    time make Dynamo recompile, so what ran would not be what is timed)}."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    gc.collect()
+    before = None
+    if cuda:
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    counter = SavedStorages(exclude) if count_saved else None
+    with counter if counter is not None else contextlib.nullcontext():
+        step()
+    out = {"before_bytes": before, "peak_bytes": None, "saved_bytes": None, "saved_storages": None}
+    if counter is not None:
+        out.update(saved_bytes=counter.bytes, saved_storages=counter.storages)
+    if cuda:
+        torch.cuda.synchronize(device)
+        out["peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+    return out

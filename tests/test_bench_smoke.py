@@ -724,3 +724,63 @@ def test_lm_head_section_runs_on_cpu(tmp_path):
     lm_head.main(["--report", path])  # the markdown again, from the JSON alone
     with open(path[:-5] + ".md") as f:
         assert f.read() == lm_head.markdown(res)
+
+
+def test_saved_storages_count_each_storage_once():
+    """bench.timing.SavedStorages: a tensor saved twice (or two views of one storage) counts once,
+    two copies of it twice, and the excluded storages (parameters) not at all."""
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with timing.SavedStorages(exclude=[w]) as once:
+        (x * x).sum().backward()  # x saved twice (each operand), one storage
+    assert (once.storages, once.bytes) == (1, 4 * 8 * 4)
+    with timing.SavedStorages(exclude=[w]) as twice:
+        (x.clone() * x.clone() + x @ w).sum().backward()  # two copies, and x beside the excluded w
+    assert (twice.storages, twice.bytes) == (3, 3 * 4 * 8 * 4)
+    mem = timing.step_memory(torch.device("cpu"), lambda: (x[:2] * x[2:]).sum().backward())
+    assert mem == {"before_bytes": None, "peak_bytes": None, "saved_bytes": 4 * 8 * 4, "saved_storages": 1}
+
+
+def test_memory_section_runs_on_cpu(tmp_path):
+    """bench.memory: the MLPs (bf16 and FP8 fused, eager) and the Llama step at tiny shapes, each
+    variant measured alone with what it saves for backward, timed interleaved, the CPU's missing
+    variants recorded unavailable with the reason, the targets reported, and a markdown the report
+    code rewrites the same from the JSON."""
+    pytest.importorskip("transformers")
+    (tmp_path / "memory-2000-01-01.json").write_text("{}")
+    _run([sys.executable, "-m", "bench.memory", "--device", "cpu", "--quick", "--out", str(tmp_path)], timeout=600)
+    (path,) = glob.glob(str(tmp_path / "memory-*.json"))
+    with open(path) as f:
+        res = json.load(f)
+    from bench import memory
+    assert [(s["label"], s["M"], s["d"], s["h"]) for s in res["shapes"]] == [(s[0], *s[2:]) for s in memory.CPU_SHAPES]
+    for s in res["shapes"]:
+        vs = s["variants"]
+        assert list(vs) == memory.mlp_variants(memory.FP8_PATHS)
+        assert vs["torchao_tensorwise"]["status"] == "unavailable" and vs["torchao_tensorwise"]["error"].startswith(
+            "CPU run: "), vs["torchao_tensorwise"]
+        for key in ("eager", "fused_bf16", "fused_fp8_current", "fused_fp8_delayed"):
+            v = vs[key]
+            assert v["status"] == "ok" and v["ms"] > 0 and len(v["round_ms"]) == 2, (key, v)
+            assert v["saved_bytes"] > 0 and v["saved_storages"] > 0 and v["peak_bytes"] is None, (key, v)
+        # x is counted: at least its storage beside what the layers save
+        assert vs["fused_bf16"]["saved_bytes"] > s["M"] * s["d"] * 2
+    llama = res["llama"]
+    assert llama["config_name"] == "llama-tiny" and list(llama["variants"]) == memory.LLAMA_VARIANTS
+    hf = llama["variants"]["hf_eager"]
+    assert hf["status"] == "ok" and hf["tokens_per_s"] > 0 and len(hf["round_ms"]) == 2 and hf["saved_bytes"] > 0, hf
+    for key in memory.LLAMA_VARIANTS[1:]:
+        assert llama["variants"][key]["status"] == "unavailable", (key, llama["variants"][key])
+    verdicts = {where: {k: t["verdict"] for k, t in per.items()} for where, per in res["targets_met"].items()}
+    gelu = verdicts["GELU MLP 64 × 64: fused_fp8_current"]
+    assert gelu["saved_vs_fused_bf16"] in ("met", "not met") and gelu["peak_vs_fused_bf16"] == "n/a"
+    assert gelu["time_vs_old_fp8_path"] == "n/a"  # no old FP8 path to select yet
+    assert verdicts["LlamaForCausalLM llama-tiny: fd_fp8_current_compile"]["llama_step_memory_vs_torchao"] == "n/a"
+    assert not (tmp_path / "memory-2000-01-01.json").exists()
+    with open(path[:-5] + ".md") as f:
+        md = f.read()
+    assert md == memory.markdown(res) and "## Targets (#41)" in md and "CUDA" in md and "commit" in md
+    os.remove(path[:-5] + ".md")
+    memory.main(["--report", path])  # the markdown again, from the JSON alone
+    with open(path[:-5] + ".md") as f:
+        assert f.read() == md
