@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import power, report
-from bench.timing import MIB, Bench, SavedStorages
+from bench.timing import Bench, SavedStorages
 
 T0 = time.time()  # run.py sets it to the supervisor's start, so budget and log clock span restarts
 EXIT_CUDA_BROKEN = 3  # worker exit code: the CUDA context is unusable; the supervisor restarts
