@@ -825,16 +825,18 @@ Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed,
 }
 
 bool key_exact_m(int device, cudaStream_t stream, const TuningKey& exact_key, bool fixed) {
-  if (fixed) return false;
   {
     TunerState& st = state();
     std::lock_guard<std::mutex> lock(st.mutex);
     initialize_locked(st);
-    if (st.settings.deterministic || !st.settings.refine) return false;
+    if (!st.settings.refine) return false;
+    fixed = fixed || st.settings.deterministic;
   }
+  // In deterministic mode lookup() returns only choices from files and imports: a process that
+  // imports another's choices (measure_and_share) runs that process's exact-M choices.
   Choice choice;
-  if (choice_cache().lookup(device, exact_key, false, &choice) == CachedKind::kFinal) return true;
-  return may_measure(stream);
+  if (choice_cache().lookup(device, exact_key, fixed, &choice) == CachedKind::kFinal) return true;
+  return !fixed && may_measure(stream);
 }
 
 std::vector<std::string> export_choices(int device) { return choice_cache().export_lines(device); }

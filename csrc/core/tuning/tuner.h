@@ -160,9 +160,9 @@ Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed,
 // Whether a call whose token count is no representative of its bucket is keyed by its exact M
 // (exact_key: the key with MBucket{M, M, 0}) rather than by the bucket: where the exact M has a
 // final choice in this process, or measuring is allowed now (choose() then measures it there).
-// Never in deterministic mode (fixed) or with refine off; otherwise the bucket's choice serves
-// the count provisionally, as the rule's choice serves a problem met while measuring is not
-// allowed. Why: the best algorithm moves with the exact M's tile and wave counts, so a count 1%
+// In deterministic mode (fixed) only where the cache file or imported choices hold the exact M's
+// (nothing is measured); never with refine off. Otherwise the bucket's choice serves the count
+// provisionally, as the rule's choice serves a problem met while measuring is not allowed. Why: the best algorithm moves with the exact M's tile and wave counts, so a count 1%
 // from its representative can lose 14% on the representative's choice (docs/performance.md,
 // "The tuner").
 bool key_exact_m(int device, cudaStream_t stream, const TuningKey& exact_key, bool fixed);
