@@ -28,7 +28,7 @@ import torch
 
 import fused_dense
 from conftest import poison_cuda_cache, rel_err
-from fused_dense import Float8Recipe, FusedDense, FusedMLP
+from fused_dense import Float8Recipe, FusedDense, FusedGatedMLP, FusedMLP
 
 FP8_TOL = 4e-2
 # A gradient quantized to e5m2 (2 mantissa bits, twice e4m3's spacing) is off by 25% where it
@@ -109,11 +109,12 @@ class StepQuantizer:
         return v if name in self.skip else fake_quant(v, fmt, self.scales.get(name))[0]
 
 
-def ref_mlp(x, w1, b1, w2, b2, g, act, grad_fmt, dtype, scales=None, skip=()):
+def ref_mlp(x, w1, b1, w2, b2, g, act, grad_fmt, dtype, scales=None, skip=(), pre_fp8=False):
     """Outputs and gradients of the FP8 MLP step, float64, with the op's roundings to `dtype`, and
     'amax': the amaxes of the step's scaled tensors; scales: delayed scaling's [x, act, grad_out,
     grad_pre] (else current scaling); skip: the quantizations (QUANTIZED) left out, for the
-    references a correct step must miss."""
+    references a correct step must miss; pre_fp8: the activation's derivative taken at the
+    pre-activation's e4m3 copy (its own amax), dequantized and rounded to `dtype` (save_pre_fp8)."""
     d = lambda t: None if t is None else t.detach().double().cpu()  # noqa: E731
     x, w1, b1, w2, b2, g = map(d, (x, w1, b1, w2, b2, g))
     q = StepQuantizer(None if scales is None else dict(zip(QUANTIZED, scales)), skip)
@@ -124,7 +125,8 @@ def ref_mlp(x, w1, b1, w2, b2, g, act, grad_fmt, dtype, scales=None, skip=()):
     out = aq @ w2q.T + (b2 if b2 is not None else 0)
     gq = q("grad_out", g, grad_fmt)
     d_act = (gq @ w2q).to(dtype).double()
-    d_pre = d_act * ref_act_grad(pre, act)
+    kept = fake_quant(pre, 0)[0].to(dtype).double() if pre_fp8 else pre
+    d_pre = d_act * ref_act_grad(kept, act)
     dq = q("grad_pre", d_pre, grad_fmt)
     return {"out": out, "x": dq @ w1q, "w1": dq.T @ xq, "b1": d_pre.sum(0), "w2": gq.T @ aq, "b2": g.sum(0),
             "amax": torch.stack([q.amax[k] for k in QUANTIZED[:4]])}
@@ -496,6 +498,65 @@ def test_mlp_current_scaling_matches_reference(device, act, grad_format, rows):
         assert_fp8_close(v, ref[k], f"grad {k}", fp8_tol(device, grad_format))
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("rows", [77, 256])
+def test_mlp_save_pre_fp8_matches_reference(device, act, rows):
+    """save_pre_fp8: the same forward bits, gradients of the activation's derivative taken at the
+    pre-activation's e4m3 copy, half the default's bytes for the pre-activation."""
+    torch.manual_seed(rows)
+    m = make_mlp(device, act, Float8Recipe(min_features=0, save_pre_fp8=True))
+    m_default = make_mlp(device, act)
+    m_default.load_state_dict(m.state_dict())
+    x, g = randn(rows, 64, device=device, scale=2.0), randn(rows, 64, device=device)
+    out, grads = run_step(m, x, g)
+    out_default, grads_default = run_step(m_default, x, g)
+    assert torch.equal(out, out_default), "save_pre_fp8 changed the forward"
+    args = (x, m.fc1.weight, m.fc1.bias, m.fc2.weight, m.fc2.bias, g, act, 1, torch.bfloat16)
+    ref, ref_default = ref_mlp(*args, pre_fp8=True), ref_mlp(*args)
+    for k, v in grads.items():
+        assert_fp8_close(v, ref[k], f"grad {k}", fp8_tol(device, "e5m2"))
+    if device == "cpu" and act != "relu":
+        # negative control: the derivative at the kept copy moves the pre-activation's gradients by
+        # more than the CPU tolerance (ReLU's derivative is the sign, which e4m3 keeps)
+        assert rel_err(grads["w1"], ref_default["w1"]) > FP8_CPU_TOL, "the kept pre-activation was not quantized"
+        assert rel_err(grads_default["w1"], ref_default["w1"]) <= FP8_CPU_TOL
+
+
+def saved_bytes(m, x):
+    """Bytes of the distinct storages a forward of m saves for backward (parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in m.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x.detach().requires_grad_(True))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("act", ["gelu_approx", "swiglu"])
+def test_save_pre_fp8_keeps_half_of_bf16(act):
+    """The bytes kept for backward at level 0 (d 64, hidden 256, 128 tokens): bf16 keeps x, pre and
+    the activation (2 bytes each); FP8 by default x^T and the activation in e4m3 and pre in bf16;
+    with save_pre_fp8 pre in e4m3 too: half of bf16's, plus the scales' few bytes."""
+    kw = dict(device="cpu", dtype=torch.bfloat16)
+    if act == "swiglu":
+        make = lambda fp8: FusedGatedMLP(64, 256, activation="swiglu", fp8=fp8, **kw)  # noqa: E731
+    else:
+        make = lambda fp8: FusedMLP(64, 256, activation=act, fp8=fp8, **kw)  # noqa: E731
+    x = randn(128, 64)
+    bf16 = saved_bytes(make(None), x)
+    fp8 = saved_bytes(make(Float8Recipe(min_features=0)), x)
+    half = saved_bytes(make(Float8Recipe(min_features=0, save_pre_fp8=True)), x)
+    assert bf16 > fp8 > half, (bf16, fp8, half)
+    assert half <= bf16 // 2 + 64, (bf16, half)
+
+
 def levels_are_bit_identical(make_at_level, step, x, g):
     """Levels 1 and 2 rebuild what level 0 keeps with the forward's scales: the same bits.
     make_at_level(lvl) builds the module; step(module, x, g) -> (out, {name: grad})."""
@@ -621,6 +682,8 @@ def test_recipe_errors():
         Float8Recipe(grad_format="e3m4")
     with pytest.raises(ValueError, match="amax_history_len"):
         Float8Recipe(amax_history_len=0)
+    with pytest.raises(ValueError, match="save_pre_fp8 must be True or False, got 1"):
+        Float8Recipe(save_pre_fp8=1)
     with pytest.raises(TypeError, match="fp8 must be None, a bool or a fused_dense.Float8Recipe"):
         FusedMLP(64, 128, fp8="yes")
     m = FusedMLP(64, 128, fp8=Float8Recipe(min_features=0))

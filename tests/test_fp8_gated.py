@@ -14,7 +14,7 @@ import torch
 import fused_dense
 from conftest import poison_cuda_cache, rel_err
 from fused_dense import Float8Recipe, FusedGatedMLP
-from test_fp8 import (F8, QUANTIZED, StepQuantizer, assert_fp8_close, compile_matches_eager, cuda, devices, fake_quant,
+from test_fp8 import (F8, FP8_CPU_TOL, QUANTIZED, StepQuantizer, assert_fp8_close, compile_matches_eager, cuda, devices, fake_quant,
                       fp8_gpu, fp8_tol, graph_replay_matches_eager, levels_are_bit_identical, randn)
 
 GATED = {"swiglu": 4, "geglu": 5}
@@ -68,12 +68,13 @@ def gated_value_grad(d_h, gu, act):
     return pack_columns(d_h * u * gate_act_grad(g, act), d_h * gate_act(g, act))
 
 
-def ref_gated_mlp(x, w1, w2, g, act, grad_fmt, dtype, scales=None, skip=()):
+def ref_gated_mlp(x, w1, w2, g, act, grad_fmt, dtype, scales=None, skip=(), pre_fp8=False):
     """Outputs and gradients of the gated FP8 MLP step, float64, rounded to `dtype` where the op
     rounds (the GEMMs' gu and d_h), and 'amax' as test_fp8.ref_mlp's; scales: delayed scaling's
     [x, act, grad_out, grad_pre]; skip:
     the quantizations left out (test_fp8.QUANTIZED; 'act' is act(g) * u, 'grad_pre' the packed
-    gate / up gradient)."""
+    gate / up gradient); pre_fp8: the gating's derivative taken at gu's e4m3 copy (its own amax),
+    dequantized and rounded to `dtype` (save_pre_fp8)."""
     d = lambda t: t.detach().double().cpu()  # noqa: E731
     x, w1, w2, g = map(d, (x, w1, w2, g))
     q = StepQuantizer(None if scales is None else dict(zip(QUANTIZED, scales)), skip)
@@ -83,7 +84,8 @@ def ref_gated_mlp(x, w1, w2, g, act, grad_fmt, dtype, scales=None, skip=()):
     out = aq @ w2q.T
     gq = q("grad_out", g, grad_fmt)
     d_h = (gq @ w2q).to(dtype).double()
-    dq = q("grad_pre", gated_value_grad(d_h, gu, act), grad_fmt)
+    kept = fake_quant(gu, 0)[0].to(dtype).double() if pre_fp8 else gu
+    dq = q("grad_pre", gated_value_grad(d_h, kept, act), grad_fmt)
     return {"out": out, "x": dq @ w1q, "w1": dq.T @ xq, "w2": gq.T @ aq,
             "amax": torch.stack([q.amax[k] for k in QUANTIZED[:4]])}
 
@@ -187,6 +189,26 @@ def run_gated_step(m, x, g, **kw):
     out = m(x, **kw)
     out.backward(g)
     return out, {"x": x.grad, "w1": m.gate_up_proj.weight.grad, "w2": m.down_proj.weight.grad}
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", list(GATED))
+def test_gated_mlp_save_pre_fp8_matches_reference(device, act):
+    """save_pre_fp8 in the gated MLP: gu kept as its e4m3 copy, the gating's derivative taken there;
+    the forward's bits unchanged."""
+    m = make_gated(device, act, Float8Recipe(min_features=0, save_pre_fp8=True))
+    m_default = make_gated(device, act, Float8Recipe(min_features=0))
+    m_default.load_state_dict(m.state_dict())
+    x, g = randn(77, 64, device=device, scale=2.0), randn(77, 64, device=device)
+    out, grads = run_gated_step(m, x, g)
+    out_default, _ = run_gated_step(m_default, x, g)
+    assert torch.equal(out, out_default), "save_pre_fp8 changed the forward"
+    args = (x, m.gate_up_proj.weight, m.down_proj.weight, g, act, 1, torch.bfloat16)
+    ref, ref_default = ref_gated_mlp(*args, pre_fp8=True), ref_gated_mlp(*args)
+    for k, v in grads.items():
+        assert_fp8_close(v, ref[k], f"grad {k}", fp8_tol(device, "e5m2"))
+    if device == "cpu":  # negative control: the derivative at the kept copy moves the gradients
+        assert rel_err(grads["w1"], ref_default["w1"]) > FP8_CPU_TOL, "gu was not quantized"
 
 
 @pytest.mark.parametrize("device", devices())

@@ -22,10 +22,15 @@
 // The forward GEMMs use Hopper's fast FP8 accumulation, the gradient GEMMs the precise one.
 // Level 1 rebuilds aq^T from pre, level 2 re-runs fc1 from xq: both with the forward's scales,
 // so the rebuilt tensors are the forward's bits and no amax is recorded again.
+// save_pre_fp8 (level 0): pre is kept as Q(pre) (e4m3, its own amax) and backward reads
+// pre' = dequantized Q(pre) rounded to the model dtype in act'(pre'): half the bytes of the
+// pre-activation for act'(pre) evaluated 3 mantissa bits from pre (off by default).
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "torch/autograd/op_calls.h"
 #include "torch/fp8.h"
@@ -92,12 +97,16 @@ constexpr const char* kMlpOp = "fused_dense::fused_mlp_fp8";
 
 struct Fp8MlpConfig {
   int64_t activation = 1, checkpoint_lvl = 0, grad_format = 1;
+  bool save_pre_fp8 = false;
+  // pre kept as its e4m3 copy: only at level 0 (levels 1 and 2 rebuild from pre or x, bit for bit)
+  bool pre_in_fp8() const { return save_pre_fp8 && checkpoint_lvl == 0; }
 };
 
 // What the forward keeps (beyond weights and biases).
 struct Fp8MlpSaved {
   at::Tensor x_data, x_t, x_scale_inv;  // x_data: level 2 only
-  at::Tensor pre;                       // keep_pre
+  at::Tensor pre;                       // keep_pre (its e4m3 copy with pre_in_fp8)
+  at::Tensor pre_scale_inv;             // pre_in_fp8
   at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
 };
 
@@ -129,6 +138,11 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
     s->x_t = p.need.w1 ? xq.data_t : at::Tensor();
     s->x_scale_inv = xq.scale_inv;
     s->pre = p.keep_pre ? pre : at::Tensor();
+    if (p.keep_pre && c.pre_in_fp8()) {
+      const Q pq = quantize(pre, std::nullopt, 0, false, kE4M3, std::nullopt, true, false, false);
+      s->pre = pq.data;
+      s->pre_scale_inv = pq.scale_inv;
+    }
     s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
     s->a_scale = aq.scale;
     s->a_scale_inv = aq.scale_inv;
@@ -140,6 +154,18 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   pre.reset();
   aq.data_t.reset();
   return op_calls::fp8_linear(aq.data, w2.data, aq.scale_inv, w2.scale_inv, b2, dtype, true, -2);
+}
+
+// pre' = data * scale_inv in fp32, rounded once to dtype, in row chunks whose fp32 temporary stays
+// small (1,024 rows of the hidden width: 64 MiB at h 16384) beside the result.
+at::Tensor dequantized(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType dtype) {
+  constexpr int64_t kRows = 1024;
+  at::Tensor out = at::empty(data.sizes(), data.options().dtype(dtype));
+  for (int64_t r = 0; r < data.size(0); r += kRows) {
+    const int64_t n = std::min(kRows, data.size(0) - r);
+    out.narrow(0, r, n).copy_(data.narrow(0, r, n).to(at::kFloat).mul_(scale_inv));
+  }
+  return out;
 }
 
 struct Fp8MlpGrads {
@@ -163,6 +189,7 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
   } else if (p.recompute_fc1) {
     s.pre = op_calls::fp8_linear(s.x_data, w1.data, s.x_scale_inv, w1.scale_inv, b1, dtype, true, -2);
   }
+  if (s.pre_scale_inv.defined() && s.pre.defined()) s.pre = dequantized(s.pre, s.pre_scale_inv, dtype);
   if (p.need_act_out && !s.a_t.defined()) {
     // Levels 1 and 2: the forward's transposed activation, rebuilt with the forward's scale.
     s.a_t = quantize(s.pre, std::nullopt, c.activation, false, kE4M3, s.a_scale, false, true, false).data_t;
@@ -199,7 +226,7 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                             const at::Tensor& weight2, const Opt& bias2, int64_t activation, int64_t checkpoint_lvl,
                             at::TensorList weights_fp8, int64_t grad_format, const Opt& scales, const Opt& amax_out,
-                            at::TensorList x_fp8) {
+                            at::TensorList x_fp8, bool save_pre_fp8) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const bool has_b1 = bias1.has_value() && bias1->defined(), has_b2 = bias2.has_value() && bias2->defined();
     size_t edge = 0;
@@ -209,7 +236,7 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     need.b1 = has_b1 && ctx->needs_input_grad(edge++);
     need.w2 = ctx->needs_input_grad(edge++);
     need.b2 = has_b2 && ctx->needs_input_grad(edge++);
-    const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
+    const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format, save_pre_fp8};
     const MlpPlan p = make_plan(activation, checkpoint_lvl, need, kMlpOp);
     const Fp8Weight w1 = fp8_weight_at(weights_fp8, 0, weight1, kMlpOp);
     const Fp8Weight w2 = fp8_weight_at(weights_fp8, 1, weight2, kMlpOp);
@@ -217,14 +244,14 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     at::Tensor out = mlp_forward(p, c, x, x_fp8, w1, bias1, w2, bias2, scales, amax_out, &s);
     ctx->saved_data["x_fp8_count"] = static_cast<int64_t>(x_fp8.size());
     ctx->saved_data["needs"] = c10::List<bool>({need.x, need.w1, need.b1, need.w2, need.b2});
-    ctx->saved_data["config"] = c10::List<int64_t>({activation, checkpoint_lvl, grad_format});
+    ctx->saved_data["config"] = c10::List<int64_t>({activation, checkpoint_lvl, grad_format, save_pre_fp8 ? 1 : 0});
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight1.scalar_type());
     // The FP8 weight copies and the scaling state are not differentiable inputs: kept as values.
     ctx->saved_data["w1"] = c10::List<at::Tensor>({w1.data, w1.data_t, w1.scale_inv});
     ctx->saved_data["w2"] = c10::List<at::Tensor>({w2.data, w2.data_t, w2.scale_inv});
     save_scaling(ctx, scales, amax_out);
     ctx->save_for_backward({p.save_b1 && has_b1 ? *bias1 : at::Tensor(), s.x_data, s.x_t, s.x_scale_inv, s.pre, s.a_t,
-                            s.a_scale, s.a_scale_inv});
+                            s.a_scale, s.a_scale_inv, s.pre_scale_inv});
     return out;
   }
 
@@ -237,21 +264,21 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     const auto flags = ctx->saved_data["needs"].toBoolList();
     const MlpNeeds need{flags.get(0), flags.get(1), flags.get(2), flags.get(3), flags.get(4)};
     const auto cfg = ctx->saved_data["config"].toIntList();
-    const Fp8MlpConfig c{cfg.get(0), cfg.get(1), cfg.get(2)};
+    const Fp8MlpConfig c{cfg.get(0), cfg.get(1), cfg.get(2), cfg.get(3) != 0};
     const MlpPlan p = make_plan(c.activation, c.checkpoint_lvl, need, kMlpOp);
     const auto l1 = ctx->saved_data["w1"].toTensorList(), l2 = ctx->saved_data["w2"].toTensorList();
     const Fp8Weight w1{l1.get(0), l1.get(1), l1.get(2)}, w2{l2.get(0), l2.get(1), l2.get(2)};
     const auto [scales, amax_out] = saved_scaling(ctx);
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
-    Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[5], v[6], v[7]};
+    Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[8], v[5], v[6], v[7]};
     at::Tensor g = grad_outputs[0].contiguous();
     grad_outputs[0].reset();  // g's one reference is handed to mlp_backward, which releases it when quantized
     Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out);
     // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
     // weight2, bias2, then activation, checkpoint_lvl, the 6 FP8 weight tensors, grad_format,
-    // scales, amax_out and the x_fp8 tensors, none of which has a gradient.
+    // scales, amax_out, the x_fp8 tensors and save_pre_fp8, none of which has a gradient.
     variable_list grads{r.x, r.w1, r.b1, r.w2, r.b2};
-    grads.resize(5 + 2 + 6 + 3 + ctx->saved_data["x_fp8_count"].toInt());
+    grads.resize(5 + 2 + 6 + 3 + ctx->saved_data["x_fp8_count"].toInt() + 1);
     return grads;
   }
 };
@@ -259,11 +286,11 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
 at::Tensor fused_mlp_fp8_forward(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                                  const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                  int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
-                                 const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
+                                 const Opt& scales, const Opt& amax_out, at::TensorList x_fp8, bool save_pre_fp8) {
   check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
   check_x_fp8(x, x_fp8, scales, kMlpOp);
   const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kMlpOp);
-  const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format};
+  const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format, save_pre_fp8};
   return mlp_forward(p, c, x, x_fp8, fp8_weight_at(weights_fp8, 0, weight1, kMlpOp), bias1,
                      fp8_weight_at(weights_fp8, 1, weight2, kMlpOp), bias2, scales, amax_out, nullptr);
 }
@@ -271,7 +298,7 @@ at::Tensor fused_mlp_fp8_forward(const at::Tensor& x, const at::Tensor& weight1,
 at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1, const Opt& bias1,
                                   const at::Tensor& weight2, const Opt& bias2, int64_t activation,
                                   int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
-                                  const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
+                                  const Opt& scales, const Opt& amax_out, at::TensorList x_fp8, bool save_pre_fp8) {
   check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
   check_x_fp8(x, x_fp8, scales, kMlpOp);
   check_mlp_codes(activation, checkpoint_lvl, kMlpOp);
@@ -280,10 +307,10 @@ at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1
                                        weight2.requires_grad() || requires(bias2))) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fused_mlp_fp8_forward(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, weights_fp8,
-                                 grad_format, scales, amax_out, x_fp8);
+                                 grad_format, scales, amax_out, x_fp8, save_pre_fp8);
   }
   return FusedMLPFp8Function::apply(x, weight1, bias1, weight2, bias2, activation, checkpoint_lvl, weights_fp8,
-                                    grad_format, scales, amax_out, x_fp8);
+                                    grad_format, scales, amax_out, x_fp8, save_pre_fp8);
 }
 
 // ---------------------------------------------------------------------------------------------
