@@ -15,8 +15,9 @@ Parts (--parts):
                                is_first_microbatch=True (the weights cast every step), as bench.fp8 does
            torchao_tensorwise  torchao convert_to_float8_training of the nn.Linear MLP (tensorwise), then
                                torch.compile (where torchao imports; else recorded unavailable)
-         FP8_PATHS names how the FP8 modules save for backward; every fused_fp8 variant is measured once
-         per path picked (--fp8-paths), so the old path and the new one can be measured in one run.
+         FP8_PATHS names how the FP8 modules save for backward (default: the pre-activation in the
+         model's dtype; pre_fp8: Float8Recipe(save_pre_fp8=True), in e4m3); every fused_fp8 variant
+         is measured once per path picked (--fp8-paths), both in one run.
   llama  transformers' LlamaForCausalLM as bench.model builds its llama-4096 config (d 4096, h 14336,
          2 layers, 2 x 4096 tokens; on the CPU its llama-tiny), one training step as bench.model's
          Runner takes it (forward with labels, backward, gradient clipping, fused AdamW). Variants:
@@ -41,11 +42,13 @@ repetitions; llama: bench.model's interleaved_ms, the median of the rounds' medi
 
 Targets (#41, the H200, in one run): FP8 MLPs at the three shapes: saved for backward <= 0.5x the
 fused bf16 MLP's, peak <= the fused bf16 MLP's and <= torchao's, time <= 1.02x the old FP8 path's
-(n/a until FP8_PATHS has the old path); the converted LlamaForCausalLM: step memory over resident
-<= 0.85x torchao's, tokens/s >= the old FP8 path's (n/a until it is selectable). The loss-curve
+(each path other than OLD_FP8_PATH, with both picked); the converted LlamaForCausalLM: step memory
+over resident <= 0.85x torchao's, tokens/s >= the old FP8 path's (n/a: the llama part runs
+convert_model's default recipe only). The loss-curve
 target (500 steps within the main job's FP8 limit) is the main job's FP8 check, not measured here.
 Writes DIR/memory-<YYYY-MM-DD>.json, .md and .png and removes the other memory-<date> files there.
 """
+import dataclasses
 import gc
 import os
 import statistics
@@ -69,13 +72,12 @@ from bench.timing import MIB, Bench, step_memory  # noqa: E402
 SHAPES = [("gelu", "gelu_approx", 8192, 4096, 16384), ("gelu", "gelu_approx", 16384, 8192, 32768),
           ("swiglu", "swiglu", 16384, 4096, 14336)]
 CPU_SHAPES = [("gelu", "gelu_approx", 64, 64, 256), ("swiglu", "swiglu", 64, 64, 176)]
-# How the FP8 modules save for backward (#41 item 1): name -> (variant key suffix, keyword arguments of
-# FusedMLP / FusedGatedMLP that select the path). The library has no such option yet, so only its
-# present path is listed. When it has one, add the old path, e.g. "old": ("_old", {<option>: <value>}),
-# and set OLD_FP8_PATH = "old": every fused_fp8 variant is then measured on both paths in one run, and
-# the time target compares them. Nothing here passes an option the library does not have.
-FP8_PATHS = {"default": ("", {})}
-OLD_FP8_PATH = None
+# How the FP8 modules save for backward (#41 item 1): name -> (variant key suffix, Float8Recipe
+# keyword arguments that select the path). Every fused_fp8 variant is measured once per path picked,
+# in one run, and the time target compares each path with OLD_FP8_PATH's: "default" keeps the
+# pre-activation in the model's dtype, "pre_fp8" in e4m3 (Float8Recipe(save_pre_fp8=True)).
+FP8_PATHS = {"default": ("", {}), "pre_fp8": ("_pre_fp8", {"save_pre_fp8": True})}
+OLD_FP8_PATH = "default"
 FP8_SCALINGS = ("current", "delayed")
 LLAMA_CONFIG, CPU_LLAMA_CONFIG = "llama-4096", "llama-tiny"
 LLAMA_VARIANTS = ["hf_eager", "fd_fp8_current_eager", "fd_fp8_current_compile", "torchao_compile"]
@@ -119,13 +121,13 @@ def build_mlp(key, label, activation, d, h, eager, x, dy, device, dtype):
     extra = FP8_PATHS[path_of(key)][1] if key.startswith("fused_fp8") else {}
 
     def make(**kw):
+        if extra and kw.get("fp8") is not None:
+            kw["fp8"] = dataclasses.replace(kw["fp8"], **extra)
         if label == "gelu":
-            return fp8.FusedMLP(d, h, d, activation=activation, heuristic="auto", device=device, dtype=dtype,
-                                **kw, **extra)
+            return fp8.FusedMLP(d, h, d, activation=activation, heuristic="auto", device=device, dtype=dtype, **kw)
         if fp8.FusedGatedMLP is None:
             raise Unavailable("fused_dense has no FusedGatedMLP")
-        return fp8.FusedGatedMLP(d, h, activation=activation, heuristic="auto", device=device, dtype=dtype,
-                                 **kw, **extra)
+        return fp8.FusedGatedMLP(d, h, activation=activation, heuristic="auto", device=device, dtype=dtype, **kw)
     return fp8.build(key, eager, make, x, dy)
 
 
@@ -295,7 +297,7 @@ def targets(res):
                                                    for t, (den, field) in rows.items()}
     llama = res.get("llama")
     for key in LLAMA_FP8 if llama else ():
-        # the old FP8 path of the converted model: no variant until convert_model can select it
+        # the converted model runs convert_model's default recipe only: no old-path comparison
         out[f"LlamaForCausalLM {llama['config_name']}: {key}"] = {
             "llama_step_memory_vs_torchao": _target(llama, key, "torchao_compile", "peak_bytes",
                                                     TARGETS["llama_step_memory_vs_torchao"]),
