@@ -259,7 +259,7 @@ def test_tuning_module_in_this_build():
     """A CUDA build reports its settings; a CPU-only build says it has no tuner."""
     if fused_dense.has_cuda_kernels():
         assert set(tuning.settings()) == {"enabled", "budget_s", "problem_budget_ms", "pace", "buckets", "cache",
-                                          "table", "deterministic"}
+                                          "table", "deterministic", "refine"}
     else:
         with pytest.raises(RuntimeError, match="no CUDA kernels"):
             tuning.settings()
