@@ -62,7 +62,8 @@ run's loss curve is averaged over 20-step windows; the FP8 run passes when the l
 gap between its moving average and bf16's stays within max(1e-2, 3 x the largest such gap between
 bf16 and float32). Default 500 steps on the GPU; on the CPU a tiny model for 40 steps, a functional
 check of the path (FP8 runs on the extension's CPU reference kernels). Results as above plus the
-verdict ("fp8" in the JSON); exit status 1 when FP8 is outside the limit.
+verdict ("fp8" in the JSON); exit status 1 when FP8 is outside the limit. --fp8-save-pre runs the
+FP8 leg with Float8Recipe(save_pre_fp8=True) (the MLPs' pre-activations saved in e4m3).
 """
 import argparse
 import contextlib
@@ -507,8 +508,9 @@ def plot(curves, path, gaps=None, limit=None):
 
 def fp8_legs(args):
     """--fp8's runs, name -> (precision, recipe): FP8 at every size, its bf16 twin, the float32 yardstick."""
-    recipe = fused_dense.Float8Recipe(scaling=args.fp8, min_features=0)
-    return {f"fp8 {args.fp8}": (args.precision, recipe), args.precision: (args.precision, None), "fp32": ("fp32", None)}
+    recipe = fused_dense.Float8Recipe(scaling=args.fp8, min_features=0, save_pre_fp8=args.fp8_save_pre)
+    name = f"fp8 {args.fp8}" + (" save-pre" if args.fp8_save_pre else "")
+    return {name: (args.precision, recipe), args.precision: (args.precision, None), "fp32": ("fp32", None)}
 
 
 def compare_mlps(runs, curves, modes, args, tol, device):
@@ -589,6 +591,9 @@ def main(argv=None):
                    help="a sequence length from [seq / 8, seq] per step, each run in its own process (see above)")
     p.add_argument("--fp8", choices=["current", "delayed"], default=None,
                    help="every dense layer in FP8 with this scaling, against bf16 and fp32 (see above)")
+    p.add_argument("--fp8-save-pre", action="store_true",
+                   help="with --fp8: the MLPs keep their pre-activation for backward in e4m3 "
+                        "(Float8Recipe(save_pre_fp8=True))")
     p.add_argument("--model", choices=["gpt", *HF_MODELS], default="gpt",
                    help="'gpt': this example's GPT, FusedMLP against nn.Linear; 'hf-gpt2' / 'hf-llama': "
                         "transformers' GPT-2 / Llama as built against convert_model's (see above)")
@@ -603,6 +608,8 @@ def main(argv=None):
                  "(no CUDA toolkit was found at build time), so FusedMLP would run its CPU code. Rebuild with "
                  "CUDA's compiler visible (nvcc on PATH or CUDA_HOME set, FUSED_DENSE_CPU_ONLY unset): "
                  "`pip install --no-build-isolation -e .`; or pass --device cpu for the CPU check.")
+    if args.fp8_save_pre and not args.fp8:
+        p.error("--fp8-save-pre is an option of the FP8 check: pass --fp8 as well")
     if args.fp8 and args.variable_length:
         p.error("--fp8 and --variable-length are separate checks: pass one of them")
     if args.fp8 and args.precision not in ("auto", "bf16", "bf16-autocast"):
@@ -700,7 +707,7 @@ def main(argv=None):
     report = {"device": where, "torch": torch.__version__, "fused_dense": fused_dense.__version__,
               "config": {k: getattr(args, k) for k in ("d_model", "layers", "heads", "seq", "batch", "steps",
                                                        "warmup", "lr", "precision", "compile", "seed",
-                                                       "variable_length", "fp8", "model")},
+                                                       "variable_length", "fp8", "fp8_save_pre", "model")},
               "parameters": n_params, "runs": runs, **found, "loss_curves": curves}
     with open(os.path.join(args.out, "train_gpt.json"), "w") as f:
         json.dump(report, f, indent=1)
