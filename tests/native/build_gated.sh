@@ -2,19 +2,11 @@
 # Builds the native test of the gated-MLP cutlass_sm90 kernels (test_gated_cutlass.cu) with the
 # core sources it needs, for sm_90a.
 #   bash tests/native/build_gated.sh OUTPUT [NVCC_ARG...]      (run from the repository root)
-# CUTLASS_PATH: a CUTLASS tree (its include/ and tools/util/include/); by default .cutlass/ when it
-# holds the headers, else those of the installed nvidia-cutlass package (cutlass_library).
+# CUTLASS_PATH: a CUTLASS tree (tools/cutlass_path.sh finds one when unset).
 set -euo pipefail
 out=${1:?usage: bash tests/native/build_gated.sh OUTPUT [NVCC_ARG...]}
 shift
-if [ -z "${CUTLASS_PATH:-}" ]; then
-  if [ -f .cutlass/include/cutlass/cutlass.h ]; then
-    CUTLASS_PATH=$PWD/.cutlass
-  else
-    CUTLASS_PATH=$(${PYTHON:-python3} -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source"))')
-  fi
-fi
-[ -f "$CUTLASS_PATH/include/cutlass/cutlass.h" ] || { echo "no CUTLASS headers under $CUTLASS_PATH" >&2; exit 2; }
+source tools/cutlass_path.sh
 mkdir -p "$(dirname "$out")"
 nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DFUSED_DENSE_WITH_CUTLASS_SM90A \
   -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \

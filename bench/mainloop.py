@@ -1,0 +1,159 @@
+"""The mainloop search's run of record (#40): renders the native harness's JSON
+(bench/native/mainloop_search.cu) and ptxas's resources (bench/native/build_mainloop.sh) as
+docs/results/mainloop-DATE.{json,md,png}.
+
+    bash bench/native/build_mainloop.sh build/mainloop          # here or on the GPU machine
+    build/mainloop/mainloop_search --out mainloop.json          # on the GPU machine
+    python -m bench.mainloop mainloop.json --resources build/mainloop/resources.json \\
+        --commit COMMIT --out docs/results
+
+What each figure is: per role and shape, the kernel time (CUDA events around one launch after a
+512 MiB L2 flush; the median of 10 launches per round, the median of the rounds) of cuBLASLt's
+first heuristic algorithm, of its fastest among those its heuristic offers, and of the best three
+(configuration, scheduler order) pairs of the screening, all interleaved; once at full clock and
+once after a sustained load. The target (#40): ours <= 1.02x cuBLASLt's GEMM at the same shape
+and D, both measurements.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+
+TARGET = 1.02
+
+
+def ratio_rows(res):
+    rows = []
+    for p in res["problems"]:
+        fin = {f["name"]: f for f in p["final"]}
+        lt_first, lt_best = fin["cublaslt_first"], fin["cublaslt_fastest"]
+        ours = [f for f in p["final"] if f["config"] >= 0]
+        best_full = min(ours, key=lambda f: f["full_ms"]) if ours else None
+        best_sus = min(ours, key=lambda f: f["sustained_ms"]) if ours else None
+        base_full = min(lt_first["full_ms"], lt_best["full_ms"])
+        base_sus = min(lt_first["sustained_ms"], lt_best["sustained_ms"])
+        rows.append(dict(role=p["role"], m=p["m"], n=p["n"], k=p["k"], lt_first=lt_first, lt_best=lt_best,
+                         best_full=best_full, best_sus=best_sus,
+                         ratio_full=best_full["full_ms"] / base_full if best_full else None,
+                         ratio_sus=best_sus["sustained_ms"] / base_sus if best_sus else None,
+                         tflops=2.0 * p["m"] * p["n"] * p["k"] / (best_full["full_ms"] * 1e9) if best_full else None))
+    return rows
+
+
+def screening_matrix(res):
+    """config name -> per problem: its best screening time over the orders / cuBLASLt's fastest screening time."""
+    names = [c["name"] for c in res["configs"]]
+    out = {n: [] for n in names}
+    for p in res["problems"]:
+        lt = min(s["ms"] for s in p["screen"] if s["name"].startswith("cublaslt"))
+        for ci, n in enumerate(names):
+            times = [s["ms"] for s in p["screen"] if s.get("config") == ci and s["ok"]]
+            out[n].append(min(times) / lt if times else None)
+    return out
+
+
+def render(res, resources, commit, out_dir, date):
+    rows = ratio_rows(res)
+    lines = [f"# The mainloop search: the library's CUTLASS sm90 configurations against cuBLASLt ({date})", "",
+             f"{res['gpu']} ({res['sm_count']} SMs), driver {res['driver']}, CUDA runtime {res['cuda_runtime']}, "
+             f"cuBLASLt {res['cublaslt']}, commit {commit}. bf16 in, fp32 accumulation, a plain bf16 epilogue "
+             "(D = the accumulator, TMA store), row-major D[M, N] = A[M, K] B[K, N] with M the tokens. Kernel time of "
+             "one launch after a 512 MiB L2 flush (CUDA events), the median of 10 launches per round and of "
+             f"{res['rounds']} interleaved rounds; full clock after 2 s idle, sustained after {res['sustain_s']:g} s "
+             "of back-to-back GEMMs. cuBLASLt: its heuristic's first algorithm and the fastest of those it offers "
+             "(up to 16), the ratio against the faster of the two. Produced by `bench/native/mainloop_search.cu` "
+             "and `python -m bench.mainloop` (bench/mainloop.py says what each figure is).", "",
+             f"## Each role's best configuration against cuBLASLt (target ≤ {TARGET}×)", "",
+             "| role | M × N × K | cuBLASLt first ms | cuBLASLt fastest ms | ours, best | ms | TFLOP/s | ÷ cuBLASLt, full clock | ÷ cuBLASLt, sustained | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["best_full"] is None:
+            lines.append(f"| {r['role']} | {r['m']} × {r['n']} × {r['k']} | – | – | none ran | – | – | – | – | – |")
+            continue
+        met = r["ratio_full"] <= TARGET and r["ratio_sus"] <= TARGET
+        sus_name = "" if r["best_sus"]["name"] == r["best_full"]["name"] else f" ({r['best_sus']['name']})"
+        lines.append(f"| {r['role']} | {r['m']} × {r['n']} × {r['k']} | {r['lt_first']['full_ms']:.3f} | "
+                     f"{r['lt_best']['full_ms']:.3f} | {r['best_full']['name']} | {r['best_full']['full_ms']:.3f} | "
+                     f"{r['tflops']:.0f} | {r['ratio_full']:.3f} | {r['ratio_sus']:.3f}{sus_name} | "
+                     f"{'met' if met else 'not met'} |")
+    lines += ["", "Names: `pp` ping-pong, `co` cooperative; tile M × N (K 64); cluster M × N (TMA multicast across "
+              "it); `sk` stream-K, else the persistent data-parallel scheduler; then the scheduler's raster order "
+              "(heuristic, M, N) / swizzle.", "",
+              "## The configurations", "",
+              "Registers: ptxas's figure per kernel, the launch bound of a warp-specialized kernel (its warp groups "
+              "then set their own with setmaxnreg); spills are what tells a configuration short of registers.", "",
+              "| configuration | schedule | scheduler | shared memory KiB | registers (B K-major, N-major) | spill stores / loads bytes |",
+              "|---|---|---|---|---|---|"]
+    for c in res["configs"]:
+        k = resources.get(c["name"], [])
+        regs = ", ".join(str(x["registers"]) for x in k) or "–"
+        spills = ", ".join(f"{x['spill_stores']} / {x['spill_loads']}" for x in k) or "–"
+        lines.append(f"| {c['name']} | {c['schedule']} | {c['scheduler']} | {c['smem_bytes'] / 1024:.1f} | {regs} | "
+                     f"{spills} |")
+    mat = screening_matrix(res)
+    heads = [f"{p['role']} {p['m']}×{p['n']}×{p['k']}" for p in res["problems"]]
+    lines += ["", "## Screening: each configuration's best order ÷ cuBLASLt's fastest (median of 5 launches, one pass)",
+              "", "| configuration | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for n, vals in mat.items():
+        lines.append(f"| {n} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in vals) + " |")
+    wrong = [(p["role"], s["name"], s["error"]) for p in res["problems"] for s in p["screen"]
+             if s.get("config") is not None and not s["ok"] and s["error"] > 0]
+    lines += ["", "Every configuration's output was checked against cuBLASLt's at each shape (relative Frobenius "
+              "error ≤ 1e-2; a wrong layout gives about 1): "
+              + ("all agreed." if not wrong else "WRONG: " + "; ".join(f"{a} {b} {c:.2e}" for a, b, c in wrong))]
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"mainloop-{date}")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(base + ".json", "w") as f:
+        json.dump({**res, "commit": commit, "resources": resources, "summary": [
+            {k: v for k, v in r.items() if k not in ("lt_first", "lt_best", "best_full", "best_sus")}
+            | {"best_full": r["best_full"]["name"] if r["best_full"] else None,
+               "best_sustained": r["best_sus"]["name"] if r["best_sus"] else None}
+            for r in rows]}, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no chart", file=sys.stderr)
+        return base
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["ratio_full"] or 0 for r in rows], 0.4, label="full clock")
+    ax.bar([x + 0.2 for x in xs], [r["ratio_sus"] or 0 for r in rows], 0.4, label="sustained")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(TARGET, color="r", ls=":", label=f"target {TARGET}×")
+    ax.set_xticks(list(xs), [f"{r['role']} {r['m']}×{r['n']}×{r['k']}" for r in rows], fontsize=7, rotation=25,
+                  ha="right")
+    ax.set_ylabel("best configuration ÷ cuBLASLt")
+    ax.set_ylim(0.8, max(1.2, max((r["ratio_full"] or 0) for r in rows) + 0.05))
+    ax.legend()
+    ax.set_title(f"Mainloop search, {res['gpu']}, commit {commit}")
+    fig.savefig(base + ".png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return base
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", help="the harness's --out file")
+    p.add_argument("--resources", default=None, help="build_mainloop.sh's resources.json")
+    p.add_argument("--commit", required=True, help="the commit whose harness ran")
+    p.add_argument("--out", default="docs/results")
+    p.add_argument("--date", default=datetime.date.today().isoformat())
+    args = p.parse_args(argv)
+    with open(args.json) as f:
+        res = json.load(f)
+    resources = {}
+    if args.resources:
+        with open(args.resources) as f:
+            resources = json.load(f)
+    base = render(res, resources, args.commit, args.out, args.date)
+    print(f"wrote {base}.md, .json, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds the mainloop search (mainloop_search.cu): one object per configuration of CONFIGS below,
+# compiled in parallel, with ptxas's resource report of each kept for the record.
+#   bash bench/native/build_mainloop.sh BUILD_DIR [NVCC_ARG...]      (run from the repository root)
+# Writes BUILD_DIR/mainloop_search and BUILD_DIR/resources.json (registers, spills, shared memory
+# per configuration). CUTLASS_PATH: a CUTLASS tree (tools/cutlass_path.sh finds one when unset);
+# MAX_JOBS parallel compiles (default: the number of CPUs).
+set -euo pipefail
+dir=${1:?usage: bash bench/native/build_mainloop.sh BUILD_DIR [NVCC_ARG...]}
+shift
+source tools/cutlass_path.sh
+mkdir -p "$dir"
+# name tile_m tile_n cluster_m cluster_n cooperative stream_k
+CONFIGS="
+pp_128x128_c1x1 128 128 1 1 0 0
+pp_128x128_c2x1 128 128 2 1 0 0
+pp_128x128_c1x2 128 128 1 2 0 0
+pp_128x192_c2x1 128 192 2 1 0 0
+co_128x256_c1x1 128 256 1 1 1 0
+co_128x256_c2x1 128 256 2 1 1 0
+co_128x256_c1x2 128 256 1 2 1 0
+co_256x128_c1x1 256 128 1 1 1 0
+co_256x128_c2x1 256 128 2 1 1 0
+co_256x128_c1x2 256 128 1 2 1 0
+co_128x192_c2x1 128 192 2 1 1 0
+co_256x192_c2x1 256 192 2 1 1 0
+co_128x256_c2x1_sk 128 256 2 1 1 1
+co_256x128_c2x1_sk 256 128 2 1 1 1
+"
+common=(-std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
+        -I"$CUTLASS_PATH/include" -I"$CUTLASS_PATH/tools/util/include" -Ibench/native -I"$dir" "$@")
+: >"$dir/configs.inc"
+: >"$dir/jobs.txt"
+i=0
+while read -r name tm tn cm cn coop sk; do
+  [ -n "$name" ] || continue
+  echo "ML_CONFIG($i)" >>"$dir/configs.inc"
+  echo "$i $name $tm $tn $cm $cn $coop $sk" >>"$dir/jobs.txt"
+  i=$((i + 1))
+done <<<"$CONFIGS"
+compile_one() {
+  read -r i name tm tn cm cn coop sk <<<"$1"
+  nvcc "${common[@]}" -Xptxas -v -DMAINLOOP_CONFIG=$i -DCONFIG_NAME=$name -DTILE_M=$tm -DTILE_N=$tn \
+    -DCLUSTER_M=$cm -DCLUSTER_N=$cn -DCOOPERATIVE=$coop -DSTREAM_K=$sk -c bench/native/mainloop_config.cu \
+    -o "$dir/config_$i.o" >"$dir/ptxas_$i.log" 2>&1 || { cat "$dir/ptxas_$i.log" >&2; return 1; }
+  echo "built $name"
+}
+export -f compile_one
+export dir
+jobs=${MAX_JOBS:-$(nproc)}
+# xargs runs compile_one in child shells: hand the array over as a declaration
+declare -p common >"$dir/common.sh"
+xargs -P "$jobs" -I{} bash -c 'source "$dir/common.sh"; compile_one "$@"' _ {} <"$dir/jobs.txt"
+nvcc "${common[@]}" bench/native/mainloop_search.cu "$dir"/config_*.o -lcublasLt -o "$dir/mainloop_search"
+python3 - "$dir" <<'PY'
+import json, re, sys, pathlib
+d = pathlib.Path(sys.argv[1])
+out = {}
+for line in (d / "jobs.txt").read_text().splitlines():
+    i, name = line.split()[:2]
+    log = (d / f"ptxas_{i}.log").read_text()
+    kernels = []  # the two kernels of a configuration (B K-major and N-major), in ptxas's order
+    for block in re.split(r"Compiling entry function", log)[1:]:
+        if "device_kernel" not in block.split("\n")[0]:
+            continue
+        regs = re.search(r"Used (\d+) registers", block)
+        spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+        kernels.append({"registers": int(regs.group(1)) if regs else None,
+                        "spill_stores": int(spill.group(1)) if spill else None,
+                        "spill_loads": int(spill.group(2)) if spill else None})
+    out[name] = kernels
+(d / "resources.json").write_text(json.dumps(out, indent=1))
+print(json.dumps(out))
+PY
