@@ -247,6 +247,56 @@ def test_quantize_errors():
         q(randn(16, 8).t(), None, 0, False, 0, None, True, False, False)
 
 
+def e4m3_copy(t):
+    """t's e4m3 copy at its own amax, as fp8_quantize makes it, and that copy's scale_inv."""
+    data, _, _, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(t, None, 0, False, 0, None, True, False, False)
+    return data, scale_inv
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_quantize_reads_an_e4m3_pre_act(device, act, dtype, scaling):
+    """pre_scale_inv: the backward's pre_act given as e4m3 bytes is read as its dequantized value
+    rounded to the input's dtype, so every output's bytes equal those of the same call with that
+    dequantization done in plain PyTorch (rows not a multiple of the kernels' 128-row tile)."""
+    if device == "cuda":
+        poison_cuda_cache()
+    gated = act >= 4
+    rows, cols = 150, 96
+    x = randn(rows, cols, dtype=dtype, device=device, scale=2.0)
+    pre = randn(rows, 2 * cols if gated else cols, dtype=dtype, device=device, scale=1.5)
+    pre8, pre_si = e4m3_copy(pre)
+    pre_deq = (pre8.float() * pre_si).to(dtype)  # the model dtype's rounding of the dequantized copy
+    assert not torch.equal(pre_deq, pre)  # the e4m3 copy is not pre: the test sees which one is read
+    scale = None if scaling == "current" else torch.tensor(5.0, device=device)
+    for fmt in (0, 1):
+        got = torch.ops.fused_dense.fp8_quantize(x, pre8, act, True, fmt, scale, True, True, True, pre_si)
+        want = torch.ops.fused_dense.fp8_quantize(x, pre_deq, act, True, fmt, scale, True, True, True)
+        for i, (a, b) in enumerate(zip(got, want)):
+            a_, b_ = a.cpu(), b.cpu()
+            if a_.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                a_, b_ = a_.view(torch.uint8), b_.view(torch.uint8)
+            assert torch.equal(a_, b_), f"output {i} differs (act {act}, {dtype}, fmt {fmt})"
+
+
+def test_quantize_e4m3_pre_act_errors():
+    q = torch.ops.fused_dense.fp8_quantize
+    x, pre = randn(4, 16), randn(4, 16)
+    pre8, si = e4m3_copy(pre)
+    with pytest.raises(ValueError, match="pre_scale_inv .* only with backward=True"):
+        q(x, None, 1, False, 0, None, True, False, False, si)
+    with pytest.raises(ValueError, match="pre_act must be float8_e4m3fn, got BFloat16"):
+        q(x, pre, 1, True, 0, None, True, False, False, si)
+    with pytest.raises(ValueError, match="pre_scale_inv must be float32"):
+        q(x, pre8, 1, True, 0, None, True, False, False, si.double())
+    with pytest.raises(ValueError, match="pre_scale_inv must hold one element"):
+        q(x, pre8, 1, True, 0, None, True, False, False, torch.ones(2))
+    with pytest.raises(ValueError, match=r"pre_act must have input's dtype .* \(or be float8_e4m3fn with pre_scale_inv\)"):
+        q(x, pre8, 1, True, 0, None, True, False, False)
+
+
 # ---- fp8_linear ----
 
 @pytest.mark.parametrize("device", devices())
@@ -308,6 +358,10 @@ def test_opcheck(device):
     scale = torch.tensor(3.0, device=device)
     for args in [(x, None, 1, False, 0, None, True, True, True), (x, pre, 1, True, 1, scale, True, True, True)]:
         torch.library.opcheck(torch.ops.fused_dense.fp8_quantize.default, args)
+    # an e4m3 pre_act: opcheck's schema test multiplies inputs, which float8 tensors do not support
+    pre8, si = e4m3_copy(pre)
+    torch.library.opcheck(torch.ops.fused_dense.fp8_quantize.default, (x, pre8, 1, True, 1, scale, True, True, True, si),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     xi = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, False, False)
     args = (xi[0], xi[0][:16], xi[3], xi[3], None, torch.bfloat16, True, -2)
     # opcheck's test_schema multiplies the inputs, which PyTorch does not implement for float8

@@ -3,7 +3,7 @@
 // rule of core/common/types.h (fp8_scale_from_amax).
 //
 //   fp8_quantize(input [R, C], pre_act?, activation, backward, fp8_format, scale?, rowwise,
-//                columnwise, column_sums)
+//                columnwise, column_sums, pre_scale_inv? = None)
 //       -> (data [R, C] or [0], data_t [C, pad16(R)] or [0], scale [], scale_inv [], amax [],
 //           column_sums [C] or [0])
 //     v = input, act(input) (backward false, activation > 0) or input * act'(pre_act) (backward);
@@ -11,7 +11,9 @@
 //     [R, C / 2] of the packed gu input [R, C], or in backward the packed (d_h * u * act'(g),
 //     d_h * act(g)) [R, 2 C] of d_h = input [R, C] and pre_act = gu [R, 2 C];
 //     q = saturate(v * scale) in e4m3 (fp8_format 0) or e5m2 (1); scale None: current scaling from
-//     amax = max |v|, else delayed scaling with the given scale and amax recorded.
+//     amax = max |v|, else delayed scaling with the given scale and amax recorded. pre_scale_inv
+//     (backward only; float32 []): pre_act is float8_e4m3fn and read as
+//     (pre_act.float() * pre_scale_inv).to(input's dtype), what an MLP saved with save_pre_fp8.
 //   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
 //              out_dtype, fast_accum, heuristic) -> out [B, N]
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
@@ -61,7 +63,8 @@ core::Fp8Format fp8_format_of_dtype(at::ScalarType t) {
 }
 
 void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
-                        bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale) {
+                        bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& pre_scale_inv) {
   constexpr const char* op = "fused_dense::fp8_quantize";
   TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [rows, cols], got shape ", input.sizes());
   const auto t = input.scalar_type();
@@ -79,6 +82,8 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
   }
   fp8_format_of(fp8_format, op, "fp8_format");
   const bool has_pre = pre_act.has_value() && pre_act->defined();
+  const bool pre8 = pre_scale_inv.has_value() && pre_scale_inv->defined();
+  TORCH_CHECK_VALUE(!pre8 || backward, op, ": pre_scale_inv (an e4m3 pre_act) is read only with backward=True");
   if (backward) {
     TORCH_CHECK_VALUE(activation != kNoActivation, op, ": backward=True needs an activation (",
                       activation_choices(kNoActivation + 1, kLastActivation), "), got 0 (none)");
@@ -92,8 +97,14 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
       TORCH_CHECK_VALUE(pre_act->sizes() == input.sizes(), op, ": pre_act must have input's shape ", input.sizes(),
                         ", got ", pre_act->sizes());
     }
-    TORCH_CHECK_VALUE(pre_act->scalar_type() == t, op, ": pre_act must have input's dtype ", t, ", got ",
-                      pre_act->scalar_type());
+    if (pre8) {
+      TORCH_CHECK_VALUE(pre_act->scalar_type() == at::kFloat8_e4m3fn, op,
+                        ": with pre_scale_inv, pre_act must be float8_e4m3fn, got ", pre_act->scalar_type());
+      check_scalar_float(*pre_scale_inv, input, op, "pre_scale_inv");
+    } else {
+      TORCH_CHECK_VALUE(pre_act->scalar_type() == t, op, ": pre_act must have input's dtype ", t,
+                        " (or be float8_e4m3fn with pre_scale_inv), got ", pre_act->scalar_type());
+    }
     TORCH_CHECK_VALUE(pre_act->device() == input.device(), op, ": pre_act must be on ", input.device(), ", got ",
                       pre_act->device());
     TORCH_CHECK_VALUE(pre_act->is_contiguous(), op, ": pre_act must be contiguous, got strides ", pre_act->strides());
@@ -191,7 +202,8 @@ Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int6
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   using fused_dense::def_raw_op;
   def_raw_op(m, "fp8_quantize(Tensor input, Tensor? pre_act, int activation, bool backward, int fp8_format, Tensor? scale, "
-             "bool rowwise, bool columnwise, bool column_sums) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+             "bool rowwise, bool columnwise, bool column_sums, Tensor? pre_scale_inv=None) "
+             "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   def_raw_op(m, "fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
              "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
   def_raw_op(m, "fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "

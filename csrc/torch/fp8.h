@@ -20,7 +20,8 @@ at::ScalarType fp8_scalar_type(core::Fp8Format f);
 core::Fp8Format fp8_format_of_dtype(at::ScalarType t);  // float8_e4m3fn or float8_e5m2
 
 void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
-                        bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale);
+                        bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& pre_scale_inv = std::nullopt);
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                       at::ScalarType out_dtype, const char* op = "fused_dense::fp8_linear");

@@ -38,6 +38,7 @@ __device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v
 //   3  v = act(g) * u        (gated forward: x is the packed pre-activation gu [rows, 2 cols])
 //   4  v = d_h * u * act'(g) at a gate column, d_h * act(g) at an up column (gated backward:
 //      x is d_h [rows, cols / 2], pre the packed gu [rows, cols])
+//   5, 6  modes 2 and 4 with pre in e4m3 bytes, read as round_T(e4m3 value * pre_scale_inv)
 // Each thread's 8 values are 8 consecutive columns of the quantized tensor [rows, cols]. In the
 // gated modes those are one interleave block (types.h, kGatedInterleave = 8): mode 3's 8 units
 // read the block's 8 gate and 8 up values, one 16-element run of gu; mode 4's 8 columns are the
@@ -47,7 +48,13 @@ static_assert(kGatedInterleave == kVec, "a thread's 8 values are one gated inter
 template <int kMode>
 constexpr int x_factor() { return kMode == 3 ? 2 : 1; }  // x elements per value: mode 3 reads g and u
 template <int kMode>
-constexpr int pre_factor() { return kMode == 2 ? 1 : (kMode == 4 ? 2 : 0); }  // pre elements per value
+constexpr int pre_factor() {  // pre elements per value
+  return (kMode == 2 || kMode == 5) ? 1 : ((kMode == 4 || kMode == 6) ? 2 : 0);
+}
+template <int kMode>
+constexpr bool pre_fp8() { return kMode == 5 || kMode == 6; }
+template <int kMode>
+constexpr int base_mode() { return kMode == 5 ? 2 : (kMode == 6 ? 4 : kMode); }  // the value's formula
 
 // The raw 16-byte words of a thread's 8 values' inputs (x, and pre), loaded now and converted
 // later, so that the cast kernel can keep the next tile's loads in flight while it stores the
@@ -56,7 +63,8 @@ template <typename T, int kMode>
 struct Raw8 {
   static constexpr int kWords = sizeof(T) * kVec / 16;  // per 8 elements: 1 (16-bit types) or 2 (fp32)
   static constexpr int kXWords = kWords * x_factor<kMode>();
-  static constexpr int kPreWords = kWords * (pre_factor<kMode>() > 0 ? pre_factor<kMode>() : 1);
+  // e4m3 pre: 8 bytes (mode 5, in the first word's x, y) or 16 (mode 6) per thread's 8 values
+  static constexpr int kPreWords = pre_fp8<kMode>() ? 1 : kWords * (pre_factor<kMode>() > 0 ? pre_factor<kMode>() : 1);
   uint4 x[kXWords];
   uint4 pre[kPreWords];
 };
@@ -68,14 +76,21 @@ __device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, 
   using R = Raw8<T, kMode>;
   int64_t x_off = off, pre_off = off;
   if constexpr (kMode == 3) x_off = 2 * off;
-  if constexpr (kMode == 4) {
+  if constexpr (base_mode<kMode>() == 4) {
     pre_off = off - off % (2 * kGatedInterleave);  // the block's first gate column (cols % 16 == 0)
     x_off = pre_off / 2;
   }
 #pragma unroll
   for (int w = 0; w < R::kXWords; ++w)
     r.x[w] = valid ? reinterpret_cast<const uint4*>(x + x_off)[w] : make_uint4(0, 0, 0, 0);
-  if constexpr (pre_factor<kMode>() > 0) {
+  if constexpr (kMode == 5) {  // 8 bytes: pre_off is a multiple of 8
+    const uint2 b = valid ? *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(pre) + pre_off)
+                          : make_uint2(0, 0);
+    r.pre[0] = make_uint4(b.x, b.y, 0, 0);
+  } else if constexpr (kMode == 6) {  // 16 bytes: pre_off is a multiple of 16
+    r.pre[0] = valid ? *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(pre) + pre_off)
+                     : make_uint4(0, 0, 0, 0);
+  } else if constexpr (pre_factor<kMode>() > 0) {
 #pragma unroll
     for (int w = 0; w < R::kPreWords; ++w)
       r.pre[w] = valid ? reinterpret_cast<const uint4*>(pre + pre_off)[w] : make_uint4(0, 0, 0, 0);
@@ -84,19 +99,33 @@ __device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, 
 
 // The 8 values of raw words; `up` (mode 4): the columns are the block's up half. Zero words give
 // v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0, act(0) * 0 = 0).
+// The i-th pre element of a thread's raw words as a float: in dtype, or (modes 5, 6) an e4m3 byte
+// dequantized with scale_inv and rounded to T.
+template <typename T, int kMode>
+__device__ __forceinline__ float pre_at(const Raw8<T, kMode>& r, int i, float scale_inv) {
+  if constexpr (pre_fp8<kMode>()) {
+    const uint8_t b = reinterpret_cast<const uint8_t*>(r.pre)[i];
+    const float q = __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));  // exact
+    return Cvt<T>::to_float(Cvt<T>::from_float(q * scale_inv));
+  } else {
+    return Cvt<T>::to_float(reinterpret_cast<const T*>(r.pre)[i]);
+  }
+}
+
 template <typename T, Activation A, int kMode>
-__device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, float (&v)[kVec]) {
+__device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, float pre_scale_inv, float (&v)[kVec]) {
   constexpr bool kFast = sizeof(T) == 2;
+  constexpr int kBase = base_mode<kMode>();
   const T* e = reinterpret_cast<const T*>(r.x);
-  if constexpr (kMode == 3) {
+  if constexpr (kBase == 3) {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) v[i] = gate_act<A, kFast>(Cvt<T>::to_float(e[i])) * Cvt<T>::to_float(e[kVec + i]);
     return;
-  } else if constexpr (kMode == 4) {
-    const T* q = reinterpret_cast<const T*>(r.pre);
+  } else if constexpr (kBase == 4) {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
-      const float d = Cvt<T>::to_float(e[i]), g = Cvt<T>::to_float(q[i]), u = Cvt<T>::to_float(q[kVec + i]);
+      const float d = Cvt<T>::to_float(e[i]), g = pre_at<T, kMode>(r, i, pre_scale_inv),
+                  u = pre_at<T, kMode>(r, kVec + i, pre_scale_inv);
       float deriv;
       const float a = gate_act<A, kFast>(g, &deriv);
       v[i] = up ? d * a : (d * u) * deriv;
@@ -105,13 +134,12 @@ __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, floa
   } else {
 #pragma unroll
     for (int i = 0; i < kVec; ++i) v[i] = Cvt<T>::to_float(e[i]);
-    if constexpr (kMode == 1) {
+    if constexpr (kBase == 1) {
 #pragma unroll
       for (int i = 0; i < kVec; ++i) v[i] = act_forward<A, kFast>(v[i]);
-    } else if constexpr (kMode == 2) {
-      const T* q = reinterpret_cast<const T*>(r.pre);
+    } else if constexpr (kBase == 2) {
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(Cvt<T>::to_float(q[i]));
+      for (int i = 0; i < kVec; ++i) v[i] = v[i] * act_derivative<A, kFast>(pre_at<T, kMode>(r, i, pre_scale_inv));
     }
   }
 }
@@ -135,10 +163,12 @@ __device__ __forceinline__ unsigned block_max(unsigned m) {
 
 template <typename T, Activation A, int kMode>
 __global__ void __launch_bounds__(kThreads)
-    amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, int64_t vectors, unsigned* amax) {
+    amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, const float* __restrict__ pre_scale_inv,
+                int64_t vectors, unsigned* amax) {
   // 4 vectors per thread per step: their loads are in flight together.
   constexpr int kUnroll = 4;
   unsigned m = 0;
+  const float psi = pre_fp8<kMode>() ? *pre_scale_inv : 1.f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < vectors; i0 += kUnroll * stride) {
     Raw8<T, kMode> raw[kUnroll];
@@ -149,7 +179,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     float v[kUnroll][kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), v[u]);
+    for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), psi, v[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
@@ -180,6 +210,7 @@ struct CastParams {
   Fp8Format format;
   const float* scale;         // delayed scaling, else null
   const unsigned* amax_bits;  // current scaling: the amax pass's result or the known amax
+  const float* pre_scale_inv; // modes 5, 6
   uint8_t* data;
   uint8_t* data_t;
   float* scale_out;
@@ -201,6 +232,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   const int64_t col = c0 + cg * kVec;
   const bool col_in = col < p.cols;  // cols % 8 == 0: a group is wholly in or out
   const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
+  const float psi = pre_fp8<kMode>() ? *p.pre_scale_inv : 1.f;
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) store_scales(scale, p.scale_out, p.scale_inv_out);
   const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
@@ -219,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   for (int64_t t0 = r_begin; t0 < r_end; t0 += kTileRows) {
     float v[kPasses][kVec];
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, v[pass]);
+    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, psi, v[pass]);
     // The next tile's loads are in flight while this one is quantized and stored.
     if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
 #pragma unroll
@@ -277,21 +309,24 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 }
 
 int mode_of(const Fp8QuantizeArgs& a) {
-  if (is_gated(a.activation)) return a.backward ? 4 : 3;
-  if (a.backward) return 2;
+  const bool pre8 = a.pre_scale_inv != nullptr;
+  if (is_gated(a.activation)) return a.backward ? (pre8 ? 6 : 4) : 3;
+  if (a.backward) return pre8 ? 5 : 2;
   return a.activation == Activation::kNone ? 0 : 1;
 }
 
-// The modes of activation A: 0, 1, 2 for the plain activations, 3 and 4 for the gated ones.
+// The modes of activation A: 0, 1, 2, 5 for the plain activations, 3, 4, 6 for the gated ones.
 template <Activation A, typename F>
 void dispatch_mode(int mode, F&& f) {
   if constexpr (is_gated(A)) {
     if (mode == 3) return f(std::integral_constant<int, 3>{});
+    if (mode == 6) return f(std::integral_constant<int, 6>{});
     return f(std::integral_constant<int, 4>{});
   } else {
     switch (mode) {
       case 0: f(std::integral_constant<int, 0>{}); return;
       case 1: f(std::integral_constant<int, 1>{}); return;
+      case 5: f(std::integral_constant<int, 5>{}); return;
       default: f(std::integral_constant<int, 2>{}); return;
     }
   }
@@ -317,6 +352,7 @@ void check_args(const Fp8QuantizeArgs& a) {
   if (a.known_amax != nullptr && a.scale != nullptr) msg << "known_amax is for current scaling (scale null)";
   if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
     msg << "backward needs pre_act and an activation";
+  if (a.pre_scale_inv != nullptr && !a.backward) msg << "pre_scale_inv (an e4m3 pre_act) is read in backward only";
   if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
     msg << "the gated backward's cols (2 hidden) must be a multiple of " << 2 * kGatedInterleave << ", got " << a.cols;
   if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
@@ -363,7 +399,7 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
           const int64_t blocks =
               std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
           amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-              x, pre, vectors, static_cast<unsigned*>(workspace));
+              x, pre, a.pre_scale_inv, vectors, static_cast<unsigned*>(workspace));
           FD_CHECK_LAUNCH();
         }
         CastParams p{};
@@ -371,6 +407,7 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         p.format = a.format;
         p.scale = a.scale;
         p.amax_bits = amax_bits;
+        p.pre_scale_inv = a.pre_scale_inv;
         p.data = a.data, p.data_t = a.data_t;
         p.scale_out = a.scale_out, p.scale_inv_out = a.scale_inv_out;
         p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);

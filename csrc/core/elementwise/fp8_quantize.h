@@ -25,6 +25,9 @@ namespace fused_dense::core {
 //   v = (d_h * u * act'(g), d_h * act(g)) in gu's layout
 //                                      backward true: input is d_h [rows, cols / 2], pre_act the
 //                                      packed gu [rows, cols]; cols a multiple of 16
+// In the two backward forms pre_act may be kept in e4m3 (pre_scale_inv set): each of its bytes is
+// then read as p = round_dtype(e4m3 value * *pre_scale_inv), the pre-activation dequantized and
+// rounded to dtype, the bits an ATen dequantization of the same bytes gives.
 // with fp32 math (the activation math of activation_math.cuh). Outputs, each where non-null:
 //   data [rows, cols] and data_t [cols, ld_t] (ld_t = fp8_padded_rows(rows); the padding
 //   columns are zeros): q = saturate(v * scale) in `format`, round to nearest even; NaN stays NaN;
@@ -38,6 +41,7 @@ struct Fp8QuantizeArgs {
   int64_t rows = 0, cols = 0;  // of the quantized tensor
   const void* input = nullptr;
   const void* pre_act = nullptr;
+  const float* pre_scale_inv = nullptr;  // backward only: pre_act is e4m3 bytes with this scale_inv
   Activation activation = Activation::kNone;
   bool backward = false;
   Fp8Format format = Fp8Format::kE4M3;

@@ -22,9 +22,10 @@
 // The forward GEMMs use Hopper's fast FP8 accumulation, the gradient GEMMs the precise one.
 // Level 1 rebuilds aq^T from pre, level 2 re-runs fc1 from xq: both with the forward's scales,
 // so the rebuilt tensors are the forward's bits and no amax is recorded again.
-// save_pre_fp8 (level 0): pre is kept as Q(pre) (e4m3, its own amax) and backward reads
-// pre' = dequantized Q(pre) rounded to the model dtype in act'(pre'): half the bytes of the
-// pre-activation for act'(pre) evaluated 3 mantissa bits from pre (off by default).
+// save_pre_fp8 (level 0): pre is kept as Q(pre) (e4m3, its own amax) and backward's quantize of
+// the activation's gradient reads pre' = dequantized Q(pre) rounded to the model dtype in
+// act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the pre-activation, none of it
+// rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits from pre (off by default).
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
@@ -54,9 +55,9 @@ struct Q {
 };
 
 Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool backward, int64_t format,
-           const Opt& scale, bool rowwise, bool columnwise, bool column_sums) {
+           const Opt& scale, bool rowwise, bool columnwise, bool column_sums, const Opt& pre_scale_inv = std::nullopt) {
   auto [d, t, s, si, a, c] = op_calls::fp8_quantize(input, pre_act, activation, backward, format, scale, rowwise,
-                                                     columnwise, column_sums);
+                                                     columnwise, column_sums, pre_scale_inv);
   return Q{d, t, s, si, a, c};
 }
 
@@ -156,18 +157,6 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   return op_calls::fp8_linear(aq.data, w2.data, aq.scale_inv, w2.scale_inv, b2, dtype, true, -2);
 }
 
-// pre' = data * scale_inv in fp32, rounded once to dtype, in row chunks whose fp32 temporary stays
-// small (1,024 rows of the hidden width: 64 MiB at h 16384) beside the result.
-at::Tensor dequantized(const at::Tensor& data, const at::Tensor& scale_inv, at::ScalarType dtype) {
-  constexpr int64_t kRows = 1024;
-  at::Tensor out = at::empty(data.sizes(), data.options().dtype(dtype));
-  for (int64_t r = 0; r < data.size(0); r += kRows) {
-    const int64_t n = std::min(kRows, data.size(0) - r);
-    out.narrow(0, r, n).copy_(data.narrow(0, r, n).to(at::kFloat).mul_(scale_inv));
-  }
-  return out;
-}
-
 struct Fp8MlpGrads {
   at::Tensor x, w1, b1, w2, b2;
 };
@@ -189,7 +178,6 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
   } else if (p.recompute_fc1) {
     s.pre = op_calls::fp8_linear(s.x_data, w1.data, s.x_scale_inv, w1.scale_inv, b1, dtype, true, -2);
   }
-  if (s.pre_scale_inv.defined() && s.pre.defined()) s.pre = dequantized(s.pre, s.pre_scale_inv, dtype);
   if (p.need_act_out && !s.a_t.defined()) {
     // Levels 1 and 2: the forward's transposed activation, rebuilt with the forward's scale.
     s.a_t = quantize(s.pre, std::nullopt, c.activation, false, kE4M3, s.a_scale, false, true, false).data_t;
@@ -206,8 +194,10 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
     at::Tensor d_act =
         op_calls::fp8_linear(gq.data, w2.data_t, gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
     gq = Q{};
+    // With pre_in_fp8, s.pre is the e4m3 copy: the quantize op reads it dequantized (pre_scale_inv),
+    // with no tensor of pre in the model's dtype.
     Q dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), p.need.x, p.need.w1,
-                    p.need.b1);
+                    p.need.b1, s.pre_scale_inv.defined() ? Opt(s.pre_scale_inv) : Opt());
     d_act.reset();
     s.pre.reset();
     record_amax(amax_out, 3, dq.amax);

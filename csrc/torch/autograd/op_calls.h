@@ -78,11 +78,12 @@ using Fp8Quantized = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, 
 
 inline Fp8Quantized fp8_quantize(const at::Tensor& input, const OptTensor& pre_act, int64_t activation, bool backward,
                                  int64_t fp8_format, const OptTensor& scale, bool rowwise, bool columnwise,
-                                 bool column_sums) {
+                                 bool column_sums, const OptTensor& pre_scale_inv = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_quantize", "")
                        .typed<Fp8Quantized(const at::Tensor&, const OptTensor&, int64_t, bool, int64_t, const OptTensor&,
-                                           bool, bool, bool)>();
-  return op.call(input, pre_act, activation, backward, fp8_format, scale, rowwise, columnwise, column_sums);
+                                           bool, bool, bool, const OptTensor&)>();
+  return op.call(input, pre_act, activation, backward, fp8_format, scale, rowwise, columnwise, column_sums,
+                 pre_scale_inv);
 }
 
 inline at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,

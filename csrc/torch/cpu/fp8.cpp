@@ -9,14 +9,19 @@ namespace fused_dense {
 namespace {
 
 // v of the quantize pass, in fp32.
+// pre_scale_inv: pre_act is e4m3, read as its dequantized value rounded to input's dtype.
 at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
-                           bool backward) {
+                           bool backward, const std::optional<at::Tensor>& pre_scale_inv) {
   const at::Tensor x = input.to(at::kFloat);
   const auto act = static_cast<ActivationCode>(activation);
-  if (is_gated_activation(activation))
-    return backward ? gated_value_grad(x, pre_act->to(at::kFloat), act) : gated_value(x, act);
+  at::Tensor p;
   if (backward) {
-    const at::Tensor p = pre_act->to(at::kFloat);
+    p = pre_act->to(at::kFloat);
+    if (pre_scale_inv.has_value() && pre_scale_inv->defined())
+      p = (p * pre_scale_inv->reshape({})).to(input.scalar_type()).to(at::kFloat);
+  }
+  if (is_gated_activation(activation)) return backward ? gated_value_grad(x, p, act) : gated_value(x, act);
+  if (backward) {
     switch (act) {
       case ActivationCode::kGeluTanh: return at::gelu_backward(x, p, "tanh");
       case ActivationCode::kRelu: return x * (p > 0).to(at::kFloat);
@@ -34,11 +39,11 @@ at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tens
 Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                          int64_t activation, bool backward, int64_t fp8_format,
                                          const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                         bool column_sums) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+                                         bool column_sums, const std::optional<at::Tensor>& pre_scale_inv) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv);
   const auto format = static_cast<core::Fp8Format>(fp8_format);
   const float fmax = core::fp8_max(format);
-  const at::Tensor v = quantized_value(input, pre_act, activation, backward);
+  const at::Tensor v = quantized_value(input, pre_act, activation, backward, pre_scale_inv);
   const auto f32 = input.options().dtype(at::kFloat);
   const at::Tensor amax = v.numel() == 0 ? at::zeros({}, f32) : v.abs().max();
   at::Tensor s;
@@ -82,7 +87,7 @@ Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::T
   const at::Tensor pre =
       fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
   auto [data, data_t, s, s_inv, amax, sums] =
-      fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false);
+      fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false, std::nullopt);
   (void)sums;
   return {pre, data, data_t, s, s_inv, amax};
 }

@@ -16,13 +16,14 @@ namespace fused_dense {
 
 void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, int64_t activation, bool backward,
                    int64_t fp8_format, const float* scale, const float* known_amax, bool rowwise, bool columnwise,
-                   bool column_sums, Fp8QuantizeResult& res) {
+                   bool column_sums, Fp8QuantizeResult& res, const float* pre_scale_inv) {
   auto& [data, data_t, s, s_inv, amax, sums] = res;
   core::Fp8QuantizeArgs a;
   a.dtype = core_dtype(x.scalar_type());
   a.rows = x.size(0), a.cols = fp8_quantized_cols(x, activation, backward);
   a.input = x.data_ptr();
   a.pre_act = (pre.has_value() && pre->defined()) ? pre->data_ptr() : nullptr;
+  a.pre_scale_inv = pre_scale_inv;
   a.activation = static_cast<core::Activation>(activation);
   a.backward = backward;
   a.format = static_cast<core::Fp8Format>(fp8_format);
@@ -58,8 +59,8 @@ bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_
 Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                     int64_t activation, bool backward, int64_t fp8_format,
                                     const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                    bool column_sums) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+                                    bool column_sums, const std::optional<at::Tensor>& pre_scale_inv) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv);
   c10::cuda::CUDAGuard guard(input.device());
   // The kernels load 16 bytes at a time: a view at an odd offset is copied first.
   const at::Tensor x = aligned16(input) ? input : input.clone();
@@ -68,7 +69,8 @@ Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional
   auto res = empty_fp8_quantize(x, fp8_quantized_cols(x, activation, backward), fp8_format, rowwise, columnwise,
                                 column_sums);
   const float* s = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
-  quantize_into(x, pre, activation, backward, fp8_format, s, nullptr, rowwise, columnwise, column_sums, res);
+  const float* psi = (pre_scale_inv.has_value() && pre_scale_inv->defined()) ? pre_scale_inv->data_ptr<float>() : nullptr;
+  quantize_into(x, pre, activation, backward, fp8_format, s, nullptr, rowwise, columnwise, column_sums, res, psi);
   return res;
 }
 

@@ -9,8 +9,8 @@ namespace {
 Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                     int64_t activation, bool backward, int64_t fp8_format,
                                     const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                    bool column_sums) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale);
+                                    bool column_sums, const std::optional<at::Tensor>& pre_scale_inv) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv);
   return empty_fp8_quantize(input, fp8_quantized_cols(input, activation, backward), fp8_format, rowwise, columnwise,
                             column_sums);
 }
