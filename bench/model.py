@@ -26,6 +26,8 @@ stepped in interleaved rounds on the same batches (so their loss curves compare 
 and, on request (--variants):
   fd_fp8_current_opq_compile    as fd_fp8_current_compile with Float8Recipe(compiled_input_quantize='op'):
                                 the FP8 op quantizes each layer's input, not Inductor (against 'traced')
+  fd_fp8_current_pre_compile    as fd_fp8_current_compile with Float8Recipe(save_pre_fp8=True): the MLPs
+                                keep their pre-activation (gated: gu) for backward in e4m3
   fd_lce_compile                convert_model(linear_cross_entropy=True) (bf16): the LM head fused with
                                 its loss, no logits in training; compiled
   fd_fp8_current_lce_eager,
@@ -85,8 +87,8 @@ CPU_CONFIGS = {
 }
 DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_current_compile",
                     "fd_fp8_delayed_compile", "torchao_compile", "fd_fp8_current_eager"]
-VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_lce_compile", "fd_fp8_current_lce_eager",
-                               "fd_fp8_current_lce_compile"]
+VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre_compile", "fd_lce_compile",
+                               "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -158,7 +160,8 @@ def make_variant(key, base, device):
             if device.type != "cuda":
                 raise Unavailable("FP8 variants run on the GPU")
             fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed",
-                                           compiled_input_quantize="op" if "_opq_" in key else "traced")
+                                           compiled_input_quantize="op" if "_opq_" in key else "traced",
+                                           save_pre_fp8="_pre_" in key)
         lce = "_lce_" in key
         rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce)
         note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}): {len(rep.converted)} converted, "

@@ -297,6 +297,79 @@ def test_quantize_e4m3_pre_act_errors():
         q(x, pre8, 1, True, 0, None, True, False, False)
 
 
+
+def e4m3_of(t):
+    """t's e4m3 bytes at its own amax and that scale's inverse, in plain PyTorch (float32 scale
+    fp8_max / max(amax, 1e-12), saturating cast, round to nearest even)."""
+    v = t.detach().float().cpu()
+    s = ref_scale(v.abs().max(), 0)
+    return torch.clamp(v * s, -FMAX[0], FMAX[0]).to(F8[0]).view(torch.uint8), torch.reciprocal(s)
+
+
+def poisoned_e4m3_copy(shape, device):
+    """An e4m3 output and a scale_inv for an op to write into, filled with NaN (0x7f): a byte the
+    op leaves unwritten stays NaN."""
+    return (torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
+            torch.tensor(float("nan"), device=device))
+
+
+def assert_e4m3_copy_of(t, copy, scale_inv, what):
+    want, want_si = e4m3_of(t)
+    got = copy.view(torch.uint8).cpu()
+    assert torch.equal(got, want), f"{what}: {(got != want).sum().item()} of {got.numel()} bytes differ"
+    # the kernel's 1 / scale and PyTorch's reciprocal are both the correctly rounded quotient
+    assert torch.equal(scale_inv.cpu().reshape(()), want_si), (what, scale_inv.item(), want_si.item())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_quantize_writes_the_inputs_e4m3_copy(device, act, dtype, scaling):
+    """input_fp8 / input_scale_inv: the forward's input (pre, or the packed gu) quantized to e4m3 at
+    its own amax, whatever the scaling of v, from the same passes: its bytes are plain PyTorch's,
+    and the op's six outputs are those of the call without the copy (rows not a multiple of the
+    kernels' 128-row tile; pre and act(pre) have different amaxes)."""
+    if device == "cuda":
+        poison_cuda_cache()
+    gated = act >= 4
+    rows, cols = 150, 96
+    x = randn(rows, 2 * cols if gated else cols, dtype=dtype, device=device, scale=2.0)
+    scale = None if scaling == "current" else torch.tensor(5.0, device=device)
+    copy, si = poisoned_e4m3_copy(x.shape, device)
+    got = torch.ops.fused_dense.fp8_quantize(x, None, act, False, 0, scale, True, True, False, None, copy, si)
+    want = torch.ops.fused_dense.fp8_quantize(x, None, act, False, 0, scale, True, True, False)
+    for i, (a, b) in enumerate(zip(got, want)):
+        a_, b_ = a.cpu(), b.cpu()
+        if a_.dtype == torch.float8_e4m3fn:
+            a_, b_ = a_.view(torch.uint8), b_.view(torch.uint8)
+        assert torch.equal(a_, b_), f"output {i} differs with the copy (act {act}, {dtype})"
+    assert_e4m3_copy_of(x, copy, si, f"act {act}, {dtype}, {scaling}")
+
+
+def test_quantize_input_copy_errors():
+    q = torch.ops.fused_dense.fp8_quantize
+    x = randn(4, 16)
+    copy, si = poisoned_e4m3_copy((4, 16), "cpu")
+    with pytest.raises(ValueError, match="input_fp8 and input_scale_inv go together: pass both or neither, got "
+                                         "input_fp8 and no input_scale_inv"):
+        q(x, None, 1, False, 0, None, True, False, False, None, copy, None)
+    with pytest.raises(ValueError, match=r"input_fp8 .* is written by the forward with an activation .* got "
+                                         r"backward=False, activation 0"):
+        q(x, None, 0, False, 0, None, True, False, False, None, copy, si)
+    with pytest.raises(ValueError, match=r"got backward=True, activation 1"):
+        q(x, x, 1, True, 0, None, True, False, False, None, copy, si)
+    with pytest.raises(ValueError, match=r"input_fp8 must have shape \[4, 16\], got \[4, 8\]"):
+        q(x, None, 1, False, 0, None, True, False, False, None, copy[:, :8], si)
+    with pytest.raises(ValueError, match="input_fp8 must be float8_e4m3fn, got Float8_e5m2"):
+        q(x, None, 1, False, 0, None, True, False, False, None, copy.view(torch.uint8).view(torch.float8_e5m2), si)
+    with pytest.raises(ValueError, match="input_scale_inv must be float32"):
+        q(x, None, 1, False, 0, None, True, False, False, None, copy, si.double())
+    with pytest.raises(ValueError, match="input_fp8 must be contiguous"):
+        q(x, None, 1, False, 0, None, True, False, False, None,
+          copy.view(torch.uint8).repeat(1, 2)[:, ::2].view(torch.float8_e4m3fn), si)
+
+
 # ---- fp8_linear ----
 
 @pytest.mark.parametrize("device", devices())
@@ -361,6 +434,11 @@ def test_opcheck(device):
     # an e4m3 pre_act: opcheck's schema test multiplies inputs, which float8 tensors do not support
     pre8, si = e4m3_copy(pre)
     torch.library.opcheck(torch.ops.fused_dense.fp8_quantize.default, (x, pre8, 1, True, 1, scale, True, True, True, si),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    # the input's e4m3 copy, written in place
+    copy, copy_si = poisoned_e4m3_copy(x.shape, device)
+    torch.library.opcheck(torch.ops.fused_dense.fp8_quantize.default,
+                          (x, None, 1, False, 0, scale, True, True, False, None, copy, copy_si),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     xi = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, False, False)
     args = (xi[0], xi[0][:16], xi[3], xi[3], None, torch.bfloat16, True, -2)
@@ -454,6 +532,33 @@ def test_linear_act_saturates_and_propagates_nan(device):
     assert_quantize_of_pre(res, 1, None, True)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("shape", LINEAR_ACT_SHAPES)
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_linear_act_writes_pres_e4m3_copy(device, act, shape, scaling):
+    """pre_fp8 / pre_scale_inv: fc1's pre quantized to e4m3 at its own amax, beside the activation's
+    quantize (on the GPU: the one-GEMM kernel's recorded amax where it fits, else the amax pass):
+    its bytes are plain PyTorch's of the op's own pre, and the other outputs are those of the call
+    without the copy."""
+    if device == "cuda":
+        poison_cuda_cache()
+    args = linear_act_inputs(device, *shape, scale=None if scaling == "current" else 2.0)
+    copy, si = poisoned_e4m3_copy((shape[0], shape[2]), device)
+    got = torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True, copy, si)
+    want = torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        a_, b_ = a.cpu(), b.cpu()
+        if a_.dtype == torch.float8_e4m3fn:
+            a_, b_ = a_.view(torch.uint8), b_.view(torch.uint8)
+        assert torch.equal(a_, b_), f"output {i} differs with the copy"
+    assert_e4m3_copy_of(got[0], copy, si, f"{act} {shape} {scaling}")
+    with pytest.raises(ValueError, match=r"pre_fp8 must have shape \[\d+, \d+\], got \[\d+, 16\]"):
+        torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True, copy[:, :16], si)
+    with pytest.raises(ValueError, match="pre_fp8 and pre_scale_inv go together"):
+        torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True, None, si)
+
+
 @cuda
 @fp8_gpu
 def test_linear_act_runs_one_gemm_where_it_fits():
@@ -464,11 +569,12 @@ def test_linear_act_runs_one_gemm_where_it_fits():
         pytest.skip("the one-GEMM kernel is for compute capability 9.0 with the cutlass_sm90 kernels")
     from torch.profiler import ProfilerActivity, profile
 
-    def kernels(B, dtype=torch.bfloat16, scale=2.0):
+    def kernels(B, dtype=torch.bfloat16, scale=2.0, pre_copy=False):
         args = linear_act_inputs("cuda", B, 64, 96, scale=scale, dtype=dtype)
+        copy = poisoned_e4m3_copy((B, 96), "cuda") if pre_copy else (None, None)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            torch.ops.fused_dense.fp8_linear_act(*args[:5], dtype, 1, args[5], True)
+            torch.ops.fused_dense.fp8_linear_act(*args[:5], dtype, 1, args[5], True, *copy)
             torch.cuda.synchronize()
         return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
@@ -483,6 +589,12 @@ def test_linear_act_runs_one_gemm_where_it_fits():
     current = kernels(64, scale=None)
     assert has(current, "cutlass") and has(current, "cast_kernel") and not has(current, "amax_kernel"), current
     assert has(kernels(50, scale=None), "amax_kernel")
+    # pre's e4m3 copy: its amax recorded by the GEMM too, so no amax pass; current scaling casts it
+    # in the activation's cast pass, delayed scaling in one cast pass of its own
+    current = kernels(64, scale=None, pre_copy=True)
+    assert not has(current, "amax_kernel") and sum("cast_kernel" in n for n in current) == 1, current
+    delayed = kernels(64, pre_copy=True)
+    assert not has(delayed, "amax_kernel") and sum("cast_kernel" in n for n in delayed) == 1, delayed
 
 
 def test_linear_act_errors():
@@ -511,6 +623,9 @@ def test_linear_act_opcheck(device, scaling):
     torch.library.opcheck(torch.ops.fused_dense.fp8_linear_act.default, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     assert torch.equal(args[0].view(torch.uint8), before)
+    copy, si = poisoned_e4m3_copy((32, 48), device)
+    torch.library.opcheck(torch.ops.fused_dense.fp8_linear_act.default, (*args, copy, si),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 # ---- the FP8 MLP and linear layer ----

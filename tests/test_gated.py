@@ -501,7 +501,10 @@ def test_cuda_checkpoint_levels_memory_and_bits(activation):
 def test_cuda_opcheck_gated(activation):
     code = GATED[activation]
     r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    torch.library.opcheck(OPS.gated_linear.default, (r(9, 32), r(48, 32), code, True, -2))
+    # A fixed algorithm (heuristic 0), not 'auto': opcheck compares calls of the op, and 'auto' may
+    # replace a provisional choice with a measured one between them (docs/contract.md, "Where a
+    # choice comes from"), which changes the bits (seen once in the whole CUDA suite under -n 4).
+    torch.library.opcheck(OPS.gated_linear.default, (r(9, 32), r(48, 32), code, True, 0))
     torch.library.opcheck(OPS.gated_linear_dgrad.default, (r(16, 24), r(9, 16), r(9, 48), code, -1, True))
     torch.library.opcheck(OPS.gated_act_forward.default, (r(9, 48), code))
 

@@ -14,6 +14,10 @@
 //     amax = max |v|, else delayed scaling with the given scale and amax recorded. pre_scale_inv
 //     (backward only; float32 []): pre_act is float8_e4m3fn and read as
 //     (pre_act.float() * pre_scale_inv).to(input's dtype), what an MLP saved with save_pre_fp8.
+//     input_fp8 (float8_e4m3fn, input's shape) with input_scale_inv (float32 []), forward with an
+//     activation only: written with input's own e4m3 copy at input's own amax (current scaling
+//     whatever `scale`) and its scale_inv, the bytes of fp8_quantize(input, None, 0, False, 0, None,
+//     True, False, False), from the same passes (what an MLP keeps with save_pre_fp8).
 //   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
 //              out_dtype, fast_accum, heuristic) -> out [B, N]
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
@@ -23,7 +27,8 @@
 //       -> (pre [B, N], data [B, N], data_t [N, pad16(B)] or [0], scale [], scale_inv [], amax [])
 //     an MLP's fc1 forward: pre = fp8_linear(..., fast_accum) and fp8_quantize(pre, activation
 //     1-3, e4m3, scale, rowwise, columnwise) of it, in one op; input and weight e4m3; scale None:
-//     current scaling. Where it can (core/cutlass_sm90/cutlass_sm90_fp8.h) the CUDA kernel runs both in one GEMM
+//     current scaling. pre_fp8 ([B, N] float8_e4m3fn) with pre_scale_inv (float32 []): written
+//     as fp8_quantize's input_fp8 / input_scale_inv of pre. Where it can (core/cutlass_sm90/cutlass_sm90_fp8.h) the CUDA kernel runs both in one GEMM
 //     (delayed scaling) or one GEMM that records the amax of act(pre) and one cast pass (current
 //     scaling), else the two ops' kernels; the bytes of data / data_t and the amax are
 //     fp8_quantize's of pre either way.
@@ -49,6 +54,22 @@ void check_scalar_float(const at::Tensor& t, const at::Tensor& like, const char*
 
 }  // namespace
 
+void check_e4m3_copy(const char* op, const char* name, const char* scale_inv_name, const std::optional<at::Tensor>& copy,
+                     const std::optional<at::Tensor>& scale_inv, at::IntArrayRef shape, const at::Tensor& like) {
+  const bool has_copy = copy.has_value() && copy->defined();
+  const bool has_si = scale_inv.has_value() && scale_inv->defined();
+  TORCH_CHECK_VALUE(has_copy == has_si, op, ": ", name, " and ", scale_inv_name, " go together: pass both or neither, "
+                    "got ", has_copy ? "" : "no ", name, " and ", has_si ? "" : "no ", scale_inv_name);
+  if (!has_copy) return;
+  TORCH_CHECK_VALUE(copy->scalar_type() == at::kFloat8_e4m3fn, op, ": ", name, " must be float8_e4m3fn, got ",
+                    copy->scalar_type());
+  TORCH_CHECK_VALUE(copy->sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", copy->sizes());
+  TORCH_CHECK_VALUE(copy->device() == like.device(), op, ": ", name, " must be on ", like.device(), ", got ",
+                    copy->device());
+  TORCH_CHECK_VALUE(copy->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", copy->strides());
+  check_scalar_float(*scale_inv, like, op, scale_inv_name);
+}
+
 core::Fp8Format fp8_format_of(int64_t code, const char* op, const char* name) {
   TORCH_CHECK_VALUE(code >= 0 && code < core::kFp8FormatCount, op, ": ", name, " must be 0 (e4m3) or 1 (e5m2), got ", code);
   return static_cast<core::Fp8Format>(code);
@@ -64,7 +85,8 @@ core::Fp8Format fp8_format_of_dtype(at::ScalarType t) {
 
 void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
                         bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale,
-                        const std::optional<at::Tensor>& pre_scale_inv) {
+                        const std::optional<at::Tensor>& pre_scale_inv, const std::optional<at::Tensor>& input_fp8,
+                        const std::optional<at::Tensor>& input_scale_inv) {
   constexpr const char* op = "fused_dense::fp8_quantize";
   TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [rows, cols], got shape ", input.sizes());
   const auto t = input.scalar_type();
@@ -113,6 +135,11 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
                       "pre-activation");
   }
   if (scale.has_value() && scale->defined()) check_scalar_float(*scale, input, op, "scale");
+  if (input_fp8.has_value() && input_fp8->defined())
+    TORCH_CHECK_VALUE(!backward && activation != kNoActivation, op, ": input_fp8 (the input's e4m3 copy) is written "
+                      "by the forward with an activation (backward=False, activation > 0), got backward=",
+                      backward ? "True" : "False", ", activation ", activation);
+  check_e4m3_copy(op, "input_fp8", "input_scale_inv", input_fp8, input_scale_inv, input.sizes(), input);
 }
 
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
@@ -154,7 +181,8 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
 
 void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                          at::ScalarType out_dtype, int64_t activation, const std::optional<at::Tensor>& scale) {
+                          at::ScalarType out_dtype, int64_t activation, const std::optional<at::Tensor>& scale,
+                          const std::optional<at::Tensor>& pre_fp8, const std::optional<at::Tensor>& pre_scale_inv) {
   constexpr const char* op = "fused_dense::fp8_linear_act";
   check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, op);
   TORCH_CHECK_VALUE(input.scalar_type() == at::kFloat8_e4m3fn && weight.scalar_type() == at::kFloat8_e4m3fn, op,
@@ -163,6 +191,7 @@ void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, con
   check_activation_in(op, activation, kNoActivation + 1, kLastPlainActivation,
                       "; the gated MLPs use fp8_linear and fp8_quantize");
   if (scale.has_value() && scale->defined()) check_scalar_float(*scale, input, op, "scale");
+  check_e4m3_copy(op, "pre_fp8", "pre_scale_inv", pre_fp8, pre_scale_inv, {input.size(0), weight.size(0)}, input);
 }
 
 Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,
@@ -202,11 +231,13 @@ Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int6
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   using fused_dense::def_raw_op;
   def_raw_op(m, "fp8_quantize(Tensor input, Tensor? pre_act, int activation, bool backward, int fp8_format, Tensor? scale, "
-             "bool rowwise, bool columnwise, bool column_sums, Tensor? pre_scale_inv=None) "
+             "bool rowwise, bool columnwise, bool column_sums, Tensor? pre_scale_inv=None, "
+             "Tensor(a!)? input_fp8=None, Tensor(b!)? input_scale_inv=None) "
              "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   def_raw_op(m, "fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
              "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
   def_raw_op(m, "fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
-             "ScalarType out_dtype, int activation, Tensor? scale, bool columnwise) "
+             "ScalarType out_dtype, int activation, Tensor? scale, bool columnwise, "
+             "Tensor(a!)? pre_fp8=None, Tensor(b!)? pre_scale_inv=None) "
              "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -21,7 +21,9 @@ core::Fp8Format fp8_format_of_dtype(at::ScalarType t);  // float8_e4m3fn or floa
 
 void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>& pre_act, int64_t activation,
                         bool backward, int64_t fp8_format, const std::optional<at::Tensor>& scale,
-                        const std::optional<at::Tensor>& pre_scale_inv = std::nullopt);
+                        const std::optional<at::Tensor>& pre_scale_inv = std::nullopt,
+                        const std::optional<at::Tensor>& input_fp8 = std::nullopt,
+                        const std::optional<at::Tensor>& input_scale_inv = std::nullopt);
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                       at::ScalarType out_dtype, const char* op = "fused_dense::fp8_linear");
@@ -31,7 +33,9 @@ using Fp8LinearActResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Te
 
 void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                           const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
-                          at::ScalarType out_dtype, int64_t activation, const std::optional<at::Tensor>& scale);
+                          at::ScalarType out_dtype, int64_t activation, const std::optional<at::Tensor>& scale,
+                          const std::optional<at::Tensor>& pre_fp8 = std::nullopt,
+                          const std::optional<at::Tensor>& pre_scale_inv = std::nullopt);
 
 // The outputs of fp8_linear_act, allocated (Meta and CUDA share it).
 Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,

@@ -36,7 +36,7 @@ struct NamingAux : Node {
 // cutlass_sm90_fp8.h has the contract and the layout. Both kernels' trees start with these nodes,
 // from the accumulator:
 //   Z = (s_x * s_w) * acc + bias           (fp32)
-//   P = round(Z) in Element                -> stored as pre
+//   P = round(Z) in Element                -> stored as pre; its amax reduced where pre_amax is set
 //   V = act(P)                             (fp32 from the rounded P), its amax reduced
 // and use the same mainloop (Config), so their P are the same bits for the same problem.
 template <class Element, Activation A, class Config>
@@ -52,18 +52,22 @@ struct Fp8ActAmax {
                                         AuxSmemAtom<StrideFeatures, Element, EpilogueTile>,
                                         AuxStoreOp<StrideFeatures, Element, EpilogueTile>, 8>;
   using Stored = fusion::Sm90EVT<PreStore, Rounded>;
-  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, Stored>;
+  // A null pointer makes the node a pass-through (CUTLASS's EnableNullptr): no reduction, no atomic.
+  using PreAmax = fusion::Sm90EVT<fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>,
+                                  Stored>;
+  using Activated = fusion::Sm90EVT<fusion::Sm90Compute<Act<A>::template Fn, float, float, kRound>, PreAmax>;
   using Amax = NamingAux<fusion::Sm90ScalarReduction<AbsMaxBits, WarpAtomicMaxBits, float, float, kRound>, Element>;
   using Tree = fusion::Sm90EVT<Amax, Activated>;
 
   static typename Tree::Arguments arguments(const CutlassSm90Fp8ForwardArgs& a, int m, int n) {
     const auto stride_pre = cutlass::make_cute_packed_stride(StrideFeatures{}, cute::make_shape(m, n, 1));
-    return {{{{{{{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},     // Z
-                {},
-                {static_cast<const Element*>(a.bias), Element(0), {}},
-                {}},
-               {}},                                                      // P
-              {static_cast<Element*>(a.pre), stride_pre}},               // stored as pre
+    return {{{{{{{{1.f, 1.f}, {a.input_scale_inv, a.weight_scale_inv}},    // Z
+                 {},
+                 {static_cast<const Element*>(a.bias), Element(0), {}},
+                 {}},
+                {}},                                                     // P
+               {static_cast<Element*>(a.pre), stride_pre}},              // stored as pre
+              {a.pre_amax, 0.f, {}}},                                    // its amax
              {}},                                                        // V
             {a.amax, 0.f, {}}};                                          // its amax
   }
@@ -151,6 +155,7 @@ bool run(int order, const CutlassSm90Fp8ForwardArgs& a, const Workspace& ws, cud
   set_scheduler(args, order, a.device);
   // Reset before the launch; should launch refuse the problem, the caller raises.
   FD_CUDA_CHECK(cudaMemsetAsync(a.amax, 0, sizeof(float), stream));
+  if (a.pre_amax != nullptr) FD_CUDA_CHECK(cudaMemsetAsync(a.pre_amax, 0, sizeof(float), stream));
   return launch<Gemm>(args, ws.ptr, ws.bytes, stream);
 }
 

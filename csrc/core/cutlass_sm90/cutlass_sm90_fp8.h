@@ -5,6 +5,7 @@
 //   data   = saturate(v * scale)           e4m3, [B, N] row-major
 //   data_t = the same bytes transposed     [N, B], when set
 //   amax   = max |v|                       (NaN if any v is NaN; atomically maxed into *amax)
+//   pre_amax = max |pre|                   where set (the same rule), for pre's own e4m3 copy
 // With current scaling (scale null), where the scale follows from this amax: pre and amax only
 // (data and data_t are not written); fp8_quantize then casts act(pre) with the amax given.
 // All from the epilogue of the one GEMM (input_q [B, K], weight_q [N, K], both e4m3, K-major;
@@ -49,6 +50,7 @@ struct CutlassSm90Fp8ForwardArgs {
   uint8_t* data = nullptr;                   // [B, N] (delayed scaling)
   uint8_t* data_t = nullptr;                 // [N, B] or null (delayed scaling)
   float* amax = nullptr;                     // one float, reset to 0 by the call
+  float* pre_amax = nullptr;                 // one float or null, reset to 0 by the call
 };
 
 // Whether the kernel takes the problem: compiled in, compute capability 9.0, activation

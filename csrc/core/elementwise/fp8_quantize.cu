@@ -1,6 +1,6 @@
-// The FP8 quantize pass (fp8.h): an amax pass (current scaling, unless the amax is known), then
-// one pass that writes the row-major and the transposed FP8 copies, the column sums and (delayed
-// scaling) the amax.
+// The FP8 quantize pass (fp8_quantize.h): an amax pass (current scaling, unless the amax is known),
+// then one pass that writes the row-major and the transposed FP8 copies, the column sums, (delayed
+// scaling) the amax and (input_data) the input's own e4m3 copy.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -161,13 +161,22 @@ __device__ __forceinline__ unsigned block_max(unsigned m) {
   return m;  // valid in thread 0
 }
 
-template <typename T, Activation A, int kMode>
+// The input elements of a thread's raw words (forward modes: 8, or mode 3's 16 of gu), in order.
+template <typename T, int kMode>
+constexpr int input_elements() { return kVec * x_factor<kMode>(); }
+
+// The amaxes the amax pass measures (kWhat bits): 1 the amax of v into amax[0], 2 the amax of the
+// input itself (input_data's copy, forward modes 1 and 3) into amax[1].
+constexpr int kAmaxOfV = 1, kAmaxOfInput = 2;
+
+template <typename T, Activation A, int kMode, int kWhat>
 __global__ void __launch_bounds__(kThreads)
     amax_kernel(const T* __restrict__ x, const T* __restrict__ pre, const float* __restrict__ pre_scale_inv,
                 int64_t vectors, unsigned* amax) {
+  static_assert(!(kWhat & kAmaxOfInput) || kMode == 1 || kMode == 3, "the input's copy is of forward modes 1 and 3");
   // 4 vectors per thread per step: their loads are in flight together.
   constexpr int kUnroll = 4;
-  unsigned m = 0;
+  unsigned m = 0, m_in = 0;
   const float psi = pre_fp8<kMode>() ? *pre_scale_inv : 1.f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < vectors; i0 += kUnroll * stride) {
@@ -177,16 +186,33 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = i0 + u * stride;
       load_raw<T, kMode>(x, pre, i * kVec, i < vectors, raw[u]);
     }
-    float v[kUnroll][kVec];
+    if constexpr ((kWhat & kAmaxOfV) != 0) {
+      float v[kUnroll][kVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), psi, v[u]);
+      for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), psi, v[u]);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
+      for (int u = 0; u < kUnroll; ++u)
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) m = max(m, abs_bits(v[u][k]));
+        for (int k = 0; k < kVec; ++k) m = max(m, abs_bits(v[u][k]));
+    }
+    if constexpr ((kWhat & kAmaxOfInput) != 0) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const T* e = reinterpret_cast<const T*>(raw[u].x);
+#pragma unroll
+        for (int k = 0; k < input_elements<T, kMode>(); ++k) m_in = max(m_in, abs_bits(Cvt<T>::to_float(e[k])));
+      }
+    }
   }
-  m = block_max(m);
-  if (threadIdx.x == 0 && m != 0u) atomicMax(amax, m);
+  if constexpr ((kWhat & kAmaxOfV) != 0) {
+    m = block_max(m);
+    if (threadIdx.x == 0 && m != 0u) atomicMax(amax, m);
+  }
+  if constexpr ((kWhat & kAmaxOfInput) != 0) {
+    if constexpr ((kWhat & kAmaxOfV) != 0) __syncthreads();  // block_max's shared words are reused
+    m_in = block_max(m_in);
+    if (threadIdx.x == 0 && m_in != 0u) atomicMax(amax + 1, m_in);
+  }
 }
 
 __device__ __forceinline__ uint8_t to_fp8(float v, Fp8Format f) {
@@ -217,12 +243,17 @@ struct CastParams {
   float* scale_inv_out;
   unsigned* amax_record;      // delayed scaling: the amax, accumulated here
   float* col_partials;        // [gridDim.y, cols] or null
+  uint8_t* input_data;        // kInput: the input's e4m3 copy [rows, input cols]
+  const unsigned* input_amax_bits;  // kInput: its amax
+  float* input_scale_inv_out;       // kInput
 };
 
 // Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
-// tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t.
-template <typename T, Activation A, int kMode>
+// tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t. kInput (forward
+// modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
+template <typename T, Activation A, int kMode, bool kInput>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* __restrict__ pre, CastParams p) {
+  static_assert(!kInput || kMode == 1 || kMode == 3, "the input's copy is of forward modes 1 and 3");
   // Row-major, rows padded by 4 bytes: the transposed reads (16 rows of one column per thread) then
   // hit 2 banks per warp instead of 1, and the row writes stay 4-byte aligned.
   __shared__ __align__(16) uint8_t tile[kTileRows][kTileCols + 4];
@@ -234,6 +265,11 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
   const float psi = pre_fp8<kMode>() ? *p.pre_scale_inv : 1.f;
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) store_scales(scale, p.scale_out, p.scale_inv_out);
+  float scale_in = 1.f;
+  if constexpr (kInput) {
+    scale_in = fp8_scale_from_amax(__uint_as_float(*p.input_amax_bits), Fp8Format::kE4M3);
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) store_scales(scale_in, nullptr, p.input_scale_inv_out);
+  }
   const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
   float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -252,6 +288,26 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
     float v[kPasses][kVec];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, psi, v[pass]);
+    if constexpr (kInput) {
+      // The input's copy, before the raw words are reloaded: mode 1's 8 elements at the values'
+      // offset, mode 3's 16 of gu at twice it (its rows are 2 cols wide).
+      constexpr int kN = input_elements<T, kMode>();
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int64_t row = t0 + pass * kRowsPerPass + rl;
+        if (!col_in || row >= p.rows) continue;
+        const T* e = reinterpret_cast<const T*>(raw[pass].x);
+        __align__(16) uint8_t qi[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) qi[k] = to_fp8(Cvt<T>::to_float(e[k]) * scale_in, Fp8Format::kE4M3);
+        uint8_t* dst = p.input_data + (row * p.cols + col) * x_factor<kMode>();
+        if constexpr (kN == 16) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(qi);
+        } else {
+          *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(qi);
+        }
+      }
+    }
     // The next tile's loads are in flight while this one is quantized and stored.
     if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
 #pragma unroll
@@ -332,6 +388,38 @@ void dispatch_mode(int mode, F&& f) {
   }
 }
 
+// The cast pass of mode M, with the input's copy where p.input_data is set (forward modes 1 and 3:
+// check_args refuses it elsewhere).
+template <typename T, Activation A, int M>
+void launch_cast(dim3 grid, const T* x, const T* pre, const CastParams& p, cudaStream_t stream) {
+  if constexpr (M == 1 || M == 3) {
+    if (p.input_data != nullptr) {
+      cast_kernel<T, A, M, true><<<grid, kThreads, 0, stream>>>(x, pre, p);
+      return;
+    }
+  }
+  cast_kernel<T, A, M, false><<<grid, kThreads, 0, stream>>>(x, pre, p);
+}
+
+// The amax pass of mode M measuring `what` (kAmaxOfV | kAmaxOfInput; the input's amax in forward
+// modes 1 and 3 only).
+template <typename T, Activation A, int M>
+void launch_amax(int what, unsigned blocks, const T* x, const T* pre, const float* pre_scale_inv, int64_t vectors,
+                 unsigned* amax, cudaStream_t stream) {
+  if constexpr (M == 1 || M == 3) {
+    if (what == kAmaxOfInput) {
+      amax_kernel<T, A, M, kAmaxOfInput><<<blocks, kThreads, 0, stream>>>(x, pre, pre_scale_inv, vectors, amax);
+      return;
+    }
+    if (what == (kAmaxOfV | kAmaxOfInput)) {
+      amax_kernel<T, A, M, kAmaxOfV | kAmaxOfInput><<<blocks, kThreads, 0, stream>>>(x, pre, pre_scale_inv, vectors,
+                                                                                    amax);
+      return;
+    }
+  }
+  amax_kernel<T, A, M, kAmaxOfV><<<blocks, kThreads, 0, stream>>>(x, pre, pre_scale_inv, vectors, amax);
+}
+
 // Row groups per column tile: enough blocks for about 8 per SM, at least one 128-row tile each.
 int64_t row_groups(int device, const Fp8QuantizeArgs& a) {
   const int64_t rows = a.data_t != nullptr ? fp8_padded_rows(a.rows) : a.rows;
@@ -347,12 +435,18 @@ void check_args(const Fp8QuantizeArgs& a) {
   std::ostringstream msg;
   if (a.cols % kVec != 0) msg << "cols must be a multiple of " << kVec << ", got " << a.cols;
   const auto misaligned = [](const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0; };
-  if (misaligned(a.input) || misaligned(a.pre_act) || misaligned(a.data) || misaligned(a.data_t))
+  if (misaligned(a.input) || misaligned(a.pre_act) || misaligned(a.data) || misaligned(a.data_t) ||
+      misaligned(a.input_data))
     msg << "every matrix pointer must be 16-byte aligned";
   if (a.known_amax != nullptr && a.scale != nullptr) msg << "known_amax is for current scaling (scale null)";
   if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
     msg << "backward needs pre_act and an activation";
   if (a.pre_scale_inv != nullptr && !a.backward) msg << "pre_scale_inv (an e4m3 pre_act) is read in backward only";
+  if (a.input_data != nullptr && (a.backward || a.activation == Activation::kNone))
+    msg << "input_data (the input's e4m3 copy) is for the forward with an activation";
+  if ((a.input_data == nullptr) != (a.input_scale_inv_out == nullptr))
+    msg << "input_data and input_scale_inv_out go together";
+  if (a.input_known_amax != nullptr && a.input_data == nullptr) msg << "input_known_amax is for input_data";
   if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
     msg << "the gated backward's cols (2 hidden) must be a multiple of " << 2 * kGatedInterleave << ", got " << a.cols;
   if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
@@ -366,7 +460,7 @@ void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out
 }
 
 std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args) {
-  std::size_t bytes = 256;  // the amax of current scaling
+  std::size_t bytes = 256;  // the amaxes of current scaling: v's, the input's (input_data)
   if (args.column_sums != nullptr && args.rows > 0)
     bytes += static_cast<std::size_t>(row_groups(device, args)) * static_cast<std::size_t>(args.cols) * sizeof(float);
   return bytes;
@@ -379,11 +473,15 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
     throw Error("fused_dense: fp8_quantize: workspace too small");
   auto* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + 256);
   const bool current = a.scale == nullptr;
-  const bool measure = current && a.known_amax == nullptr;  // the amax pass runs
-  const unsigned* amax_bits =
-      measure ? static_cast<const unsigned*>(workspace) : reinterpret_cast<const unsigned*>(a.known_amax);
-  // The amax starts at 0 (all-zero or empty tensors keep it), accumulated by atomicMax.
-  if (measure) FD_CUDA_CHECK(cudaMemsetAsync(workspace, 0, sizeof(unsigned), stream));
+  const bool measure = current && a.known_amax == nullptr;  // the amax pass measures v's amax
+  const bool measure_input = a.input_data != nullptr && a.input_known_amax == nullptr;  // and the input's
+  auto* measured = static_cast<unsigned*>(workspace);  // [v's amax, the input's]
+  const unsigned* amax_bits = measure ? measured : reinterpret_cast<const unsigned*>(a.known_amax);
+  const unsigned* input_amax_bits =
+      measure_input ? measured + 1 : reinterpret_cast<const unsigned*>(a.input_known_amax);
+  const int what = (measure ? kAmaxOfV : 0) | (measure_input ? kAmaxOfInput : 0);
+  // The amaxes start at 0 (all-zero or empty tensors keep it), accumulated by atomicMax.
+  if (what != 0) FD_CUDA_CHECK(cudaMemsetAsync(workspace, 0, 2 * sizeof(unsigned), stream));
   if (a.amax_out != nullptr && !current) FD_CUDA_CHECK(cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream));
   const int64_t elements = a.rows * a.cols;
   dispatch_dtype(a.dtype, [&](auto type_tag) {
@@ -394,12 +492,12 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         constexpr int M = decltype(mode_tag)::value;
         const T* x = static_cast<const T*>(a.input);
         const T* pre = static_cast<const T*>(a.pre_act);
-        if (measure && elements > 0) {
+        if (what != 0 && elements > 0) {
           const int64_t vectors = elements / kVec;
           const int64_t blocks =
               std::min<int64_t>((vectors + kThreads - 1) / kThreads, 8 * device_info(device).sm_count());
-          amax_kernel<T, A, M><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-              x, pre, a.pre_scale_inv, vectors, static_cast<unsigned*>(workspace));
+          launch_amax<T, A, M>(what, static_cast<unsigned>(blocks), x, pre, a.pre_scale_inv, vectors, measured,
+                               stream);
           FD_CHECK_LAUNCH();
         }
         CastParams p{};
@@ -416,9 +514,12 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTileRows - 1) / kTileRows);
         p.rows_per_block = ((tiles + groups - 1) / groups) * kTileRows;
         p.col_partials = (a.column_sums != nullptr && a.rows > 0) ? partials : nullptr;
+        p.input_data = a.input_data;
+        p.input_amax_bits = input_amax_bits;
+        p.input_scale_inv_out = a.input_scale_inv_out;
         const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTileCols - 1) / kTileCols);
         dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
-        cast_kernel<T, A, M><<<grid, kThreads, 0, stream>>>(x, pre, p);
+        launch_cast<T, A, M>(grid, x, pre, p, stream);
         FD_CHECK_LAUNCH();
         if (current && a.amax_out != nullptr && a.amax_out != a.known_amax)
           FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));

@@ -72,14 +72,19 @@ Fp8QuantizeArgs act_quantize_args(DType dtype, const Fp8LinearActArgs& a, const 
   q.known_amax = known_amax;
   q.data = a.data, q.data_t = a.data_t;
   q.scale_out = a.scale_out, q.scale_inv_out = a.scale_inv_out, q.amax_out = a.amax;
+  q.input_data = a.pre_data, q.input_scale_inv_out = a.pre_scale_inv_out;
   return q;
 }
 
 }  // namespace
 
+// Bytes at the workspace's end that hold pre's amax from the GEMM to the cast pass.
+constexpr std::size_t kPreAmaxBytes = 256;
+
 std::size_t fp8_linear_act_workspace_bytes(int device, DType dtype, const Fp8LinearActArgs& a) {
   return std::max(gemm_workspace_bytes(device),
-                  fp8_quantize_workspace_bytes(device, act_quantize_args(dtype, a, nullptr)));
+                  fp8_quantize_workspace_bytes(device, act_quantize_args(dtype, a, nullptr))) +
+         kPreAmaxBytes;
 }
 
 void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
@@ -87,8 +92,15 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
       a.activation != Activation::kSquaredRelu)
     throw Error(std::string("fused_dense: fp8_linear_act: activation must be gelu_approx, relu or sqrelu, got ") +
                 activation_name(a.activation));
+  if ((a.pre_data == nullptr) != (a.pre_scale_inv_out == nullptr))
+    throw Error("fused_dense: fp8_linear_act: pre_data and pre_scale_inv_out go together");
+  if (ctx.workspace.bytes < kPreAmaxBytes) throw Error("fused_dense: fp8_linear_act: workspace too small");
   const bool delayed = a.scale != nullptr;
-  const Workspace gemm_ws = gemm_workspace_part(ctx);
+  // [GEMM's part | quantize's part, in turn ... | pre's amax]
+  float* pre_amax = reinterpret_cast<float*>(static_cast<char*>(ctx.workspace.ptr) + ctx.workspace.bytes -
+                                             kPreAmaxBytes);
+  const Workspace quantize_ws{ctx.workspace.ptr, ctx.workspace.bytes - kPreAmaxBytes};
+  const Workspace gemm_ws{quantize_ws.ptr, std::min(quantize_ws.bytes, gemm_workspace_bytes(ctx.device))};
   CutlassSm90Fp8ForwardArgs c;
   c.device = ctx.device;
   c.batch = a.batch, c.in_features = a.in_features, c.out_features = a.out_features;
@@ -104,6 +116,7 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
       c.data_t = a.data_t;
     }
     c.amax = a.amax;
+    c.pre_amax = a.pre_data != nullptr ? pre_amax : nullptr;
     // A refusal here would make the recomputation's path differ from the forward's.
     if (!cutlass_sm90_fp8_forward(c, gemm_ws, ctx.stream))
       throw Error("fused_dense: fp8_linear_act: the cutlass_sm90 FP8 forward kernel refused a problem it fits "
@@ -111,10 +124,23 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
                   ", out_features " + std::to_string(a.out_features) + ")");
     if (delayed) {
       fp8_write_scales(a.scale, a.scale_out, a.scale_inv_out, ctx.stream);
+      if (a.pre_data != nullptr) {
+        // pre's copy: one cast pass at the amax the GEMM recorded.
+        Fp8QuantizeArgs q;
+        q.dtype = ctx.dtype;
+        q.rows = a.batch, q.cols = a.out_features;
+        q.input = a.pre;
+        q.known_amax = pre_amax;
+        q.data = a.pre_data;
+        q.scale_inv_out = a.pre_scale_inv_out;
+        fp8_quantize(q, quantize_ws.ptr, quantize_ws.bytes, ctx.device, ctx.stream);
+      }
     } else {
-      // The cast of act(pre) with the amax the GEMM recorded; it writes the scales (amax stays).
-      fp8_quantize(act_quantize_args(ctx.dtype, a, a.amax), ctx.workspace.ptr, ctx.workspace.bytes, ctx.device,
-                   ctx.stream);
+      // The cast of act(pre) with the amax the GEMM recorded; it writes the scales (amax stays),
+      // and pre's copy at pre's recorded amax.
+      Fp8QuantizeArgs q = act_quantize_args(ctx.dtype, a, a.amax);
+      q.input_known_amax = a.pre_data != nullptr ? pre_amax : nullptr;
+      fp8_quantize(q, quantize_ws.ptr, quantize_ws.bytes, ctx.device, ctx.stream);
     }
     return;
   }
@@ -130,8 +156,7 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
   LinearContext gemm_ctx = ctx;
   gemm_ctx.workspace = gemm_ws;
   fp8_linear(gemm_ctx, l);
-  fp8_quantize(act_quantize_args(ctx.dtype, a, nullptr), ctx.workspace.ptr, ctx.workspace.bytes, ctx.device,
-               ctx.stream);
+  fp8_quantize(act_quantize_args(ctx.dtype, a, nullptr), quantize_ws.ptr, quantize_ws.bytes, ctx.device, ctx.stream);
 }
 
 }  // namespace fused_dense::core

@@ -22,10 +22,12 @@
 // The forward GEMMs use Hopper's fast FP8 accumulation, the gradient GEMMs the precise one.
 // Level 1 rebuilds aq^T from pre, level 2 re-runs fc1 from xq: both with the forward's scales,
 // so the rebuilt tensors are the forward's bits and no amax is recorded again.
-// save_pre_fp8 (level 0): pre is kept as Q(pre) (e4m3, its own amax) and backward's quantize of
-// the activation's gradient reads pre' = dequantized Q(pre) rounded to the model dtype in
-// act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the pre-activation, none of it
-// rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits from pre (off by default).
+// save_pre_fp8 (level 0): pre is kept as Q(pre) (e4m3, its own amax), written by the op that
+// quantizes act(pre) from the same loads (input_fp8 / pre_fp8: one more write of pre's bytes, no
+// read), and backward's quantize of the activation's gradient reads pre' = dequantized Q(pre)
+// rounded to the model dtype in act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the
+// pre-activation, none of it rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits
+// from pre (off by default).
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
@@ -55,9 +57,10 @@ struct Q {
 };
 
 Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool backward, int64_t format,
-           const Opt& scale, bool rowwise, bool columnwise, bool column_sums, const Opt& pre_scale_inv = std::nullopt) {
+           const Opt& scale, bool rowwise, bool columnwise, bool column_sums, const Opt& pre_scale_inv = std::nullopt,
+           const Opt& input_fp8 = std::nullopt, const Opt& input_scale_inv = std::nullopt) {
   auto [d, t, s, si, a, c] = op_calls::fp8_quantize(input, pre_act, activation, backward, format, scale, rowwise,
-                                                     columnwise, column_sums, pre_scale_inv);
+                                                     columnwise, column_sums, pre_scale_inv, input_fp8, input_scale_inv);
   return Q{d, t, s, si, a, c};
 }
 
@@ -122,16 +125,24 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   const auto dtype = x.scalar_type();
   Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1, kMlpOp);
   record_amax(amax_out, 0, xq.amax);
+  // pre's e4m3 copy, written by the ops that read pre for the activation (pre_in_fp8 and kept).
+  const bool pre_copy = s != nullptr && p.keep_pre && c.pre_in_fp8();
+  const int64_t pre_cols = w1.data.size(0);
+  const Opt pre8 = pre_copy ? Opt(at::empty({x.size(0), pre_cols}, x.options().dtype(at::kFloat8_e4m3fn)))
+                            : std::nullopt;
+  const Opt pre8_si = pre_copy ? Opt(at::empty({}, x.options().dtype(at::kFloat))) : std::nullopt;
   at::Tensor pre;
   Q aq;
   if (fc1_one_op(c)) {
     auto [pr, d, t, sc, si, am] = op_calls::fp8_linear_act(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype,
-                                                           c.activation, slot(scales, 1), p.keep_act_out);
+                                                           c.activation, slot(scales, 1), p.keep_act_out, pre8,
+                                                           pre8_si);
     pre = pr;
     aq = Q{d, t, sc, si, am, at::Tensor()};
   } else {
     pre = op_calls::fp8_linear(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype, true, -2);
-    aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, p.keep_act_out, false);
+    aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, p.keep_act_out, false,
+                  std::nullopt, pre8, pre8_si);
   }
   record_amax(amax_out, 1, aq.amax);
   if (s != nullptr) {
@@ -139,10 +150,9 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
     s->x_t = p.need.w1 ? xq.data_t : at::Tensor();
     s->x_scale_inv = xq.scale_inv;
     s->pre = p.keep_pre ? pre : at::Tensor();
-    if (p.keep_pre && c.pre_in_fp8()) {
-      const Q pq = quantize(pre, std::nullopt, 0, false, kE4M3, std::nullopt, true, false, false);
-      s->pre = pq.data;
-      s->pre_scale_inv = pq.scale_inv;
+    if (pre_copy) {
+      s->pre = *pre8;
+      s->pre_scale_inv = *pre8_si;
     }
     s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
     s->a_scale = aq.scale;

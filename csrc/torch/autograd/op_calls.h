@@ -78,12 +78,13 @@ using Fp8Quantized = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, 
 
 inline Fp8Quantized fp8_quantize(const at::Tensor& input, const OptTensor& pre_act, int64_t activation, bool backward,
                                  int64_t fp8_format, const OptTensor& scale, bool rowwise, bool columnwise,
-                                 bool column_sums, const OptTensor& pre_scale_inv = std::nullopt) {
+                                 bool column_sums, const OptTensor& pre_scale_inv = std::nullopt,
+                                 const OptTensor& input_fp8 = std::nullopt, const OptTensor& input_scale_inv = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_quantize", "")
                        .typed<Fp8Quantized(const at::Tensor&, const OptTensor&, int64_t, bool, int64_t, const OptTensor&,
-                                           bool, bool, bool, const OptTensor&)>();
+                                           bool, bool, bool, const OptTensor&, const OptTensor&, const OptTensor&)>();
   return op.call(input, pre_act, activation, backward, fp8_format, scale, rowwise, columnwise, column_sums,
-                 pre_scale_inv);
+                 pre_scale_inv, input_fp8, input_scale_inv);
 }
 
 inline at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
@@ -99,11 +100,14 @@ using Fp8LinearAct = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, 
 
 inline Fp8LinearAct fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                                    const at::Tensor& weight_scale_inv, const OptTensor& bias, at::ScalarType out_dtype,
-                                   int64_t activation, const OptTensor& scale, bool columnwise) {
+                                   int64_t activation, const OptTensor& scale, bool columnwise,
+                                   const OptTensor& pre_fp8 = std::nullopt, const OptTensor& pre_scale_inv = std::nullopt) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_linear_act", "")
                        .typed<Fp8LinearAct(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                           const OptTensor&, at::ScalarType, int64_t, const OptTensor&, bool)>();
-  return op.call(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale, columnwise);
+                                           const OptTensor&, at::ScalarType, int64_t, const OptTensor&, bool,
+                                           const OptTensor&, const OptTensor&)>();
+  return op.call(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale, columnwise,
+                 pre_fp8, pre_scale_inv);
 }
 
 }  // namespace fused_dense::op_calls

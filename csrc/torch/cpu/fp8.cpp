@@ -39,8 +39,18 @@ at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tens
 Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                          int64_t activation, bool backward, int64_t fp8_format,
                                          const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                         bool column_sums, const std::optional<at::Tensor>& pre_scale_inv) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv);
+                                         bool column_sums, const std::optional<at::Tensor>& pre_scale_inv,
+                                         const std::optional<at::Tensor>& input_fp8,
+                                         const std::optional<at::Tensor>& input_scale_inv) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv, input_fp8,
+                     input_scale_inv);
+  if (input_fp8.has_value() && input_fp8->defined()) {
+    // The input's own copy: the same reference at activation 0 (none), e4m3, current scaling.
+    auto [d, dt, s, si, a, c] = fp8_quantize_reference(input, std::nullopt, 0, false, 0, std::nullopt, true, false,
+                                                       false, std::nullopt, std::nullopt, std::nullopt);
+    input_fp8->copy_(d);
+    input_scale_inv->copy_(si.reshape(input_scale_inv->sizes()));
+  }
   const auto format = static_cast<core::Fp8Format>(fp8_format);
   const float fmax = core::fp8_max(format);
   const at::Tensor v = quantized_value(input, pre_act, activation, backward, pre_scale_inv);
@@ -82,12 +92,14 @@ Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::T
                                             const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                             const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                                             int64_t activation, const std::optional<at::Tensor>& scale,
-                                            bool columnwise) {
-  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+                                            bool columnwise, const std::optional<at::Tensor>& pre_fp8,
+                                            const std::optional<at::Tensor>& pre_scale_inv) {
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale, pre_fp8,
+                       pre_scale_inv);
   const at::Tensor pre =
       fp8_linear_reference(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, true, -2);
-  auto [data, data_t, s, s_inv, amax, sums] =
-      fp8_quantize_reference(pre, std::nullopt, activation, false, 0, scale, true, columnwise, false, std::nullopt);
+  auto [data, data_t, s, s_inv, amax, sums] = fp8_quantize_reference(
+      pre, std::nullopt, activation, false, 0, scale, true, columnwise, false, std::nullopt, pre_fp8, pre_scale_inv);
   (void)sums;
   return {pre, data, data_t, s, s_inv, amax};
 }

@@ -16,7 +16,8 @@ namespace fused_dense {
 
 void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, int64_t activation, bool backward,
                    int64_t fp8_format, const float* scale, const float* known_amax, bool rowwise, bool columnwise,
-                   bool column_sums, Fp8QuantizeResult& res, const float* pre_scale_inv) {
+                   bool column_sums, Fp8QuantizeResult& res, const float* pre_scale_inv, uint8_t* input_data,
+                   float* input_scale_inv) {
   auto& [data, data_t, s, s_inv, amax, sums] = res;
   core::Fp8QuantizeArgs a;
   a.dtype = core_dtype(x.scalar_type());
@@ -35,6 +36,8 @@ void quantize_into(const at::Tensor& x, const std::optional<at::Tensor>& pre, in
   a.scale_inv_out = s_inv.data_ptr<float>();
   a.amax_out = amax.data_ptr<float>();
   a.column_sums = column_sums ? sums.data_ptr() : nullptr;
+  a.input_data = input_data;
+  a.input_scale_inv_out = input_scale_inv;
   const int device = x.get_device();
   run_core([&] {
     const std::size_t bytes = core::fp8_quantize_workspace_bytes(device, a);
@@ -56,11 +59,26 @@ void check_fp8_device(const at::Tensor& t, const char* op) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+// An e4m3 copy the kernels write in place (input_fp8, pre_fp8; checked by check_e4m3_copy): its
+// bytes and its scale_inv's pointer, or nulls. The kernels store 16 bytes at a time.
+std::pair<uint8_t*, float*> e4m3_copy_ptrs(const std::optional<at::Tensor>& copy,
+                                           const std::optional<at::Tensor>& scale_inv, const char* op,
+                                           const char* name) {
+  if (!copy.has_value() || !copy->defined()) return {nullptr, nullptr};
+  TORCH_CHECK_VALUE(copy->numel() == 0 || aligned16(*copy), op, ": ", name, " must be 16-byte aligned, got address ",
+                    copy->data_ptr());
+  return {static_cast<uint8_t*>(copy->data_ptr()), scale_inv->data_ptr<float>()};
+}
+
 Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                     int64_t activation, bool backward, int64_t fp8_format,
                                     const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                    bool column_sums, const std::optional<at::Tensor>& pre_scale_inv) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv);
+                                    bool column_sums, const std::optional<at::Tensor>& pre_scale_inv,
+                                    const std::optional<at::Tensor>& input_fp8,
+                                    const std::optional<at::Tensor>& input_scale_inv) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv, input_fp8,
+                     input_scale_inv);
+  const auto [copy, copy_si] = e4m3_copy_ptrs(input_fp8, input_scale_inv, "fused_dense::fp8_quantize", "input_fp8");
   c10::cuda::CUDAGuard guard(input.device());
   // The kernels load 16 bytes at a time: a view at an odd offset is copied first.
   const at::Tensor x = aligned16(input) ? input : input.clone();
@@ -70,7 +88,8 @@ Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional
                                 column_sums);
   const float* s = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
   const float* psi = (pre_scale_inv.has_value() && pre_scale_inv->defined()) ? pre_scale_inv->data_ptr<float>() : nullptr;
-  quantize_into(x, pre, activation, backward, fp8_format, s, nullptr, rowwise, columnwise, column_sums, res, psi);
+  quantize_into(x, pre, activation, backward, fp8_format, s, nullptr, rowwise, columnwise, column_sums, res, psi, copy,
+                copy_si);
   return res;
 }
 
@@ -120,9 +139,13 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
 Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor& weight,
                                        const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
-                                       int64_t activation, const std::optional<at::Tensor>& scale, bool columnwise) {
+                                       int64_t activation, const std::optional<at::Tensor>& scale, bool columnwise,
+                                       const std::optional<at::Tensor>& pre_fp8,
+                                       const std::optional<at::Tensor>& pre_scale_inv) {
   constexpr const char* op = "fused_dense::fp8_linear_act";
-  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale, pre_fp8,
+                       pre_scale_inv);
+  const auto [copy, copy_si] = e4m3_copy_ptrs(pre_fp8, pre_scale_inv, op, "pre_fp8");
   c10::cuda::CUDAGuard guard(input.device());
   check_fp8_device(input, op);
   // The FP8 GEMMs need 16-byte aligned operands.
@@ -143,6 +166,7 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
   a.data = static_cast<uint8_t*>(data.data_ptr());
   a.data_t = columnwise ? static_cast<uint8_t*>(data_t.data_ptr()) : nullptr;
   a.scale_out = s.data_ptr<float>(), a.scale_inv_out = s_inv.data_ptr<float>(), a.amax = amax.data_ptr<float>();
+  a.pre_data = copy, a.pre_scale_inv_out = copy_si;
   const int device = x.get_device();
   run_core([&] {
     core::LinearContext ctx;

@@ -9,8 +9,11 @@ namespace {
 Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                     int64_t activation, bool backward, int64_t fp8_format,
                                     const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
-                                    bool column_sums, const std::optional<at::Tensor>& pre_scale_inv) {
-  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv);
+                                    bool column_sums, const std::optional<at::Tensor>& pre_scale_inv,
+                                    const std::optional<at::Tensor>& input_fp8,
+                                    const std::optional<at::Tensor>& input_scale_inv) {
+  check_fp8_quantize(input, pre_act, activation, backward, fp8_format, scale, pre_scale_inv, input_fp8,
+                     input_scale_inv);
   return empty_fp8_quantize(input, fp8_quantized_cols(input, activation, backward), fp8_format, rowwise, columnwise,
                             column_sums);
 }
@@ -28,8 +31,10 @@ Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor
                                        const at::Tensor& input_scale_inv, const at::Tensor& weight_scale_inv,
                                        const std::optional<at::Tensor>& bias, at::ScalarType out_dtype,
                                        int64_t activation, const std::optional<at::Tensor>& scale,
-                                       bool columnwise) {
-  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale);
+                                       bool columnwise, const std::optional<at::Tensor>& pre_fp8,
+                                       const std::optional<at::Tensor>& pre_scale_inv) {
+  check_fp8_linear_act(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype, activation, scale, pre_fp8,
+                       pre_scale_inv);
   return empty_fp8_linear_act(input, weight, out_dtype, columnwise);
 }
 
