@@ -97,8 +97,6 @@ __device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, 
   }
 }
 
-// The 8 values of raw words; `up` (mode 4): the columns are the block's up half. Zero words give
-// v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0, act(0) * 0 = 0).
 // The i-th pre element of a thread's raw words as a float: in dtype, or (modes 5, 6) an e4m3 byte
 // dequantized with scale_inv and rounded to T.
 template <typename T, int kMode>
@@ -112,6 +110,22 @@ __device__ __forceinline__ float pre_at(const Raw8<T, kMode>& r, int i, float sc
   }
 }
 
+// Mode 6: pre_at's values of the elements 2j and 2j + 1, two at a time: one conversion of two bytes
+// to half2 (exact), two products and one packed rounding to T. Mode 6's passes are bound by
+// instruction issue, and one byte at a time (7 instructions an element) made them 1.6x mode 4's
+// (H200, 16384 x 28672). Mode 5 keeps pre_at: its pass was not slower than mode 2's, and the pairs
+// would cost it a block an SM (80 registers uncapped, 128 in pairs).
+template <typename T, int kMode>
+__device__ __forceinline__ float2 pre_pair_fp8(const Raw8<T, kMode>& r, int j, float scale_inv) {
+  const auto two = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.pre)[j];
+  const float2 q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3)));
+  const float2 v = make_float2(q.x * scale_inv, q.y * scale_inv);
+  if constexpr (sizeof(T) == 2) return Cvt<T>::to_float2(Cvt<T>::from_float2(v.x, v.y));
+  return v;
+}
+
+// The 8 values of raw words; `up` (mode 4): the columns are the block's up half. Zero words give
+// v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0, act(0) * 0 = 0).
 template <typename T, Activation A, int kMode>
 __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, float pre_scale_inv, float (&v)[kVec]) {
   constexpr bool kFast = sizeof(T) == 2;
@@ -122,13 +136,24 @@ __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, floa
     for (int i = 0; i < kVec; ++i) v[i] = gate_act<A, kFast>(Cvt<T>::to_float(e[i])) * Cvt<T>::to_float(e[kVec + i]);
     return;
   } else if constexpr (kBase == 4) {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const float d = Cvt<T>::to_float(e[i]), g = pre_at<T, kMode>(r, i, pre_scale_inv),
-                  u = pre_at<T, kMode>(r, kVec + i, pre_scale_inv);
+    const auto gated = [&](int i, float g, float u) {
       float deriv;
       const float a = gate_act<A, kFast>(g, &deriv);
+      const float d = Cvt<T>::to_float(e[i]);
       v[i] = up ? d * a : (d * u) * deriv;
+    };
+    if constexpr (pre_fp8<kMode>()) {
+#pragma unroll
+      for (int i = 0; i < kVec; i += 2) {
+        const float2 g = pre_pair_fp8<T, kMode>(r, i / 2, pre_scale_inv);
+        const float2 u = pre_pair_fp8<T, kMode>(r, (kVec + i) / 2, pre_scale_inv);
+        gated(i, g.x, u.x);
+        gated(i + 1, g.y, u.y);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i)
+        gated(i, pre_at<T, kMode>(r, i, pre_scale_inv), pre_at<T, kMode>(r, kVec + i, pre_scale_inv));
     }
     return;
   } else {
@@ -252,7 +277,7 @@ struct CastParams {
 // tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t. kInput (forward
 // modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
 template <typename T, Activation A, int kMode, bool kInput>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* __restrict__ pre, CastParams p) {
+__device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* __restrict__ pre, const CastParams& p) {
   static_assert(!kInput || kMode == 1 || kMode == 3, "the input's copy is of forward modes 1 and 3");
   // Row-major, rows padded by 4 bytes: the transposed reads (16 rows of one column per thread) then
   // hit 2 banks per warp instead of 1, and the row writes stay 4-byte aligned.
@@ -364,6 +389,21 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
   }
 }
 
+template <typename T, Activation A, int kMode, bool kInput>
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* __restrict__ pre, CastParams p) {
+  cast_body<T, A, kMode, kInput>(x, pre, p);
+}
+
+// The same pass capped at 128 registers (two blocks an SM), for kInput and mode 6's e4m3 pre, which
+// hold more words: uncapped, kInput took 169 registers and one block, and its pass 2.0x the plain
+// one's (gated, 16384 x 28672, H200); mode 6's pairwise dequantization takes 200-228. (A minimum of 1 block in the launch bounds is not the same as none: it moves
+// every kernel's register count, so the uncapped kernel states none.)
+template <typename T, Activation A, int kMode, bool kInput>
+__global__ void __launch_bounds__(kThreads, 2) cast_kernel_capped(const T* __restrict__ x, const T* __restrict__ pre,
+                                                                   CastParams p) {
+  cast_body<T, A, kMode, kInput>(x, pre, p);
+}
+
 int mode_of(const Fp8QuantizeArgs& a) {
   const bool pre8 = a.pre_scale_inv != nullptr;
   if (is_gated(a.activation)) return a.backward ? (pre8 ? 6 : 4) : 3;
@@ -394,11 +434,15 @@ template <typename T, Activation A, int M>
 void launch_cast(dim3 grid, const T* x, const T* pre, const CastParams& p, cudaStream_t stream) {
   if constexpr (M == 1 || M == 3) {
     if (p.input_data != nullptr) {
-      cast_kernel<T, A, M, true><<<grid, kThreads, 0, stream>>>(x, pre, p);
+      cast_kernel_capped<T, A, M, true><<<grid, kThreads, 0, stream>>>(x, pre, p);
       return;
     }
   }
-  cast_kernel<T, A, M, false><<<grid, kThreads, 0, stream>>>(x, pre, p);
+  if constexpr (M == 6) {
+    cast_kernel_capped<T, A, M, false><<<grid, kThreads, 0, stream>>>(x, pre, p);
+  } else {
+    cast_kernel<T, A, M, false><<<grid, kThreads, 0, stream>>>(x, pre, p);
+  }
 }
 
 // The amax pass of mode M measuring `what` (kAmaxOfV | kAmaxOfInput; the input's amax in forward
