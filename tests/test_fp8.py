@@ -347,6 +347,23 @@ def test_quantize_writes_the_inputs_e4m3_copy(device, act, dtype, scaling):
     assert_e4m3_copy_of(x, copy, si, f"act {act}, {dtype}, {scaling}")
 
 
+@pytest.mark.parametrize("device", devices())
+def test_input_copy_of_no_rows(device):
+    """An empty input's copy: nothing to write, and its scale_inv from an amax of 0 (the scale
+    rule's floor), as the same call on one row of zeros gives; fp8_linear_act with no tokens alike."""
+    x = torch.zeros(0, 32, dtype=torch.bfloat16, device=device)
+    copy = torch.empty(0, 32, dtype=torch.float8_e4m3fn, device=device)
+    si = torch.tensor(float("nan"), device=device)
+    torch.ops.fused_dense.fp8_quantize(x, None, 1, False, 0, None, True, True, False, None, copy, si)
+    zero_row = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
+    want_si = torch.ops.fused_dense.fp8_quantize(zero_row, None, 0, False, 0, None, True, False, False)[3]
+    assert torch.equal(si.cpu(), want_si.cpu()), (si.item(), want_si.item())
+    args = linear_act_inputs(device, 16, 32, 48, scale=None)
+    copy, si = torch.empty(0, 48, dtype=torch.float8_e4m3fn, device=device), torch.tensor(float("nan"), device=device)
+    torch.ops.fused_dense.fp8_linear_act(args[0][:0], *args[1:5], torch.bfloat16, 1, None, True, copy, si)
+    assert torch.equal(si.cpu(), want_si.cpu())
+
+
 def test_quantize_input_copy_errors():
     q = torch.ops.fused_dense.fp8_quantize
     x = randn(4, 16)

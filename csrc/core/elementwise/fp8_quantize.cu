@@ -1,6 +1,6 @@
 // The FP8 quantize pass (fp8_quantize.h): an amax pass (current scaling, unless the amax is known),
 // then one pass that writes the row-major and the transposed FP8 copies, the column sums, (delayed
-// scaling) the amax and (input_data) the input's own e4m3 copy.
+// scaling) the amax and (input_scale_inv_out set) the input's own e4m3 copy.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -191,7 +191,7 @@ template <typename T, int kMode>
 constexpr int input_elements() { return kVec * x_factor<kMode>(); }
 
 // The amaxes the amax pass measures (kWhat bits): 1 the amax of v into amax[0], 2 the amax of the
-// input itself (input_data's copy, forward modes 1 and 3) into amax[1].
+// input itself (its copy's, forward modes 1 and 3) into amax[1].
 constexpr int kAmaxOfV = 1, kAmaxOfInput = 2;
 
 template <typename T, Activation A, int kMode, int kWhat>
@@ -428,12 +428,12 @@ void dispatch_mode(int mode, F&& f) {
   }
 }
 
-// The cast pass of mode M, with the input's copy where p.input_data is set (forward modes 1 and 3:
-// check_args refuses it elsewhere).
+// The cast pass of mode M, with the input's copy where p.input_scale_inv_out is set (forward modes 1
+// and 3: check_args refuses it elsewhere).
 template <typename T, Activation A, int M>
 void launch_cast(dim3 grid, const T* x, const T* pre, const CastParams& p, cudaStream_t stream) {
   if constexpr (M == 1 || M == 3) {
-    if (p.input_data != nullptr) {
+    if (p.input_scale_inv_out != nullptr) {
       cast_kernel_capped<T, A, M, true><<<grid, kThreads, 0, stream>>>(x, pre, p);
       return;
     }
@@ -486,11 +486,12 @@ void check_args(const Fp8QuantizeArgs& a) {
   if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
     msg << "backward needs pre_act and an activation";
   if (a.pre_scale_inv != nullptr && !a.backward) msg << "pre_scale_inv (an e4m3 pre_act) is read in backward only";
-  if (a.input_data != nullptr && (a.backward || a.activation == Activation::kNone))
-    msg << "input_data (the input's e4m3 copy) is for the forward with an activation";
-  if ((a.input_data == nullptr) != (a.input_scale_inv_out == nullptr))
-    msg << "input_data and input_scale_inv_out go together";
-  if (a.input_known_amax != nullptr && a.input_data == nullptr) msg << "input_known_amax is for input_data";
+  const bool copy = a.input_scale_inv_out != nullptr;
+  if (copy && (a.backward || a.activation == Activation::kNone))
+    msg << "the input's e4m3 copy (input_scale_inv_out) is for the forward with an activation";
+  if (copy && a.input_data == nullptr && a.rows > 0) msg << "the input's e4m3 copy needs input_data";
+  if (!copy && (a.input_data != nullptr || a.input_known_amax != nullptr))
+    msg << "input_data and input_known_amax are for the input's copy (input_scale_inv_out)";
   if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
     msg << "the gated backward's cols (2 hidden) must be a multiple of " << 2 * kGatedInterleave << ", got " << a.cols;
   if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
@@ -504,7 +505,7 @@ void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out
 }
 
 std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args) {
-  std::size_t bytes = 256;  // the amaxes of current scaling: v's, the input's (input_data)
+  std::size_t bytes = 256;  // the amaxes of current scaling: v's, the input's (its copy's)
   if (args.column_sums != nullptr && args.rows > 0)
     bytes += static_cast<std::size_t>(row_groups(device, args)) * static_cast<std::size_t>(args.cols) * sizeof(float);
   return bytes;
@@ -518,7 +519,7 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
   auto* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + 256);
   const bool current = a.scale == nullptr;
   const bool measure = current && a.known_amax == nullptr;  // the amax pass measures v's amax
-  const bool measure_input = a.input_data != nullptr && a.input_known_amax == nullptr;  // and the input's
+  const bool measure_input = a.input_scale_inv_out != nullptr && a.input_known_amax == nullptr;  // the input's
   auto* measured = static_cast<unsigned*>(workspace);  // [v's amax, the input's]
   const unsigned* amax_bits = measure ? measured : reinterpret_cast<const unsigned*>(a.known_amax);
   const unsigned* input_amax_bits =

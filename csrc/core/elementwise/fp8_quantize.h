@@ -36,9 +36,9 @@ namespace fused_dense::core {
 // scale null: current scaling (a first pass computes the amax, the scale follows from it; with
 // known_amax set, that amax of v, recorded by the GEMM that wrote the input, and no first pass);
 // else delayed scaling with *scale, the amax recorded in the same single pass.
-// input_data (forward with an activation only): the input's own e4m3 copy as well, [rows, input
-// cols] (cols; gated: 2 cols), at the input's own amax (current scaling), and its scale_inv in
-// *input_scale_inv_out: the bytes of this pass run on the input with activation kNone, e4m3 and
+// input_scale_inv_out set (forward with an activation only): the input's own e4m3 copy as well,
+// into input_data [rows, input cols] (cols; gated: 2 cols; null only when rows is 0), at the
+// input's own amax (current scaling), and its scale_inv in *input_scale_inv_out: the bytes of this pass run on the input with activation kNone, e4m3 and
 // current scaling. Its amax joins v's amax pass (or input_known_amax, recorded by the GEMM that
 // wrote the input), its cast v's cast pass, so the copy costs one write of it and no read.
 struct Fp8QuantizeArgs {
@@ -59,8 +59,8 @@ struct Fp8QuantizeArgs {
   float* amax_out = nullptr;
   void* column_sums = nullptr;
   uint8_t* input_data = nullptr;
-  float* input_scale_inv_out = nullptr;
-  const float* input_known_amax = nullptr;  // with input_data only
+  float* input_scale_inv_out = nullptr;     // set: the copy is made
+  const float* input_known_amax = nullptr;  // with the copy only
 };
 
 std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args);

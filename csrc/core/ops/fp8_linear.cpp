@@ -92,8 +92,9 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
       a.activation != Activation::kSquaredRelu)
     throw Error(std::string("fused_dense: fp8_linear_act: activation must be gelu_approx, relu or sqrelu, got ") +
                 activation_name(a.activation));
-  if ((a.pre_data == nullptr) != (a.pre_scale_inv_out == nullptr))
-    throw Error("fused_dense: fp8_linear_act: pre_data and pre_scale_inv_out go together");
+  const bool pre_copy = a.pre_scale_inv_out != nullptr;
+  if (pre_copy && a.pre_data == nullptr && a.batch > 0)
+    throw Error("fused_dense: fp8_linear_act: pre's e4m3 copy (pre_scale_inv_out) needs pre_data");
   if (ctx.workspace.bytes < kPreAmaxBytes) throw Error("fused_dense: fp8_linear_act: workspace too small");
   const bool delayed = a.scale != nullptr;
   // [GEMM's part | quantize's part, in turn ... | pre's amax]
@@ -116,7 +117,7 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
       c.data_t = a.data_t;
     }
     c.amax = a.amax;
-    c.pre_amax = a.pre_data != nullptr ? pre_amax : nullptr;
+    c.pre_amax = pre_copy ? pre_amax : nullptr;
     // A refusal here would make the recomputation's path differ from the forward's.
     if (!cutlass_sm90_fp8_forward(c, gemm_ws, ctx.stream))
       throw Error("fused_dense: fp8_linear_act: the cutlass_sm90 FP8 forward kernel refused a problem it fits "
@@ -124,7 +125,7 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
                   ", out_features " + std::to_string(a.out_features) + ")");
     if (delayed) {
       fp8_write_scales(a.scale, a.scale_out, a.scale_inv_out, ctx.stream);
-      if (a.pre_data != nullptr) {
+      if (pre_copy) {
         // pre's copy: one cast pass at the amax the GEMM recorded.
         Fp8QuantizeArgs q;
         q.dtype = ctx.dtype;
@@ -139,7 +140,7 @@ void fp8_linear_act(const LinearContext& ctx, const Fp8LinearActArgs& a) {
       // The cast of act(pre) with the amax the GEMM recorded; it writes the scales (amax stays),
       // and pre's copy at pre's recorded amax.
       Fp8QuantizeArgs q = act_quantize_args(ctx.dtype, a, a.amax);
-      q.input_known_amax = a.pre_data != nullptr ? pre_amax : nullptr;
+      q.input_known_amax = pre_copy ? pre_amax : nullptr;
       fp8_quantize(q, quantize_ws.ptr, quantize_ws.bytes, ctx.device, ctx.stream);
     }
     return;

@@ -40,10 +40,11 @@ void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& args);
 // GEMM and fp8_quantize's passes. The bytes of data / data_t and the amax are fp8_quantize's of
 // pre either way. The path is a function of the device, the shapes, ctx.dtype and the activation
 // only, so a recomputation (checkpoint level 2, with the forward's scale) takes the forward's GEMM
-// and gives its bits. pre_data (with pre_scale_inv_out): pre's own e4m3 copy as well, at pre's own
-// amax (current scaling whatever `scale`), the bytes fp8_quantize gives pre alone; its amax is
-// recorded by the cutlass_sm90 GEMM or joins the amax pass, its cast joins the activation's cast
-// pass (delayed scaling on the cutlass_sm90 kernel: one cast pass of its own).
+// and gives its bits. pre_scale_inv_out set: pre's own e4m3 copy as well (into pre_data; null only
+// when B is 0) and its scale_inv, at pre's own amax (current scaling whatever `scale`), the bytes
+// fp8_quantize gives pre alone; its amax is recorded by the cutlass_sm90 GEMM or joins the amax
+// pass, its cast joins the activation's cast pass (delayed scaling on the cutlass_sm90 kernel: one
+// cast pass of its own).
 struct Fp8LinearActArgs {
   int64_t batch = 0, in_features = 0, out_features = 0;  // B, K, N: K and N multiples of 16
   const void* input = nullptr;                           // e4m3 [B, K]
@@ -59,8 +60,8 @@ struct Fp8LinearActArgs {
   float* scale_out = nullptr;                            // one float each
   float* scale_inv_out = nullptr;
   float* amax = nullptr;
-  uint8_t* pre_data = nullptr;                           // e4m3 [B, N], or null
-  float* pre_scale_inv_out = nullptr;                    // with pre_data
+  uint8_t* pre_data = nullptr;                           // e4m3 [B, N], with pre_scale_inv_out
+  float* pre_scale_inv_out = nullptr;                    // set: pre's copy is made
 };
 
 // Bytes of workspace fp8_linear_act needs (the GEMM's, then the quantize pass's, in turn, and
