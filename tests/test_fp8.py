@@ -420,7 +420,7 @@ def test_linear_errors():
     one = torch.tensor(1.0)
     with pytest.raises(ValueError, match="cannot both be float8_e5m2"):
         lin(e5, e5, one, one, None, torch.bfloat16, False, -2)
-    with pytest.raises(ValueError, match="in_features must be a positive multiple of 16, got 24"):
+    with pytest.raises(ValueError, match="in_features must be a multiple of 16, got 24"):
         lin(torch.zeros(4, 24).to(torch.float8_e4m3fn), torch.zeros(16, 24).to(torch.float8_e4m3fn), one, one, None,
             torch.bfloat16, False, -2)
     with pytest.raises(ValueError, match="input must be float8"):
@@ -614,6 +614,38 @@ def test_linear_act_runs_one_gemm_where_it_fits():
     assert not has(delayed, "amax_kernel") and sum("cast_kernel" in n for n in delayed) == 1, delayed
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp8_linear_over_no_k(device, bias):
+    """K = 0 (a weight gradient over no tokens) is the empty sum: out = bias, or zeros."""
+    e4 = torch.empty(24, 0, dtype=torch.float8_e4m3fn, device=device)
+    w = torch.empty(32, 0, dtype=torch.float8_e4m3fn, device=device)
+    one = torch.tensor(1.0, device=device)
+    b = randn(32, device=device) if bias else None
+    out = torch.ops.fused_dense.fp8_linear(e4, w, one, one, b, torch.bfloat16, False, -2)
+    want = b.expand(24, 32) if bias else torch.zeros(24, 32, dtype=torch.bfloat16, device=device)
+    assert torch.equal(out.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("save_pre_fp8", [False, True])
+def test_fp8_layers_on_an_empty_batch(device, scaling, save_pre_fp8):
+    """An empty batch (an empty micro-batch) runs as nn.Linear's does: an empty output, zero
+    gradients for the parameters, an empty one for x."""
+    recipe = Float8Recipe(min_features=0, scaling=scaling, save_pre_fp8=save_pre_fp8)
+    for m in (FusedDense(64, 96, device=device, dtype=torch.bfloat16, fp8=recipe),
+              FusedMLP(64, 128, device=device, dtype=torch.bfloat16, fp8=recipe),
+              FusedGatedMLP(64, 128, device=device, dtype=torch.bfloat16, fp8=recipe)):
+        x = torch.randn(0, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        y = m(x)
+        assert y.shape == (0, m(torch.randn(1, 64, device=device, dtype=torch.bfloat16)).shape[1])
+        y.sum().backward()
+        assert x.grad.shape == (0, 64)
+        for name, p in m.named_parameters():
+            assert p.grad is not None and not p.grad.any(), f"{type(m).__name__}.{name}"
+
+
 def test_linear_act_errors():
     op = torch.ops.fused_dense.fp8_linear_act
     e4 = torch.zeros(16, 32).to(torch.float8_e4m3fn)
@@ -625,7 +657,7 @@ def test_linear_act_errors():
         op(e4, e4, one, one, None, torch.bfloat16, 4, one, True)
     with pytest.raises(ValueError, match="fp8_linear_act: scale must be float32"):
         op(e4, e4, one, one, None, torch.bfloat16, 1, one.double(), True)
-    with pytest.raises(ValueError, match="fp8_linear_act: in_features must be a positive multiple of 16, got 24"):
+    with pytest.raises(ValueError, match="fp8_linear_act: in_features must be a multiple of 16, got 24"):
         op(torch.zeros(4, 24).to(torch.float8_e4m3fn), torch.zeros(16, 24).to(torch.float8_e4m3fn), one, one, None,
            torch.bfloat16, 1, one, True)
 

@@ -21,7 +21,8 @@
 //   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
 //              out_dtype, fast_accum, heuristic) -> out [B, N]
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
-//     e5m2), K and N multiples of 16.
+//     e5m2), K and N multiples of 16 (K 0: the empty sum, out = bias or zeros: a weight gradient
+//     over no tokens).
 //   fp8_linear_act(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
 //                  out_dtype, activation, scale []?, columnwise)
 //       -> (pre [B, N], data [B, N], data_t [N, pad16(B)] or [0], scale [], scale_inv [], amax [])
@@ -156,8 +157,8 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
                     ": input and weight cannot both be float8_e5m2 (no FP8 GEMM takes two e5m2 operands)");
   TORCH_CHECK_VALUE(weight.size(1) == input.size(1), op, ": weight.size(1) must equal input.size(1) = ", input.size(1),
                     " (in_features), got weight shape ", weight.sizes());
-  TORCH_CHECK_VALUE(input.size(1) % 16 == 0 && input.size(1) > 0, op,
-                    ": in_features must be a positive multiple of 16, got ", input.size(1));
+  // in_features 0 (a weight gradient over no tokens) is the empty sum: out = bias, or zeros.
+  TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": in_features must be a multiple of 16, got ", input.size(1));
   TORCH_CHECK_VALUE(weight.size(0) % 16 == 0, op, ": out_features (weight.size(0)) must be a multiple of 16, got ",
                     weight.size(0));
   TORCH_CHECK_VALUE(input.is_contiguous() && weight.is_contiguous(), op,

@@ -5,6 +5,7 @@
 #include <sstream>
 #include <string>
 
+#include "core/common/cuda_check.h"
 #include "core/cutlass_sm90/cutlass_sm90_fp8.h"
 #include "core/elementwise/elementwise.h"
 #include "core/elementwise/fp8_quantize.h"
@@ -19,10 +20,17 @@ void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& a) {
     msg << "input and weight cannot both be e5m2 (no FP8 GEMM takes two e5m2 operands)";
   else if (a.in_features % 16 != 0 || a.out_features % 16 != 0)
     msg << "in_features and out_features must be multiples of 16, got " << a.in_features << " and " << a.out_features;
-  else if (a.in_features == 0)
-    msg << "in_features must be positive";
   if (!msg.str().empty()) throw Error("fused_dense: fp8_linear: " + msg.str());
   if (a.batch == 0 || a.out_features == 0) return;
+  if (a.in_features == 0) {
+    // The empty sum (a weight gradient over no tokens): out = bias, or zeros.
+    FD_CUDA_CHECK(cudaMemsetAsync(a.out, 0, static_cast<std::size_t>(a.batch * a.out_features) * dtype_size(ctx.dtype),
+                                  ctx.stream));
+    if (a.bias != nullptr)
+      bias_act_forward(ctx.dtype, Activation::kNone, a.out, a.bias, a.out, nullptr, a.batch, a.out_features,
+                       ctx.device, ctx.stream);
+    return;
+  }
   // Column-major view: D[N, B] = W[N, K] . X[K, B], both operands K-major (TN), as linear_act.
   GemmProblem p;
   p.device = ctx.device;

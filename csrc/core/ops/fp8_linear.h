@@ -13,7 +13,8 @@
 namespace fused_dense::core {
 
 // out[B, N] = (input[B, K] . weight[N, K]^T) * input_scale_inv * weight_scale_inv (+ bias[N]),
-// input and weight FP8 (not both e5m2), K-major, out and bias ctx.dtype. K and N multiples of 16,
+// input and weight FP8 (not both e5m2), K-major, out and bias ctx.dtype. K and N multiples of 16
+// (K 0: the empty sum, out = bias or zeros),
 // pointers 16-byte aligned. heuristic >= 0 picks that entry of cuBLASLt's list, otherwise its first.
 // fast_accum: Hopper's fast FP8 accumulation (fewer promotions to full fp32), the forward's choice.
 struct Fp8LinearArgs {
