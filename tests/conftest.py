@@ -20,7 +20,7 @@ Helpers (import with `from conftest import rel_err, TOL, ...`):
     saved_bytes(fn)        (fn(), bytes of the tensors autograd keeps for the graph fn builds)
     capture_training_step(...) a module's forward + backward captured into a CUDA graph
 Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration); _seeded (autouse: torch
-and Python's random seeded per test from FUSED_DENSE_TEST_SEED and the test's id, the seed named
+and Python's random seeded per test from FUSED_DENSE_TEST_SEED and the test's name, the seed named
 in a failure's report).
 The raw ops' float64 references and checkers are in tests/op_checks.py.
 """
@@ -181,8 +181,8 @@ def capture_training_step(module, static_x, static_g, warmup=3):
 
 def test_seed(nodeid):
     """The seed a test starts from: FUSED_DENSE_TEST_SEED (default 0) plus the CRC-32 of its pytest
-    node id, so every test has its own inputs, the same in every run, and any run can be replayed
-    or varied by setting the base."""
+    name (nodeid), so every test has its own inputs, always the same ones, replayed or varied by
+    setting the base."""
     base = os.environ.get("FUSED_DENSE_TEST_SEED", "0")
     try:
         base = int(base)
@@ -193,7 +193,7 @@ def test_seed(nodeid):
 
 @pytest.fixture(autouse=True)
 def _seeded(request):
-    """Seeds torch (CPU and CUDA) and Python's random from test_seed(node id) before each test;
+    """Seeds torch (CPU and CUDA) and Python's random from test_seed(nodeid) before each test;
     a failing test's report names the seed (pytest_runtest_makereport below)."""
     value = test_seed(request.node.nodeid)
     torch.manual_seed(value)

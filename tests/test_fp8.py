@@ -247,6 +247,15 @@ def test_quantize_errors():
         q(randn(16, 8).t(), None, 0, False, 0, None, True, False, False)
 
 
+def assert_same_outputs(got, want, what):
+    """Two calls' outputs are the same bytes, output by output (FP8 ones compared as bytes)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        a, b = a.cpu(), b.cpu()
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), f"output {i} differs ({what})"
+
+
 def e4m3_copy(t):
     """t's e4m3 copy at its own amax, as fp8_quantize makes it, and that copy's scale_inv."""
     data, _, _, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(t, None, 0, False, 0, None, True, False, False)
@@ -274,11 +283,7 @@ def test_quantize_reads_an_e4m3_pre_act(device, act, dtype, scaling):
     for fmt in (0, 1):
         got = torch.ops.fused_dense.fp8_quantize(x, pre8, act, True, fmt, scale, True, True, True, pre_si)
         want = torch.ops.fused_dense.fp8_quantize(x, pre_deq, act, True, fmt, scale, True, True, True)
-        for i, (a, b) in enumerate(zip(got, want)):
-            a_, b_ = a.cpu(), b.cpu()
-            if a_.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                a_, b_ = a_.view(torch.uint8), b_.view(torch.uint8)
-            assert torch.equal(a_, b_), f"output {i} differs (act {act}, {dtype}, fmt {fmt})"
+        assert_same_outputs(got, want, f"act {act}, {dtype}, fmt {fmt}")
 
 
 def test_quantize_e4m3_pre_act_errors():
@@ -339,11 +344,7 @@ def test_quantize_writes_the_inputs_e4m3_copy(device, act, dtype, scaling):
     copy, si = poisoned_e4m3_copy(x.shape, device)
     got = torch.ops.fused_dense.fp8_quantize(x, None, act, False, 0, scale, True, True, False, None, copy, si)
     want = torch.ops.fused_dense.fp8_quantize(x, None, act, False, 0, scale, True, True, False)
-    for i, (a, b) in enumerate(zip(got, want)):
-        a_, b_ = a.cpu(), b.cpu()
-        if a_.dtype == torch.float8_e4m3fn:
-            a_, b_ = a_.view(torch.uint8), b_.view(torch.uint8)
-        assert torch.equal(a_, b_), f"output {i} differs with the copy (act {act}, {dtype})"
+    assert_same_outputs(got, want, f"with the copy, act {act}, {dtype}")
     assert_e4m3_copy_of(x, copy, si, f"act {act}, {dtype}, {scaling}")
 
 
@@ -564,11 +565,7 @@ def test_linear_act_writes_pres_e4m3_copy(device, act, shape, scaling):
     copy, si = poisoned_e4m3_copy((shape[0], shape[2]), device)
     got = torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True, copy, si)
     want = torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True)
-    for i, (a, b) in enumerate(zip(got, want)):
-        a_, b_ = a.cpu(), b.cpu()
-        if a_.dtype == torch.float8_e4m3fn:
-            a_, b_ = a_.view(torch.uint8), b_.view(torch.uint8)
-        assert torch.equal(a_, b_), f"output {i} differs with the copy"
+    assert_same_outputs(got, want, "with the copy")
     assert_e4m3_copy_of(got[0], copy, si, f"{act} {shape} {scaling}")
     with pytest.raises(ValueError, match=r"pre_fp8 must have shape \[\d+, \d+\], got \[\d+, 16\]"):
         torch.ops.fused_dense.fp8_linear_act(*args[:5], torch.bfloat16, ACTS[act], args[5], True, copy[:, :16], si)
