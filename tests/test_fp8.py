@@ -228,6 +228,15 @@ def test_quantize_zeros_and_empty(device):
     e = torch.zeros(0, 16, dtype=torch.bfloat16, device=device)
     data, data_t, s, _, amax, sums = torch.ops.fused_dense.fp8_quantize(e, None, 0, False, 1, None, True, True, True)
     assert data.shape == (0, 16) and data_t.shape == (16, 0) and amax.item() == 0.0 and torch.all(sums == 0)
+    # The backward of an empty batch (an empty tensor's data pointer may be null): plain and gated,
+    # pre in the model's dtype and as its e4m3 copy.
+    for act, cols, out_cols in ((1, 16, 16), (4, 32, 64)):  # gated: d_h [B, h], gu and the result [B, 2h]
+        g, pre = torch.zeros(0, cols, dtype=torch.bfloat16, device=device), torch.zeros(0, out_cols, device=device)
+        for pre_act, psi in ((pre.bfloat16(), None), (pre.to(torch.float8_e4m3fn), torch.tensor(1.0, device=device))):
+            data, data_t, s, _, amax, sums = torch.ops.fused_dense.fp8_quantize(g, pre_act, act, True, 1, None, True,
+                                                                                True, True, psi)
+            assert data.shape == (0, out_cols) and data_t.shape == (out_cols, 0) and amax.item() == 0.0
+            assert sums.shape == (out_cols,) and torch.all(sums == 0)
 
 
 def test_quantize_errors():

@@ -483,7 +483,8 @@ void check_args(const Fp8QuantizeArgs& a) {
       misaligned(a.input_data))
     msg << "every matrix pointer must be 16-byte aligned";
   if (a.known_amax != nullptr && a.scale != nullptr) msg << "known_amax is for current scaling (scale null)";
-  if (a.backward && (a.pre_act == nullptr || a.activation == Activation::kNone))
+  // An empty tensor's data pointer may be null: pre_act is needed only where there are elements.
+  if (a.backward && (a.activation == Activation::kNone || (a.pre_act == nullptr && a.rows > 0 && a.cols > 0)))
     msg << "backward needs pre_act and an activation";
   if (a.pre_scale_inv != nullptr && !a.backward) msg << "pre_scale_inv (an e4m3 pre_act) is read in backward only";
   const bool copy = a.input_scale_inv_out != nullptr;
