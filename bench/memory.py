@@ -24,7 +24,10 @@ Parts (--parts):
          hf_eager (bf16 as built), fd_fp8_current_eager and fd_fp8_current_compile (convert_model with
          Float8Recipe(scaling='current'), eager and torch.compile'd), fd_fp8_current_pre_compile (the
          same compiled with save_pre_fp8=True: the MLPs keep gu in e4m3), torchao_compile (torchao
-         float8 tensorwise of every linear but the LM head, compiled).
+         float8 tensorwise of every linear but the LM head, compiled); fd_fp8_current_lce_compile and
+         fd_fp8_current_pre_lce_compile (the two FP8 ones with convert_model's fused LM head and loss,
+         linear_cross_entropy=True: no logits in training), which show what the step holds beyond
+         the FP8 layers.
 
 Each variant is built fresh (its own module, the shape's weights), makes WARMUP_STEPS steps (compile,
 tuning, delayed scaling's history, the optimizer's state), and is measured alone before the next
@@ -82,10 +85,11 @@ OLD_FP8_PATH = "default"
 FP8_SCALINGS = ("current", "delayed")
 LLAMA_CONFIG, CPU_LLAMA_CONFIG = "llama-4096", "llama-tiny"
 LLAMA_VARIANTS = ["hf_eager", "fd_fp8_current_eager", "fd_fp8_current_compile", "fd_fp8_current_pre_compile",
-                  "torchao_compile"]
-# the first: the step of the figure; the pre_fp8 path's variant is timed against it
-LLAMA_FP8 = ("fd_fp8_current_compile", "fd_fp8_current_eager", "fd_fp8_current_pre_compile")
-LLAMA_OLD_PATH = {"fd_fp8_current_pre_compile": "fd_fp8_current_compile"}
+                  "fd_fp8_current_lce_compile", "fd_fp8_current_pre_lce_compile", "torchao_compile"]
+# the first: the step of the figure; the others are timed against it
+LLAMA_FP8 = ("fd_fp8_current_compile", "fd_fp8_current_eager", "fd_fp8_current_pre_compile",
+             "fd_fp8_current_lce_compile", "fd_fp8_current_pre_lce_compile")
+LLAMA_OLD_PATH = {k: "fd_fp8_current_compile" for k in LLAMA_FP8[2:]}
 PARTS = ("mlp", "llama")
 WARMUP_STEPS = 3
 LLAMA_REPS = 10  # steps per variant and round (--quick: 2)

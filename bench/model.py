@@ -33,6 +33,7 @@ and, on request (--variants):
   fd_fp8_current_lce_eager,
   fd_fp8_current_lce_compile    convert_model(fp8=current, linear_cross_entropy=True): FP8 with the
                                 fused LM head and loss, uncompiled and compiled
+  fd_fp8_current_pre_lce_compile  the same compiled with save_pre_fp8=True
 The GPT-2 config runs the bf16 variants only (its MLP is what the main job measures).
 
 Reported per config and variant: ms a step (median over rounds of each round's median; the first
@@ -88,7 +89,8 @@ CPU_CONFIGS = {
 DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_current_compile",
                     "fd_fp8_delayed_compile", "torchao_compile", "fd_fp8_current_eager"]
 VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre_compile", "fd_lce_compile",
-                               "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile"]
+                               "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
+                               "fd_fp8_current_pre_lce_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
