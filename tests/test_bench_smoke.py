@@ -788,3 +788,17 @@ def test_memory_section_runs_on_cpu(tmp_path):
     memory.main(["--report", path])  # the markdown again, from the JSON alone
     with open(path[:-5] + ".md") as f:
         assert f.read() == md
+
+
+def test_main_job_profile_runs_on_cpu(tmp_path):
+    """bench.main_job_profile: both GPTs step in interleaved rounds, the ratio is the median of the
+    per-round ratios, and the profile of each variant is written."""
+    _run([sys.executable, "-m", "bench.main_job_profile", "--device", "cpu", "--rounds", "2", "--out", str(tmp_path)],
+         timeout=600)
+    with open(tmp_path / "main_job_profile.json") as f:
+        res = json.load(f)
+    rounds = res["rounds"]
+    assert all(len(rounds[k][f]) == 2 for k in ("plain", "fused") for f in ("wall_ms", "issue_ms", "cpu_ms"))
+    ratios = [f / p for f, p in zip(rounds["fused"]["wall_ms"], rounds["plain"]["wall_ms"])]
+    assert res["summary"]["wall_fused_over_plain"]["median"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)
+    assert set(res["profile"]) == {"plain", "fused"} and all(res["profile"][k]["cpu_ops"] for k in res["profile"])

@@ -106,7 +106,7 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
   const at::Tensor w = aligned16(weight) ? weight : weight.clone();
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->defined() && !aligned16(*b)) b = b->clone();
-  auto out = at::empty({x.size(0), w.size(0)}, x.options().dtype(out_dtype));
+  auto out = empty_output({x.size(0), w.size(0)}, x.options().dtype(out_dtype));
   core::Fp8LinearArgs a;
   a.batch = x.size(0), a.in_features = x.size(1), a.out_features = w.size(0);
   a.input = x.data_ptr();

@@ -22,9 +22,9 @@ std::vector<at::Tensor> gated_linear_cuda(const at::Tensor& input, const at::Ten
                                                 {"2 * hidden (weight.size(0))", weight.size(0)}});
   c10::cuda::CUDAGuard guard(input.device());
   const int64_t B = input.size(0), H = weight.size(0) / 2;
-  auto out = at::empty({B, H}, input.options());
+  auto out = empty_output({B, H}, input.options());
   at::Tensor pre_act;
-  if (save_pre_act) pre_act = at::empty({B, 2 * H}, input.options());
+  if (save_pre_act) pre_act = empty_output({B, 2 * H}, input.options());
 
   core::GatedLinearArgs args;
   args.batch = B, args.in_features = input.size(1), args.hidden = H;
@@ -54,9 +54,9 @@ std::vector<at::Tensor> gated_linear_dgrad_cuda(const at::Tensor& weight, const 
                                                       {"out_features", weight.size(0)}});
   c10::cuda::CUDAGuard guard(weight.device());
   const int64_t B = d_output.size(0), H = weight.size(1);
-  auto d_pre = at::empty({B, 2 * H}, weight.options());
+  auto d_pre = empty_output({B, 2 * H}, weight.options());
   at::Tensor act_out;
-  if (return_act_out) act_out = at::empty({B, H}, weight.options());
+  if (return_act_out) act_out = empty_output({B, H}, weight.options());
 
   core::GatedLinearDgradArgs args;
   args.batch = B, args.hidden = H, args.out_features = weight.size(0);
@@ -82,7 +82,7 @@ at::Tensor gated_act_forward_cuda(const at::Tensor& pre_act, int64_t activation)
   const ActivationCode act = check_gated_act_forward(pre_act, activation);
   c10::cuda::CUDAGuard guard(pre_act.device());
   const int64_t rows = pre_act.size(0), H = pre_act.size(1) / 2;
-  auto out = at::empty({rows, H}, pre_act.options());
+  auto out = empty_output({rows, H}, pre_act.options());
   run_core([&] {
     const int device = pre_act.get_device();
     core::gated_act_forward(core_dtype(pre_act.scalar_type()), act, pre_act.data_ptr(), out.data_ptr(), rows, H,

@@ -24,7 +24,7 @@ std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tenso
                                               {"out_features", weight.size(0)}});
   c10::cuda::CUDAGuard guard(input.device());
   const int64_t B = input.size(0), N = weight.size(0);
-  auto out = at::empty({B, N}, input.options());
+  auto out = empty_output({B, N}, input.options());
   at::Tensor pre_act;
   if (save_pre_act) pre_act = empty_pre_act(input, B, N, act);
 
@@ -54,9 +54,9 @@ std::vector<at::Tensor> linear_bias_wgrad_cuda(const at::Tensor& input, const at
                                                      {"out_features", d_output.size(1)}});
   c10::cuda::CUDAGuard guard(input.device());
   const int64_t N = d_output.size(1), K = input.size(1);
-  auto d_weight = at::empty({N, K}, input.options());
+  auto d_weight = empty_output({N, K}, input.options());
   at::Tensor d_bias;
-  if (has_d_bias) d_bias = at::empty({N}, input.options());
+  if (has_d_bias) d_bias = empty_output({N}, input.options());
 
   core::LinearBiasWgradArgs args;
   args.batch = input.size(0), args.in_features = K, args.out_features = N;
@@ -83,10 +83,10 @@ std::vector<at::Tensor> act_linear_dgrad_cuda(const at::Tensor& weight, const at
                                                     {"out_features", weight.size(0)}});
   c10::cuda::CUDAGuard guard(weight.device());
   const int64_t B = d_output.size(0), K = weight.size(1);
-  auto d_input = at::empty({B, K}, weight.options());
+  auto d_input = empty_output({B, K}, weight.options());
   at::Tensor d_bias, act_out;
-  if (has_d_bias) d_bias = at::empty({K}, weight.options());
-  if (return_act_out) act_out = at::empty({B, K}, weight.options());
+  if (has_d_bias) d_bias = empty_output({K}, weight.options());
+  if (return_act_out) act_out = empty_output({B, K}, weight.options());
 
   core::ActLinearDgradArgs args;
   args.batch = B, args.in_features = K, args.out_features = weight.size(0);
@@ -112,7 +112,7 @@ at::Tensor act_forward_cuda(const at::Tensor& pre_act, int64_t activation) {
   if (pre_act.scalar_type() == at::kDouble) return act_forward_reference(pre_act, activation);
   const ActivationCode act = check_act_forward(pre_act, activation);
   c10::cuda::CUDAGuard guard(pre_act.device());
-  auto out = at::empty_like(pre_act);
+  auto out = empty_output(pre_act.sizes(), pre_act.options());
   if (pre_act.numel() == 0) return out;
   const int64_t cols = pre_act.dim() == 0 ? 1 : pre_act.size(-1);
   const int64_t rows = cols == 0 ? 0 : pre_act.numel() / cols;
