@@ -342,8 +342,9 @@ def markdown(res):
             L.append(f"| {where} | {TARGET_NAMES[key]} | {fig} | {t['verdict']} |")
     L += ["", "Figures: the FP8 variant's over the comparator's (bytes; ms for the time). The loss-curve target "
           "(500 steps within the main job's FP8 limit) is the main job's FP8 check, not measured here.", ""]
+    notes = res.get("part_notes", {})  # a record merged from runs: what each part measured
     if res["shapes"]:
-        L += ["## MLPs, forward + backward (MiB; ms)", "",
+        L += ["## MLPs, forward + backward (MiB; ms)", ""] + ([notes["mlp"], ""] if "mlp" in notes else []) + [
               "| shape | variant | peak MiB | saved MiB (storages) | ms (p20–p80) | first calls s |",
               "|---|---|---|---|---|---|"]
         for s in res["shapes"]:
@@ -358,7 +359,8 @@ def markdown(res):
     if llama:
         cfg = llama["config"]
         L += [f"## LlamaForCausalLM training step ({llama['config_name']}: d {cfg['d']}, h {cfg['h']}, "
-              f"{cfg['layers']} layers, {cfg['batch']} × {cfg['seq']} tokens; fused AdamW)", "",
+              f"{cfg['layers']} layers, {cfg['batch']} × {cfg['seq']} tokens; fused AdamW)", ""]
+        L += ([notes["llama"], ""] if "llama" in notes else []) + [
               "| variant | step memory over resident MiB | resident MiB | saved MiB (storages) | ms a step | tokens/s "
               "| what |", "|---|---|---|---|---|---|---|"]
         for key, v in llama["variants"].items():
