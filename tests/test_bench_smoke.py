@@ -802,3 +802,30 @@ def test_main_job_profile_runs_on_cpu(tmp_path):
     ratios = [f / p for f, p in zip(rounds["fused"]["wall_ms"], rounds["plain"]["wall_ms"])]
     assert res["summary"]["wall_fused_over_plain"]["median"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)
     assert set(res["profile"]) == {"plain", "fused"} and all(res["profile"][k]["cpu_ops"] for k in res["profile"])
+
+
+def test_dynamic_buckets_retime_outliers():
+    """bench.dynamic's buckets part: a mode that loses more than the max-loss target at a count is
+    timed again with exact-M, and the re-timing's loss replaces the first (kept as first_loss);
+    modes within the target, and counts with no outlier, are not re-timed."""
+    from bench import dynamic
+    modes = (0,) + dynamic.GRIDS + (dynamic.REFINED,)
+    bucket_of = lambda b, m: [m, m]  # noqa: E731  (the tuner's buckets need a CUDA build)
+    ms = {b: [1.0, 1.0, 1.0] for b in modes}
+    ms[2] = [1.10, 1.12, 1.10]  # 10%: an outlier
+    ms[4] = [1.02, 1.02, 1.03]  # 2%: within the 3% target
+    asked = []
+
+    def retime(again):
+        asked.append(again)
+        return {0: [2.0] * dynamic.RETIME_ROUNDS, 2: [2.02] * dynamic.RETIME_ROUNDS}
+
+    row = dynamic.count_row(1500, ms, retime, bucket_of)
+    assert asked == [(0, 2)]
+    assert row["retimed_exact_ms"] == 2.0
+    assert row["2"]["retimed"] and row["2"]["first_loss"] == pytest.approx(0.10)
+    assert row["2"]["loss"] == pytest.approx(0.01) and row["2"]["ms"] == 2.02
+    assert "retimed" not in row["4"] and row["4"]["loss"] == pytest.approx(0.02)
+    calm = dynamic.count_row(1500, {b: [1.0] * 3 for b in modes}, lambda again: pytest.fail(f"re-timed {again}"),
+                             bucket_of)
+    assert "retimed_exact_ms" not in calm and all(calm[str(b)]["loss"] == 0 for b in modes[1:])
