@@ -51,7 +51,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench import report  # noqa: E402
+from bench import report, timing  # noqa: E402
 
 TARGETS = {"passes_tabled_first": 1.3, "passes_tabled_second": 0.67, "passes_untabled_first": 5.0,
            "passes_untabled_second": 1.0, "buckets_median_loss": 0.01, "buckets_max_loss": 0.03}
@@ -128,14 +128,9 @@ def worker_passes(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
-_L2_FLUSH = {}  # device -> a 256 MiB buffer written before each timed step (cold L2, as bench.timing)
-
-
 def time_step(mlp, x, g, reps):
     """Median ms of reps forward + backward steps (CUDA events), the L2 cache flushed before each."""
-    flush = _L2_FLUSH.get(x.device)
-    if flush is None:
-        flush = _L2_FLUSH[x.device] = torch.empty(256 << 20, dtype=torch.int8, device=x.device)
+    flush = timing.l2_flush_buffer(x.device)
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -16,6 +16,16 @@ import time
 import torch
 
 MIB = 1024 * 1024
+L2_FLUSH_BYTES = 256 * MIB  # written before each timed repetition: larger than any GPU's L2
+_flush_buffers = {}
+
+
+def l2_flush_buffer(device):
+    """The buffer whose zero_() before a repetition leaves the L2 cache cold (one per device, kept)."""
+    buf = _flush_buffers.get(device)
+    if buf is None:
+        buf = _flush_buffers[device] = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    return buf
 
 
 def summary(times):
@@ -122,7 +132,7 @@ class Bench:
             self._reset(grad_to_none)
             return times
         if self._flush is None:
-            self._flush = torch.empty(256 * MIB, dtype=torch.int8, device=self.device)
+            self._flush = l2_flush_buffer(self.device)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
         for i in range(n):
