@@ -77,10 +77,14 @@ void check_heuristic(const char* op, int64_t heuristic) {
                     heuristic);
 }
 
+PreActLayout pre_act_layout(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act) {
+  if (act == ActivationCode::kRelu) return {{rows, relu_mask_row_bytes(cols)}, like.options().dtype(at::kByte)};
+  return {{rows, cols}, like.options()};
+}
+
 at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act) {
-  if (act == ActivationCode::kRelu)
-    return at::empty({rows, relu_mask_row_bytes(cols)}, like.options().dtype(at::kByte));
-  return at::empty({rows, cols}, like.options());
+  const PreActLayout layout = pre_act_layout(like, rows, cols, act);
+  return at::empty(layout.sizes, layout.options);
 }
 
 }  // namespace fused_dense

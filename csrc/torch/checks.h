@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <string>
 
 #include "core/common/types.h"  // plain C++, no CUDA: also usable in the CPU-only build
@@ -57,8 +58,15 @@ void check_heuristic(const char* op, int64_t heuristic);
 // t, else float32 (the loss and lse of lm_head, the rstd and mean of norm).
 at::ScalarType float_math_dtype(const at::Tensor& t);
 
-// Output allocation shared by Meta and the real kernels: the saved pre-activation [rows, cols],
-// or for ReLU its bit-mask [rows, relu_mask_row_bytes(cols)] uint8.
+// The saved pre-activation's shape and options, shared by Meta and the real kernels: [rows, cols]
+// in like's dtype, or for ReLU its bit-mask [rows, relu_mask_row_bytes(cols)] uint8.
+struct PreActLayout {
+  std::array<int64_t, 2> sizes;
+  at::TensorOptions options;
+};
+PreActLayout pre_act_layout(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act);
+
+// The saved pre-activation allocated through at::empty (Meta; CUDA allocates it with empty_output).
 at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act);
 
 }  // namespace fused_dense

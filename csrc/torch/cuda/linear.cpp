@@ -26,7 +26,10 @@ std::vector<at::Tensor> linear_act_cuda(const at::Tensor& input, const at::Tenso
   const int64_t B = input.size(0), N = weight.size(0);
   auto out = empty_output({B, N}, input.options());
   at::Tensor pre_act;
-  if (save_pre_act) pre_act = empty_pre_act(input, B, N, act);
+  if (save_pre_act) {
+    const PreActLayout layout = pre_act_layout(input, B, N, act);
+    pre_act = empty_output(layout.sizes, layout.options);
+  }
 
   core::LinearActArgs args;
   args.batch = B, args.in_features = input.size(1), args.out_features = N;

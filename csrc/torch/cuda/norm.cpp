@@ -43,7 +43,7 @@ NormFp8Result norm_fp8_cuda(const at::Tensor& x, const at::Tensor& weight, const
   TORCH_CHECK_NOT_IMPLEMENTED(a.rows <= kMaxCudaDim, "fused_dense::norm_fp8: ", a.rows, " rows are more than the CUDA "
                               "kernel's ", kMaxCudaDim);
   run_core([&] { core::norm_forward(a, at::cuda::getCurrentCUDAStream(x.get_device()).stream()); });
-  Fp8QuantizeResult q{data, data_t, s, s_inv, amax, at::empty({0}, x.options())};
+  Fp8QuantizeResult q{data, data_t, s, s_inv, amax, empty_output({0}, x.options())};
   quantize_into(out, std::nullopt, 0, false, fp8_format, current ? nullptr : scale->data_ptr<float>(),
                 current ? amax.data_ptr<float>() : nullptr, rowwise, columnwise, false, q);
   return res;
@@ -72,7 +72,7 @@ NormBackwardResult norm_backward_cuda(const at::Tensor& grad_out, const at::Tens
   a.grad_weight = grads[1] ? gw.data_ptr() : nullptr;
   a.grad_bias = grads[2] ? gb.data_ptr() : nullptr;
   const std::size_t ws_bytes = core::norm_backward_workspace_bytes(a.rows, a.cols, grads[1], grads[2]);
-  const at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  const at::Tensor ws = empty_output({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
   run_core([&] {
     core::norm_backward(a, ws_bytes > 0 ? ws.data_ptr() : nullptr, ws_bytes, x.get_device(),
                         at::cuda::getCurrentCUDAStream(x.get_device()).stream());
