@@ -103,7 +103,8 @@ class _Imports:
 def read_package(package_dir: Path) -> Tuple[Dict[str, Set[str]], List[str]]:
     """(graph: module -> the package modules it imports, the private-name imports found)."""
     files = sorted(package_dir.glob("*.py"))
-    modules = {_module_name(p) for p in files} | {f"{PACKAGE}._C"}
+    # what the build writes counts as a module whether or not this tree has been built
+    modules = {_module_name(p) for p in files} | {f"{PACKAGE}._C", f"{PACKAGE}._build_info"}
     graph, private = {}, []
     for path in files:
         found = _Imports(_module_name(path), ast.parse(path.read_text(), str(path)), modules)
