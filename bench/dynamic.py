@@ -223,7 +223,7 @@ def worker_buckets(args):
         row = count_row(m, time_modes(mlp, x, g, modes, args.rounds, args.reps, i),
                         lambda again: time_modes(mlp, x, g, again, RETIME_ROUNDS, args.reps, i))
         rows.append(row)
-        log(f"  d={args.d} M={m}: exact {exact:.3f} ms; " + ", ".join(
+        log(f"  d={args.d} M={m}: exact {row['exact_ms']:.3f} ms; " + ", ".join(
             f"{b}{'/octave' if b != REFINED else ''} {100 * row[str(b)]['loss']:+.2f}%" for b in GRIDS + (REFINED,)))
     print("RESULT " + json.dumps(rows), flush=True)
 
