@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OP_TESTS = sorted(glob.glob(os.path.join(HERE, "test_op_*.py")))  # the op suite, many parametrizations
@@ -281,3 +282,30 @@ def test_fp64_reference_mode_for_worker_threads(monkeypatch):
         thread.start()
         thread.join()
     assert outer.moved == 0 and len(seen) == 1  # the main thread's mode did not reach the thread
+
+
+def run_tuner_probe(*argv):
+    return subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "tools", "tuner_probe.py"), *argv],
+                          cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=300)
+
+
+def test_tuner_probe_refuses_bad_arguments():
+    res = run_tuner_probe("--shape", "0", "8", "8")
+    assert res.returncode == 2
+    assert "--shape, --rounds and --batch must be positive, got [0, 8, 8]" in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a GPU")
+def test_tuner_probe_without_a_gpu_says_so():
+    res = run_tuner_probe()
+    assert res.returncode == 1
+    assert "needs a CUDA build of fused_dense and a GPU" in res.stderr
+
+
+@pytest.mark.cuda
+def test_tuner_probe_prints_the_tuners_reading_and_the_calls():
+    res = run_tuner_probe("--shape", "512", "256", "384", "--rounds", "2", "--batch", "2", "--budget-ms", "50")
+    assert res.returncode == 0, res.stderr
+    assert "fused_dense: tuned forward" in res.stderr  # the tuner's verbose line for the problem
+    rows = [line for line in res.stdout.splitlines() if line.startswith("| ") and "heuristic" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["auto", "-1", "0", "1"]
