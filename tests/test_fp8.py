@@ -747,6 +747,52 @@ def test_mlp_save_pre_fp8_matches_reference(device, act, rows):
         assert rel_err(grads_default["w1"], ref_default["w1"]) <= FP8_CPU_TOL
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", ["gelu_approx", "swiglu"])
+@pytest.mark.parametrize("save_pre_fp8", [False, True])
+def test_mlp_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device, act, save_pre_fp8, request):
+    """The FP8 MLP's node empties the storages of its saved pre (or pre's e4m3 copy) and the
+    activation's transposed copy once their last reader has run, where the graph is not kept; with
+    retain_graph=True nothing is freed and the next backward gives the same bits. x's FP8 copies
+    and the parameters are never freed."""
+    torch.manual_seed(0)
+    recipe = Float8Recipe(min_features=0, save_pre_fp8=save_pre_fp8)
+    m = (FusedGatedMLP(64, 96, activation=act, device=device, dtype=torch.bfloat16, fp8=recipe) if act == "swiglu"
+         else make_mlp(device, act, recipe))
+    params = list(m.parameters())
+    x = randn(48, 64, device=device).requires_grad_()
+    dy = randn(48, 64, device=device)
+    saved = []
+
+    def step():
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = m(x)
+        return out, [t for t in saved if t.numel() > 0]
+
+    def freed(ts):
+        return sorted((tuple(t.shape), str(t.dtype)) for t in ts if t.untyped_storage().nbytes() == 0)
+
+    if device == "cuda":  # 'auto' keeps one choice per problem across the three backwards compared
+        previous = fused_dense.tuning.configure(deterministic=True)
+        request.addfinalizer(lambda: fused_dense.tuning.configure(**previous))
+    out, own = step()
+    kept = torch.autograd.grad(out, [x, *params], dy, retain_graph=True)
+    assert freed(own) == []
+    again = torch.autograd.grad(out, [x, *params], dy)
+    hidden = 96 if act == "swiglu" else 128
+    pre_cols = 2 * hidden if act == "swiglu" else hidden
+    pre_dtype = "torch.float8_e4m3fn" if save_pre_fp8 else "torch.bfloat16"
+    # pre [48, pre_cols] and the activation's transposed copy [hidden, 48 padded to 16]
+    assert freed(own) == sorted([((48, pre_cols), pre_dtype), ((hidden, 48), "torch.float8_e4m3fn")])
+    assert all(p.untyped_storage().nbytes() > 0 for p in [x, *params])
+    out, own = step()
+    fresh = torch.autograd.grad(out, [x, *params], dy)
+    assert len(freed(own)) == 2
+    for a, b, c in zip(kept, again, fresh):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def saved_bytes(m, x):
     """Bytes of the distinct storages a forward of m saves for backward (parameters left out)."""
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}

@@ -107,6 +107,57 @@ def test_function_and_op_share_the_halves_cuda(dtype, activation, lvl, heuristic
     _compare("cuda", dtype, activation, lvl, [True] * 5, bias1=False, bias2=False, heuristic=heuristic)
 
 
+def _gated_or_plain_inputs(activation, device, batch=37, d_in=24, hidden=64, d_out=16):
+    """x, weight1 (packed [2h, d] for a gated activation, which takes no bias1), bias1, weight2,
+    bias2, all requiring grad; bf16 on CUDA, float32 on the CPU."""
+    gated = activation in ("swiglu", "geglu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ts = [torch.randn(batch, d_in), torch.randn(2 * hidden if gated else hidden, d_in) * d_in ** -0.5,
+          None if gated else torch.randn(hidden), torch.randn(d_out, hidden) * hidden ** -0.5, torch.randn(d_out)]
+    return [t.to(device, dtype).requires_grad_() if t is not None else None for t in ts]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("activation", ["gelu_approx", "relu", "swiglu"])
+@pytest.mark.parametrize("lvl", [0, 1, 2])
+def test_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device, activation, lvl):
+    """The C++ node empties the storages of its saved pre-activation and activation output once
+    their last reader has run, where the graph task keeps no graph (the memory torch.compile's
+    backward frees likewise); with retain_graph=True it keeps them, and the next backward gives
+    the same bits. The inputs (x, weights, biases) are never freed; freeing changes no bit."""
+    torch.manual_seed(0)
+    code = {**ACT, "swiglu": 4, "geglu": 5}[activation]
+    ts = _gated_or_plain_inputs(activation, device)
+    inputs = [t for t in ts if t is not None]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    def step():
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = NATIVE(*ts, code, lvl, 0)  # a fixed algorithm: the three backwards compare bits
+        input_ptrs = {t.untyped_storage().data_ptr() for t in inputs}
+        own = [t for t in saved if t.untyped_storage().data_ptr() not in input_ptrs]
+        return out, own
+
+    dy = torch.randn(inputs[0].shape[0], ts[3].shape[0]).to(device, inputs[0].dtype)
+    out, own = step()
+    assert len(own) == {0: 2, 1: 2 if activation == "relu" else 1, 2: 0}[lvl]
+    kept = torch.autograd.grad(out, inputs, dy, retain_graph=True)
+    assert all(t.untyped_storage().nbytes() > 0 for t in own)
+    again = torch.autograd.grad(out, inputs, dy)
+    assert all(t.untyped_storage().nbytes() == 0 for t in own)
+    assert all(t.untyped_storage().nbytes() > 0 for t in inputs)
+    out, own = step()
+    freed = torch.autograd.grad(out, inputs, dy)
+    assert all(t.untyped_storage().nbytes() == 0 for t in own)
+    for a, b, c in zip(kept, again, freed):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def _path(out):
     """Which Function made out: the graph is searched a few nodes deep (casts and reshapes come
     first)."""

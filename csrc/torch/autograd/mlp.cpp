@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "torch/autograd/op_calls.h"
+#include "torch/autograd/saved.h"
 #include "torch/mlp.h"
 
 namespace fused_dense {
@@ -78,9 +79,13 @@ struct MlpGrads {
   at::Tensor d_pre, x, b1, w2, b2;
 };
 
+// release_saved: free pre_act and act_out after their last reader (drop_saved); the order puts fc2's
+// weight gradient, act_out's last reader, before the activation's backward allocates d_pre where
+// act_out is at hand, so the step never holds act_out and d_pre at once (the same bits in either
+// order: the two read nothing of each other).
 MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight1,
                       const at::Tensor& bias1, const at::Tensor& weight2, MlpSaved s, int64_t activation,
-                      int64_t heuristic) {
+                      int64_t heuristic, bool release_saved) {
   MlpGrads r;
   if (p.recompute_fc1) {
     auto fc1 = fc1_forward(x, weight1, bias1, activation, p.need_d_pre, heuristic);
@@ -90,6 +95,19 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
   // Level 1 rebuilds act(pre_act) for fc2's weight gradient; with a gradient through the
   // activation, in the activation-backward pass, which reads pre_act anyway.
   const bool rebuild_act_out = !s.act_out.defined() && p.need_act_out;
+  const auto fc2_grads = [&] {
+    if (p.need.w2) {
+      auto w = op_calls::linear_bias_wgrad(s.act_out, g, p.need.b2);
+      r.w2 = w[0];
+      if (p.need.b2) r.b2 = w[1];
+    } else if (p.need.b2) {
+      r.b2 = op_calls::bias_grad(g);
+    }
+    // an act_out that shares pre_act's storage goes with pre_act
+    const bool shares = s.act_out.defined() && s.pre_act.defined() && s.act_out.is_alias_of(s.pre_act);
+    drop_saved(s.act_out, release_saved && !shares);
+  };
+  if (!rebuild_act_out) fc2_grads();
   if (p.need_d_pre) {
     auto d = act_backward(weight2, g, s.pre_act, activation, p.need.b1, heuristic, rebuild_act_out);
     r.d_pre = d[0];
@@ -98,13 +116,8 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
   } else if (rebuild_act_out) {
     s.act_out = act_rebuild(s.pre_act, activation);
   }
-  if (p.need.w2) {
-    auto w = op_calls::linear_bias_wgrad(s.act_out, g, p.need.b2);
-    r.w2 = w[0];
-    if (p.need.b2) r.b2 = w[1];
-  } else if (p.need.b2) {
-    r.b2 = op_calls::bias_grad(g);
-  }
+  drop_saved(s.pre_act, release_saved);
+  if (rebuild_act_out) fc2_grads();
   if (p.need.x) r.x = op_calls::act_linear_dgrad(weight1, r.d_pre, std::nullopt, kNoActivation, false, kHeuristicAuto,
                                                  false)[0];
   return r;
@@ -158,8 +171,10 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
     const int64_t heuristic = ctx->saved_data["heuristic"].toInt();
     const MlpPlan p = make_plan(activation, ctx->saved_data["checkpoint_lvl"].toInt(), need, kOp);
     const at::Tensor g = grad_outputs[0].contiguous();
+    // The node's saved intermediates are freed after their last reader unless the graph is kept
+    // (retain_graph=True), whose next backward reads them again.
     MlpGrads r = mlp_backward(p, g, saved[0], saved[1], saved[2], saved[3], MlpSaved{saved[4], saved[5]},
-                              activation, heuristic);
+                              activation, heuristic, may_free_saved());
     at::Tensor grad_w1 = need.w1 ? weight1_grad(saved[0], r.d_pre) : at::Tensor();
     // one entry per forward argument; an absent bias and the three integers have none
     return {r.x, grad_w1, r.b1, r.w2, r.b2, at::Tensor(), at::Tensor(), at::Tensor()};
@@ -234,8 +249,9 @@ std::vector<at::Tensor> fused_mlp_backward(const at::Tensor& grad_out, const Opt
   if (p.keep_pre) s.pre_act = saved[i++];
   if (p.keep_act_out) s.act_out = saved[i++];
   const auto val = [](const Opt& t) { return t.value_or(at::Tensor()); };
+  // The tensor-parallel Function owns what it saved: nothing of it is freed here.
   MlpGrads r = mlp_backward(p, grad_out.contiguous(), val(x), val(weight1), val(bias1), val(weight2), s,
-                            activation, heuristic);
+                            activation, heuristic, /*release_saved=*/false);
   std::vector<at::Tensor> res;
   if (p.need.w1) res.push_back(r.d_pre);
   if (p.need.x) res.push_back(r.x);

@@ -36,6 +36,7 @@
 #include <algorithm>
 
 #include "torch/autograd/op_calls.h"
+#include "torch/autograd/saved.h"
 #include "torch/fp8.h"
 #include "torch/mlp.h"
 #include "torch/mlp_fp8.h"
@@ -173,10 +174,12 @@ struct Fp8MlpGrads {
 
 // Each temporary is released once its last reader has run, and g once it is quantized (the caller
 // hands its reference over), so the step's transient peak holds as few of them at once as the
-// order of the GEMMs allows; the saved tensors themselves live until autograd releases them.
+// order of the GEMMs allows. With free_saved the saved pre (or its e4m3 copy) and the activation's
+// transposed copy are freed likewise (drop_saved); x's copies, which a norm may share with other
+// layers, live until autograd releases them.
 Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, const Fp8Weight& w1,
                          const Opt& b1, const Fp8Weight& w2, const at::ScalarType weight_dtype, Fp8MlpSaved s,
-                         const Opt& scales, const Opt& amax_out) {
+                         const Opt& scales, const Opt& amax_out, bool free_saved) {
   Fp8MlpGrads r;
   const auto dtype = g.scalar_type();
   if (p.recompute_fc1 && fc1_one_op(c)) {
@@ -199,7 +202,7 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
   if (p.need.w2) r.w2 = op_calls::fp8_linear(gq.data_t, s.a_t, gq.scale_inv, s.a_scale_inv, std::nullopt,
                                              weight_dtype, false, -2);
   gq.data_t.reset();
-  s.a_t.reset();
+  drop_saved(s.a_t, free_saved);
   if (p.need_d_pre) {
     at::Tensor d_act =
         op_calls::fp8_linear(gq.data, w2.data_t, gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
@@ -209,7 +212,7 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
     Q dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), p.need.x, p.need.w1,
                     p.need.b1, s.pre_scale_inv.defined() ? Opt(s.pre_scale_inv) : Opt());
     d_act.reset();
-    s.pre.reset();
+    drop_saved(s.pre, free_saved);
     record_amax(amax_out, 3, dq.amax);
     if (p.need.b1) r.b1 = dq.sums;
     if (p.need.x)
@@ -273,7 +276,8 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[8], v[5], v[6], v[7]};
     at::Tensor g = grad_outputs[0].contiguous();
     grad_outputs[0].reset();  // g's one reference is handed to mlp_backward, which releases it when quantized
-    Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out);
+    Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out,
+                                 may_free_saved());
     // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
     // weight2, bias2, then activation, checkpoint_lvl, the 6 FP8 weight tensors, grad_format,
     // scales, amax_out, the x_fp8 tensors and save_pre_fp8, none of which has a gradient.
