@@ -17,9 +17,11 @@ Helpers (import with `from conftest import rel_err, TOL, ...`):
     poison(t)              fill a tensor with NaN (floats) or 0xFF bytes (integers)
     poison_cuda_cache(...) fill the CUDA caching allocator's free blocks with 0xFF bytes so
                            outputs an op allocates start as NaN (float) / all-ones (uint8)
+    saved_tensors(fn)      (fn(), the tensors autograd keeps for the graph fn builds)
     saved_bytes(fn)        (fn(), bytes of the tensors autograd keeps for the graph fn builds)
     capture_training_step(...) a module's forward + backward captured into a CUDA graph
-Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration); _seeded (autouse: torch
+Fixtures: no_tf32 (fp32 CUDA GEMMs in full fp32 for the test's duration); deterministic_tuning
+('auto' without timing, for bitwise comparisons of calls); _seeded (autouse: torch
 and Python's random seeded per test from FUSED_DENSE_TEST_SEED and the test's name, the seed named
 in a failure's report).
 The raw ops' float64 references and checkers are in tests/op_checks.py.
@@ -148,15 +150,22 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
     del blocks
 
 
-def saved_bytes(fn):
-    """(fn(), bytes of the tensors autograd keeps for the graph fn builds, distinct storages)."""
-    storages = {}
+def saved_tensors(fn):
+    """(fn(), the tensors autograd keeps for the graph fn builds, in the order they were saved)."""
+    saved = []
 
     def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        saved.append(t)
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
+    return out, saved
+
+
+def saved_bytes(fn):
+    """(fn(), bytes of the tensors autograd keeps for the graph fn builds, distinct storages)."""
+    out, saved = saved_tensors(fn)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     return out, sum(storages.values())
 
 
@@ -209,6 +218,20 @@ def pytest_runtest_makereport(item, call):
         base = os.environ.get("FUSED_DENSE_TEST_SEED", "0")
         report.sections.append(("seed", f"seed {test_seed(item.nodeid)} (FUSED_DENSE_TEST_SEED={base} "
                                         f"plus the CRC-32 of {item.nodeid!r})"))
+
+
+@pytest.fixture
+def deterministic_tuning():
+    """heuristic='auto' in the tuner's deterministic mode for one test (a build with the tuner):
+    for tests that compare calls bit for bit, between which a measured choice could otherwise
+    replace a provisional one (docs/contract.md, "Where a choice comes from")."""
+    import fused_dense
+    if not fused_dense.has_cuda_kernels():
+        yield
+        return
+    previous = fused_dense.tuning.configure(deterministic=True)
+    yield
+    fused_dense.tuning.configure(**previous)
 
 
 @pytest.fixture

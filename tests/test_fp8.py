@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import fused_dense
-from conftest import poison_cuda_cache, rel_err
+from conftest import poison_cuda_cache, rel_err, saved_tensors
 from fused_dense import Float8Recipe, FusedDense, FusedGatedMLP, FusedMLP
 
 FP8_TOL = 4e-2
@@ -750,7 +750,8 @@ def test_mlp_save_pre_fp8_matches_reference(device, act, rows):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("act", ["gelu_approx", "swiglu"])
 @pytest.mark.parametrize("save_pre_fp8", [False, True])
-def test_mlp_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device, act, save_pre_fp8, request):
+def test_mlp_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device, act, save_pre_fp8,
+                                                                            deterministic_tuning):
     """The FP8 MLP's node empties the storages of its saved pre (or pre's e4m3 copy) and the
     activation's transposed copy once their last reader has run, where the graph is not kept; with
     retain_graph=True nothing is freed and the next backward gives the same bits. x's FP8 copies
@@ -762,20 +763,13 @@ def test_mlp_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(dev
     params = list(m.parameters())
     x = randn(48, 64, device=device).requires_grad_()
     dy = randn(48, 64, device=device)
-    saved = []
-
     def step():
-        saved.clear()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            out = m(x)
+        out, saved = saved_tensors(lambda: m(x))
         return out, [t for t in saved if t.numel() > 0]
 
     def freed(ts):
         return sorted((tuple(t.shape), str(t.dtype)) for t in ts if t.untyped_storage().nbytes() == 0)
 
-    if device == "cuda":  # 'auto' keeps one choice per problem across the three backwards compared
-        previous = fused_dense.tuning.configure(deterministic=True)
-        request.addfinalizer(lambda: fused_dense.tuning.configure(**previous))
     out, own = step()
     kept = torch.autograd.grad(out, [x, *params], dy, retain_graph=True)
     assert freed(own) == []

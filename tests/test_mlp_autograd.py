@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import saved_bytes
+from conftest import saved_bytes, saved_tensors
 from fused_dense import FusedDense, FusedMLP, ops
 from fused_dense.functional import FusedMLPFunc, fused_mlp_func
 
@@ -129,16 +129,9 @@ def test_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device,
     code = {**ACT, "swiglu": 4, "geglu": 5}[activation]
     ts = _gated_or_plain_inputs(activation, device)
     inputs = [t for t in ts if t is not None]
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
     def step():
-        saved.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = NATIVE(*ts, code, lvl, 0)  # a fixed algorithm: the three backwards compare bits
+        # a fixed algorithm: the three backwards compare bits
+        out, saved = saved_tensors(lambda: NATIVE(*ts, code, lvl, 0))
         input_ptrs = {t.untyped_storage().data_ptr() for t in inputs}
         own = [t for t in saved if t.untyped_storage().data_ptr() not in input_ptrs]
         return out, own

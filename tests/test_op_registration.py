@@ -9,7 +9,7 @@ import torch
 
 from op_checks import ACT_CODE, OPS, random_mask, tensor
 from conftest import TOL, rel_err
-from fused_dense import ops, tuning
+from fused_dense import ops
 
 LA, AD, WG, AF = OPS.linear_act, OPS.act_linear_dgrad, OPS.linear_bias_wgrad, OPS.act_forward
 
@@ -114,16 +114,11 @@ def test_cpu_opcheck(index):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("index", list(range(len(OPCHECK_IDS))), ids=OPCHECK_IDS)
-def test_cuda_opcheck(index):
+def test_cuda_opcheck(index, deterministic_tuning):
     """In deterministic mode: opcheck compares calls bit for bit, and heuristic='auto' (-2) may
-    otherwise replace a provisional choice with a measured one between them (docs/contract.md,
-    "Where a choice comes from")."""
+    otherwise replace a provisional choice with a measured one between them."""
     _, op, args = opcheck_cases("cuda")[index]
-    previous = tuning.configure(deterministic=True)
-    try:
-        torch.library.opcheck(op, args)
-    finally:
-        tuning.configure(**previous)
+    torch.library.opcheck(op, args)
 
 
 def test_every_op_has_opcheck_and_kernels():
