@@ -48,6 +48,17 @@ constexpr float kDropAbove = 1.10f;
 constexpr float kWarmupMs = 20.0f;
 constexpr int kMaxWarmupRuns = 100;
 constexpr double kWarmGapS = 0.2;  // a GPU that measured this recently is still at its clocks
+// A problem whose run takes kSustainAboveMs or more sets its own clock: at the power cap the GPU
+// lowers its clock over tens of milliseconds of a kernel that draws more power per cycle, and a
+// training step runs such a GEMM back to back with its neighbours, at the clock it settles to.
+// Timed alone after other candidates' runs, such a kernel still runs at the clock the previous
+// candidate left (H200, bf16 16384 x 8192 -> 32768 with GELU: the cutlass_sm90 kernel read
+// 12.6 ms that way against 14.1 ms for cuBLASLt's fused algorithm, and 14.7 ms at 1200 MHz
+// against 13.4 ms at 1425 MHz back to back; docs/performance.md, "The tuner"). So each of its
+// candidates is timed right after kLeadInMs of its own runs, unflushed (its operands are many
+// times the L2).
+constexpr float kSustainAboveMs = 2.0f;
+constexpr float kLeadInMs = 60.0f;
 constexpr float kMinGain = 0.02f;  // the fraction by which a candidate must beat the rule's choice
 // What the pacing (TuningSettings::pace) allows before the first measurement has aged.
 constexpr double kInitialAllowanceS = 0.1;
@@ -700,6 +711,14 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
     const int warm_runs = std::clamp(static_cast<int>(kWarmupMs / std::max(warm_ms, 1e-3f)), 0, kMaxWarmupRuns);
     if (warm_runs > 0) time_ms(warm, warm_runs, false);
   }
+  const int lead_in_runs =
+      warm_ms >= kSustainAboveMs ? static_cast<int>(std::ceil(kLeadInMs / warm_ms)) : 0;
+  // One measurement of `c`: one run after an L2 flush, or after its lead-in where it has one.
+  auto measure_ms = [&](const Choice& c) -> float {
+    if (lead_in_runs == 0) return time_ms(c, 1, true);
+    if (time_ms(c, lead_in_runs, false) < 0.f) return -1.f;
+    return time_ms(c, 1, false);
+  };
 
   // Rounds over all candidates, one L2-flushed run each, as the benchmark times: a transient
   // slowdown (another process, a clock dip) then moves one run of a candidate, not the decision,
@@ -721,13 +740,17 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
   int rounds = 0;
   bool out_of_budget = false, settled = false;
   for (; rounds < kMaxRounds && !out_of_budget && !settled; ++rounds) {
-    for (std::size_t i = 0; i < n; ++i) {
+    // Each round starts one candidate later: no candidate always follows the same one (the one
+    // before sets the clock and power state it starts in), and the first round keeps the rule's
+    // choice first.
+    for (std::size_t j = 0; j < n; ++j) {
+      const std::size_t i = (j + static_cast<std::size_t>(rounds)) % n;
       if (rejected[i] || dropped[i]) continue;
-      if ((rounds > 0 || i >= 2) && spent_ms() > problem_budget_ms) {
+      if ((rounds > 0 || j >= 2) && spent_ms() > problem_budget_ms) {
         out_of_budget = true;
         break;
       }
-      const float ms = time_ms(candidates[i], 1, true);
+      const float ms = measure_ms(candidates[i]);
       if (ms < 0.f) {
         rejected[i] = true;
         continue;
@@ -785,9 +808,11 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
   if (verbose != nullptr && *verbose != '\0' && std::string(verbose) != "0") {
     std::fprintf(stderr,
                  "fused_dense: tuned %s: %s %d%s, %.4f ms (rule's choice: %.4f ms), %d candidates, %d "
-                 "rounds, %.1f ms\n",
+                 "rounds%s, %.1f ms\n",
                  description.c_str(), choice_kind(best), best.cutlass >= 0 ? best.cutlass : best.algorithm,
-                 cutlass_variant_detail(best).c_str(), best_ms, rule_ms, measured, rounds, spent_ms());
+                 cutlass_variant_detail(best).c_str(), best_ms, rule_ms, measured, rounds,
+                 lead_in_runs > 0 ? (", each run after " + std::to_string(lead_in_runs) + " of its own").c_str() : "",
+                 spent_ms());
     if (std::string(verbose) == "2")  // every candidate's best batch, for probing the variants
       for (std::size_t i = 0; i < candidates.size(); ++i)
         std::fprintf(stderr, "fused_dense:   candidate %s %d%s: %.4f ms\n", choice_kind(candidates[i]),
