@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fused_dense
 from conftest import TOL, rel_err
-from fused_dense import FusedMLP, tuning
+from fused_dense import FusedMLP, ops, tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -175,6 +175,39 @@ def test_per_problem_budget_bounds_the_measuring(unpaced_without_table):
     assert measured >= 4, f"only {measured} problems measured"
     per_problem_ms = (after["measuring_s"] - before["measuring_s"]) * 1e3 / measured
     assert per_problem_ms < 60, f"{per_problem_ms:.1f} ms per problem with a 0 ms budget"
+
+
+# A forward of about 3 ms on the H200 (2.2 TFLOP) and one of about 0.1 ms; widths no other test uses.
+LONG_FORWARD = (8192, 8192, 16392)
+SHORT_FORWARD = (1000, 1016, 2040)
+
+
+@pytest.mark.cuda
+def test_long_problems_are_timed_after_a_lead_in_of_their_own_runs(unpaced_without_table, capfd, monkeypatch):
+    """A problem whose first run takes 2 ms or more times each candidate after 60 ms of its own
+    runs (the clock settles to what the kernel draws under the power cap); a short one does not.
+    The tuner's verbose line says which, and the result is the op's either way."""
+    monkeypatch.setenv("FUSED_DENSE_TUNING_VERBOSE", "1")
+    tuning.configure(problem_budget_ms=0.0, buckets=0)  # the first two candidates, once
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    lines = {}
+    for name, (m, k, n) in (("long", LONG_FORWARD), ("short", SHORT_FORWARD)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
+        b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        capfd.readouterr()
+        out = ops.linear_act(x, w, b, "gelu_approx", True, "auto")
+        torch.cuda.synchronize()
+        err = capfd.readouterr().err
+        tuned = [l for l in err.splitlines() if f"B={m} K={k} N={n}" in l and "tuned forward" in l]
+        assert len(tuned) == 1, f"{name}: expected one tuned line for B={m} K={k} N={n}, stderr:\n{err}"
+        lines[name] = tuned[0]
+        ref = F.gelu(F.linear(x[:64].double(), w.double(), b.double()), approximate="tanh")
+        e = rel_err(out[0][:64], ref)
+        assert e <= 2 * TOL[torch.bfloat16], f"{name}: relative error {e:.3e}"
+    assert "each run after" in lines["long"], lines["long"]
+    assert "each run after" not in lines["short"], lines["short"]
 
 
 def run_python(args, env_extra, timeout=600):
