@@ -151,6 +151,54 @@ def test_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device,
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The fused_dense ops a region calls, by name (the C++ autograd calls them through the dispatcher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fused_dense":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+@pytest.mark.parametrize("lvl", [0, 1, 2])
+def test_gated_backward_writes_d_gu_over_gu_where_nothing_reads_gu_after(device, activation, lvl):
+    """Level 0 without retain_graph, and level 2 (gu recomputed) always: the gating backward writes
+    its gradient over gu (gated_linear_dgrad_), so the step never holds both; level 1 (gu read
+    again to rebuild the activation) and a kept graph: out of place. Same bits either way."""
+    torch.manual_seed(0)
+    ts = _gated_or_plain_inputs(activation, device)
+    inputs = [t for t in ts if t is not None]
+    code = {"swiglu": 4, "geglu": 5}[activation]
+    dy = torch.randn(inputs[0].shape[0], ts[3].shape[0]).to(device, inputs[0].dtype)
+    runs = {}
+    for retain in (True, False):
+        out = NATIVE(*ts, code, lvl, 0)
+        with _OpLog() as log:
+            runs[retain] = torch.autograd.grad(out, inputs, dy, retain_graph=retain)
+        in_place = "gated_linear_dgrad_" in log.names
+        assert in_place == (lvl == 2 or (lvl == 0 and not retain)), (retain, log.names)
+        assert in_place != ("gated_linear_dgrad" in log.names), log.names
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)
+
+
+def test_gated_dgrad_in_place_refuses_an_operand_as_pre_act():
+    w, g = torch.randn(8, 4), torch.randn(3, 8)  # out_features 8 = 2 * hidden: g has pre_act's shape
+    with pytest.raises(ValueError, match="pre_act is overwritten with the gradient, so it must be neither d_output"):
+        torch.ops.fused_dense.gated_linear_dgrad_(g, w, g, 4, -2)
+    gu = torch.randn(3, 8)
+    before = gu.clone()
+    with pytest.raises(ValueError, match=r"pre_act must have shape \[3, 8\]"):
+        torch.ops.fused_dense.gated_linear_dgrad_(gu[:, :6].contiguous(), w, g, 4, -2)
+    assert torch.equal(gu, before)
+
+
 def _path(out):
     """Which Function made out: the graph is searched a few nodes deep (casts and reshapes come
     first)."""

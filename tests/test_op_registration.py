@@ -98,6 +98,9 @@ def opcheck_cases(device="cpu"):
         ("gated_linear_dgrad-swiglu", OPS.gated_linear_dgrad.default, (r(7, 9), r(3, 7), r(3, 18), 4, -2)),
         ("gated_linear_dgrad-geglu-act-out-bf16", OPS.gated_linear_dgrad.default,
          (r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), r(2, 32, dtype=bf16), 5, -1, True)),
+        ("gated_linear_dgrad_-swiglu", OPS.gated_linear_dgrad_.default, (r(3, 18), r(7, 9), r(3, 7), 4, -2)),
+        ("gated_linear_dgrad_-geglu-bf16", OPS.gated_linear_dgrad_.default,
+         (r(2, 32, dtype=bf16), r(8, 16, dtype=bf16), r(2, 8, dtype=bf16), 5, -1)),
         ("gated_act_forward-swiglu", OPS.gated_act_forward.default, (r(3, 26), 4)),
         ("gated_act_forward-geglu-fp16", OPS.gated_act_forward.default, (r(5, 16, dtype=torch.float16), 5)),
     ]
@@ -125,13 +128,13 @@ def test_every_op_has_opcheck_and_kernels():
     names = {c[1]._schema.name.split("::")[1] for c in opcheck_cases("meta")}
     expected = {"linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "linear_act_forward",
                 "bias_act_linear_dgrad_bgrad", "dense", "fused_mlp", "gated_linear", "gated_linear_dgrad",
-                "gated_act_forward"}
+                "gated_linear_dgrad_", "gated_act_forward"}
     assert names == expected
     for name in ["dense", "fused_mlp"]:
         for key in ["CompositeExplicitAutograd", "Autograd"]:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_dense::{name}", key), (name, key)
     for name in ["linear_act", "act_linear_dgrad", "linear_bias_wgrad", "act_forward", "gated_linear",
-                 "gated_linear_dgrad", "gated_act_forward"]:
+                 "gated_linear_dgrad", "gated_linear_dgrad_", "gated_act_forward"]:
         for key in ["CPU", "Meta"]:
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fused_dense::{name}", key), (name, key)
 

@@ -1,4 +1,5 @@
-// The gated family: gated_linear, gated_linear_dgrad, gated_act_forward (activation 4 swiglu or
+// The gated family: gated_linear, gated_linear_dgrad (and gated_linear_dgrad_, in place over
+// pre_act), gated_act_forward (activation 4 swiglu or
 // 5 geglu over the packed layout of core/common/types.h, kGatedInterleave): their schemas and
 // argument checks. Kernels: cpu/, meta/, cuda/gated.cpp.
 #include "torch/gated.h"
@@ -30,9 +31,10 @@ ActivationCode check_gated_linear(const at::Tensor& input, const at::Tensor& wei
   return act;
 }
 
-ActivationCode check_gated_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
-                                        const at::Tensor& pre_act, int64_t activation, int64_t heuristic) {
-  constexpr const char* op = "fused_dense::gated_linear_dgrad";
+namespace {
+
+ActivationCode check_gated_dgrad_call(const char* op, const at::Tensor& weight, const at::Tensor& d_output,
+                                      const at::Tensor& pre_act, int64_t activation, int64_t heuristic) {
   check_dgrad_operands(op, weight, d_output);
   const ActivationCode act = check_gated_activation(op, activation);
   check_heuristic(op, heuristic);
@@ -41,6 +43,22 @@ ActivationCode check_gated_linear_dgrad(const at::Tensor& weight, const at::Tens
   const int64_t B = d_output.size(0), H = weight.size(1);
   TORCH_CHECK_VALUE(pre_act.size(0) == B && pre_act.size(1) == 2 * H, op, ": pre_act must have shape [", B, ", ",
                     2 * H, "] = [batch, 2 * hidden] (the packed gate and up pre-activations), got ", pre_act.sizes());
+  return act;
+}
+
+}  // namespace
+
+ActivationCode check_gated_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
+                                        const at::Tensor& pre_act, int64_t activation, int64_t heuristic) {
+  return check_gated_dgrad_call("fused_dense::gated_linear_dgrad", weight, d_output, pre_act, activation, heuristic);
+}
+
+ActivationCode check_gated_linear_dgrad_(const at::Tensor& pre_act, const at::Tensor& weight,
+                                         const at::Tensor& d_output, int64_t activation, int64_t heuristic) {
+  constexpr const char* op = "fused_dense::gated_linear_dgrad_";
+  const ActivationCode act = check_gated_dgrad_call(op, weight, d_output, pre_act, activation, heuristic);
+  TORCH_CHECK_VALUE(!pre_act.is_same(d_output) && !pre_act.is_same(weight), op,
+                    ": pre_act is overwritten with the gradient, so it must be neither d_output nor weight");
   return act;
 }
 
@@ -66,5 +84,9 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   // (+ [act(g) * u [B, h]] when return_act_out, checkpoint level 1's rebuild).
   def_raw_op(m, "gated_linear_dgrad(Tensor weight, Tensor d_output, Tensor pre_act, int activation, int heuristic, "
                 "bool return_act_out=False) -> Tensor[]");
+  // gated_linear_dgrad_: gated_linear_dgrad's d_pre written over pre_act itself (level 0 and the
+  // recomputed level 2 of the MLP's backward, where gu has no reader after it).
+  def_raw_op(m, "gated_linear_dgrad_(Tensor(a!) pre_act, Tensor weight, Tensor d_output, int activation, "
+                "int heuristic) -> ()");
   def_raw_op(m, "gated_act_forward(Tensor pre_act, int activation) -> Tensor");
 }

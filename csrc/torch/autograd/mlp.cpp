@@ -108,7 +108,16 @@ MlpGrads mlp_backward(const MlpPlan& p, const at::Tensor& g, const at::Tensor& x
     drop_saved(s.act_out, release_saved && !shares);
   };
   if (!rebuild_act_out) fc2_grads();
-  if (p.need_d_pre) {
+  // The gated d_pre is written over gu where nothing reads gu after it (gu is this backward's own:
+  // freed after its last reader, or recomputed): the step never holds gu and d_gu at once. The
+  // same op and choice as out of place, so the same bits.
+  const bool gated_in_place = p.need_d_pre && !p.need.b1 && is_gated_activation(activation) && !rebuild_act_out &&
+                              (release_saved || p.recompute_fc1) && may_write_over(s.pre_act) &&
+                              !(s.act_out.defined() && s.act_out.is_alias_of(s.pre_act));
+  if (gated_in_place) {
+    op_calls::gated_linear_dgrad_(s.pre_act, weight2, g, activation, heuristic);
+    r.d_pre = std::move(s.pre_act);  // gu's storage, now d_gu: freed with d_pre, not before
+  } else if (p.need_d_pre) {
     auto d = act_backward(weight2, g, s.pre_act, activation, p.need.b1, heuristic, rebuild_act_out);
     r.d_pre = d[0];
     if (p.need.b1) r.b1 = d[1];
@@ -176,6 +185,9 @@ struct FusedMLPFunction : public torch::autograd::Function<FusedMLPFunction> {
     MlpGrads r = mlp_backward(p, g, saved[0], saved[1], saved[2], saved[3], MlpSaved{saved[4], saved[5]},
                               activation, heuristic, may_free_saved());
     at::Tensor grad_w1 = need.w1 ? weight1_grad(saved[0], r.d_pre) : at::Tensor();
+    // d_pre's last reader is issued; written over the saved gu, it is that storage, which the
+    // node would hold until this returns
+    drop_saved(r.d_pre, true);
     // one entry per forward argument; an absent bias and the three integers have none
     return {r.x, grad_w1, r.b1, r.w2, r.b2, at::Tensor(), at::Tensor(), at::Tensor()};
   }

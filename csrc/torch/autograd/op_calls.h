@@ -68,6 +68,13 @@ inline std::vector<at::Tensor> gated_linear_dgrad(const at::Tensor& weight, cons
   return op.call(weight, d_output, pre_act, activation, heuristic, return_act_out);
 }
 
+inline void gated_linear_dgrad_(const at::Tensor& pre_act, const at::Tensor& weight, const at::Tensor& d_output,
+                                int64_t activation, int64_t heuristic) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::gated_linear_dgrad_", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  op.call(pre_act, weight, d_output, activation, heuristic);
+}
+
 inline at::Tensor gated_act_forward(const at::Tensor& pre_act, int64_t activation) {
   static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::gated_act_forward", "")
                        .typed<at::Tensor(const at::Tensor&, int64_t)>();

@@ -19,10 +19,15 @@ inline bool may_free_saved() { return !torch::autograd::get_current_graph_task_k
 // FP8 copy: never an input, never a copy another layer shares) and where may_free_saved(). A
 // tensor of tracing (Python dispatch, functionalization) or of a device other than CPU and CUDA is
 // only dropped. torch.compile's backward frees such activations after their last reader likewise.
+// Whether t's memory may be freed or written over by the Function that made it: a tensor with
+// storage on CPU or CUDA, not one of tracing (Python dispatch, functionalization).
+inline bool may_write_over(const at::Tensor& t) {
+  return t.defined() && t.has_storage() && (t.is_cuda() || t.is_cpu()) &&
+         !t.unsafeGetTensorImpl()->is_python_dispatch() && !at::functionalization::impl::isFunctionalTensor(t);
+}
+
 inline void drop_saved(at::Tensor& t, bool free) {
-  if (free && t.defined() && t.has_storage() && (t.is_cuda() || t.is_cpu()) &&
-      !t.unsafeGetTensorImpl()->is_python_dispatch() && !at::functionalization::impl::isFunctionalTensor(t))
-    t.storage().unsafeGetStorageImpl()->reset();
+  if (free && may_write_over(t)) t.storage().unsafeGetStorageImpl()->reset();
   t.reset();
 }
 

@@ -60,6 +60,14 @@ std::vector<at::Tensor> gated_linear_dgrad_reference(const at::Tensor& weight, c
   return {d_pre, gated_act_forward_reference(pre_act, activation)};
 }
 
+void gated_linear_dgrad_reference_(const at::Tensor& pre_act, const at::Tensor& weight, const at::Tensor& d_output,
+                                   int64_t activation, int64_t heuristic) {
+  check_gated_linear_dgrad_(pre_act, weight, d_output, activation, heuristic);
+  // computed whole before pre_act is written: the same bits as gated_linear_dgrad
+  const at::Tensor d_pre = gated_linear_dgrad_reference(weight, d_output, pre_act, activation, heuristic, false)[0];
+  pre_act.copy_(d_pre);
+}
+
 at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activation) {
   NoAutocast no_autocast;
   const ActivationCode act = check_gated_act_forward(pre_act, activation);
@@ -87,5 +95,6 @@ at::Tensor gated_value_grad(const at::Tensor& d_h, const at::Tensor& gu, Activat
 TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
   m.impl("gated_linear", &fused_dense::gated_linear_reference);
   m.impl("gated_linear_dgrad", &fused_dense::gated_linear_dgrad_reference);
+  m.impl("gated_linear_dgrad_", &fused_dense::gated_linear_dgrad_reference_);
   m.impl("gated_act_forward", &fused_dense::gated_act_forward_reference);
 }

@@ -34,6 +34,8 @@ std::vector<at::Tensor> gated_linear_reference(const at::Tensor& input, const at
 std::vector<at::Tensor> gated_linear_dgrad_reference(const at::Tensor& weight, const at::Tensor& d_output,
                                                      const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
                                                      bool return_act_out);
+void gated_linear_dgrad_reference_(const at::Tensor& pre_act, const at::Tensor& weight, const at::Tensor& d_output,
+                                   int64_t activation, int64_t heuristic);
 at::Tensor gated_act_forward_reference(const at::Tensor& pre_act, int64_t activation);
 
 // The gating math in the inputs' own precision, unrounded (the FP8 quantize reference): act(g) * u

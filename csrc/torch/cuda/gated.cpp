@@ -43,29 +43,22 @@ std::vector<at::Tensor> gated_linear_cuda(const at::Tensor& input, const at::Ten
   return {out, pre_act};
 }
 
-std::vector<at::Tensor> gated_linear_dgrad_cuda(const at::Tensor& weight, const at::Tensor& d_output,
-                                                const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
-                                                bool return_act_out) {
-  if (weight.scalar_type() == at::kDouble)
-    return gated_linear_dgrad_reference(weight, d_output, pre_act, activation, heuristic, return_act_out);
-  const ActivationCode act = check_gated_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
+// The core's gated data gradient into d_pre (which may be pre_act itself: the unfused path's
+// gating pass and the cutlass_sm90 epilogue each read every gate and up element before writing
+// its gradient there, and nothing else reads it).
+void run_gated_dgrad(const at::Tensor& weight, const at::Tensor& d_output, const at::Tensor& pre_act,
+                     ActivationCode act, int64_t heuristic, void* d_pre, void* act_out) {
   check_cuda_dims("fused_dense::gated_linear_dgrad", {{"batch (d_output.size(0))", d_output.size(0)},
                                                       {"2 * hidden (pre_act.size(1))", pre_act.size(1)},
                                                       {"out_features", weight.size(0)}});
-  c10::cuda::CUDAGuard guard(weight.device());
-  const int64_t B = d_output.size(0), H = weight.size(1);
-  auto d_pre = empty_output({B, 2 * H}, weight.options());
-  at::Tensor act_out;
-  if (return_act_out) act_out = empty_output({B, H}, weight.options());
-
   core::GatedLinearDgradArgs args;
-  args.batch = B, args.hidden = H, args.out_features = weight.size(0);
+  args.batch = d_output.size(0), args.hidden = weight.size(1), args.out_features = weight.size(0);
   args.weight = weight.data_ptr();
   args.d_output = d_output.data_ptr();
   args.pre_act = pre_act.data_ptr();
   args.activation = act;
-  args.d_pre = d_pre.data_ptr();
-  args.act_out = return_act_out ? act_out.data_ptr() : nullptr;
+  args.d_pre = d_pre;
+  args.act_out = act_out;
   args.heuristic = static_cast<int>(heuristic);
   run_core([&] {
     const auto bytes =
@@ -73,8 +66,32 @@ std::vector<at::Tensor> gated_linear_dgrad_cuda(const at::Tensor& weight, const 
     const CallWorkspace ws(weight, bytes);
     core::gated_linear_dgrad(make_context(weight, ws), args);
   });
+}
+
+std::vector<at::Tensor> gated_linear_dgrad_cuda(const at::Tensor& weight, const at::Tensor& d_output,
+                                                const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
+                                                bool return_act_out) {
+  if (weight.scalar_type() == at::kDouble)
+    return gated_linear_dgrad_reference(weight, d_output, pre_act, activation, heuristic, return_act_out);
+  const ActivationCode act = check_gated_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
+  c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t B = d_output.size(0), H = weight.size(1);
+  auto d_pre = empty_output({B, 2 * H}, weight.options());
+  at::Tensor act_out;
+  if (return_act_out) act_out = empty_output({B, H}, weight.options());
+  run_gated_dgrad(weight, d_output, pre_act, act, heuristic, d_pre.data_ptr(),
+                  return_act_out ? act_out.data_ptr() : nullptr);
   if (!return_act_out) return {d_pre};
   return {d_pre, act_out};
+}
+
+void gated_linear_dgrad_cuda_(const at::Tensor& pre_act, const at::Tensor& weight, const at::Tensor& d_output,
+                              int64_t activation, int64_t heuristic) {
+  if (weight.scalar_type() == at::kDouble)
+    return gated_linear_dgrad_reference_(pre_act, weight, d_output, activation, heuristic);
+  const ActivationCode act = check_gated_linear_dgrad_(pre_act, weight, d_output, activation, heuristic);
+  c10::cuda::CUDAGuard guard(weight.device());
+  run_gated_dgrad(weight, d_output, pre_act, act, heuristic, pre_act.data_ptr(), nullptr);
 }
 
 at::Tensor gated_act_forward_cuda(const at::Tensor& pre_act, int64_t activation) {
@@ -97,5 +114,6 @@ at::Tensor gated_act_forward_cuda(const at::Tensor& pre_act, int64_t activation)
 TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
   m.impl("gated_linear", &fused_dense::gated_linear_cuda);
   m.impl("gated_linear_dgrad", &fused_dense::gated_linear_dgrad_cuda);
+  m.impl("gated_linear_dgrad_", &fused_dense::gated_linear_dgrad_cuda_);
   m.impl("gated_act_forward", &fused_dense::gated_act_forward_cuda);
 }

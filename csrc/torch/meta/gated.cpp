@@ -23,6 +23,11 @@ std::vector<at::Tensor> gated_linear_dgrad_meta(const at::Tensor& weight, const 
   return out;
 }
 
+void gated_linear_dgrad_meta_(const at::Tensor& pre_act, const at::Tensor& weight, const at::Tensor& d_output,
+                              int64_t activation, int64_t heuristic) {
+  check_gated_linear_dgrad_(pre_act, weight, d_output, activation, heuristic);
+}
+
 at::Tensor gated_act_forward_meta(const at::Tensor& pre_act, int64_t activation) {
   check_gated_act_forward(pre_act, activation);
   return at::empty({pre_act.size(0), pre_act.size(1) / 2}, pre_act.options());
@@ -34,5 +39,6 @@ at::Tensor gated_act_forward_meta(const at::Tensor& pre_act, int64_t activation)
 TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
   m.impl("gated_linear", &fused_dense::gated_linear_meta);
   m.impl("gated_linear_dgrad", &fused_dense::gated_linear_dgrad_meta);
+  m.impl("gated_linear_dgrad_", &fused_dense::gated_linear_dgrad_meta_);
   m.impl("gated_act_forward", &fused_dense::gated_act_forward_meta);
 }
