@@ -184,7 +184,7 @@ SHORT_FORWARD = (1000, 1016, 2040)
 
 @pytest.mark.cuda
 def test_long_problems_are_timed_after_a_lead_in_of_their_own_runs(unpaced_without_table, capfd, monkeypatch):
-    """A problem whose first run takes 2 ms or more times each candidate after 60 ms of its own
+    """A problem whose run takes 2 ms or more after the warm-up times each candidate after 60 ms of its own
     runs (the clock settles to what the kernel draws under the power cap); a short one does not.
     The tuner's verbose line says which, and the result is the op's either way."""
     monkeypatch.setenv("FUSED_DENSE_TUNING_VERBOSE", "1")

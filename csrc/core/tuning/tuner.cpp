@@ -711,8 +711,9 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
     const int warm_runs = std::clamp(static_cast<int>(kWarmupMs / std::max(warm_ms, 1e-3f)), 0, kMaxWarmupRuns);
     if (warm_runs > 0) time_ms(warm, warm_runs, false);
   }
-  const int lead_in_runs =
-      warm_ms >= kSustainAboveMs ? static_cast<int>(std::ceil(kLeadInMs / warm_ms)) : 0;
+  // Long or not, from a run of the warmed candidate: the first run may include loading its kernel.
+  const float run_ms = time_ms(warm, 1, false);
+  const int lead_in_runs = run_ms >= kSustainAboveMs ? static_cast<int>(std::ceil(kLeadInMs / run_ms)) : 0;
   // One measurement of `c`: one run after an L2 flush, or after its lead-in where it has one.
   auto measure_ms = [&](const Choice& c) -> float {
     if (lead_in_runs == 0) return time_ms(c, 1, true);
