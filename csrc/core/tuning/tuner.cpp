@@ -721,7 +721,7 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
     return time_ms(c, 1, false);
   };
 
-  // Rounds over all candidates, one L2-flushed run each, as the benchmark times: a transient
+  // Rounds over all candidates, one measurement each (measure_ms): a transient
   // slowdown (another process, a clock dip) then moves one run of a candidate, not the decision,
   // which takes each candidate's median. Once the problem's budget is spent, what has been
   // measured decides (the first two candidates always are).
