@@ -1,7 +1,6 @@
 // The gated family: gated_linear, gated_linear_dgrad (and gated_linear_dgrad_, in place over
-// pre_act), gated_act_forward (activation 4 swiglu or
-// 5 geglu over the packed layout of core/common/types.h, kGatedInterleave): their schemas and
-// argument checks. Kernels: cpu/, meta/, cuda/gated.cpp.
+// pre_act), gated_act_forward (activation 4 swiglu or 5 geglu over the packed layout of
+// core/common/types.h, kGatedInterleave): their schemas and argument checks. Kernels: cpu/, meta/, cuda/gated.cpp.
 #include "torch/gated.h"
 
 #include <c10/util/Exception.h>
@@ -57,8 +56,9 @@ ActivationCode check_gated_linear_dgrad_(const at::Tensor& pre_act, const at::Te
                                          const at::Tensor& d_output, int64_t activation, int64_t heuristic) {
   constexpr const char* op = "fused_dense::gated_linear_dgrad_";
   const ActivationCode act = check_gated_dgrad_call(op, weight, d_output, pre_act, activation, heuristic);
-  TORCH_CHECK_VALUE(!pre_act.is_same(d_output) && !pre_act.is_same(weight), op,
-                    ": pre_act is overwritten with the gradient, so it must be neither d_output nor weight");
+  TORCH_CHECK_VALUE(!pre_act.is_alias_of(d_output) && !pre_act.is_alias_of(weight), op,
+                    ": pre_act is overwritten with the gradient, so it must be neither d_output nor weight, nor "
+                    "share memory with them");
   return act;
 }
 
