@@ -150,6 +150,20 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
     del blocks
 
 
+class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The fused_dense ops a region calls, by name (the C++ autograd calls them through the
+    dispatcher, so a dispatch mode sees each call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fused_dense":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
 def saved_tensors(fn):
     """(fn(), the tensors autograd keeps for the graph fn builds, in the order they were saved)."""
     saved = []

@@ -312,6 +312,84 @@ def test_quantize_e4m3_pre_act_errors():
 
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("rows", [150, 1000])
+def test_quantize_grad_in_place_writes_fp8_quantizes_bytes(device, act, dtype, scaling, rows):
+    """fp8_quantize_grad_ writes the backward quantize's row-major bytes over the e4m3 pre_act it
+    reads (the gated modes: two lanes read each 16-byte block before either writes its half), and
+    returns its scale, scale_inv, amax and column sums: the bytes of the out-of-place call on an
+    untouched copy (1000 rows: several row tiles and blocks a column)."""
+    if device == "cuda":
+        poison_cuda_cache()
+    gated = act >= 4
+    cols = 96
+    x = randn(rows, cols, dtype=dtype, device=device, scale=2.0)
+    pre8, pre_si = e4m3_copy(randn(rows, 2 * cols if gated else cols, dtype=dtype, device=device, scale=1.5))
+    scale = None if scaling == "current" else torch.tensor(5.0, device=device)
+    for fmt in (0, 1):
+        want = torch.ops.fused_dense.fp8_quantize(x, pre8, act, True, fmt, scale, True, False, True, pre_si)
+        target = pre8.clone()
+        got = torch.ops.fused_dense.fp8_quantize_grad_(target, x, act, fmt, scale, True, pre_si)
+        assert not torch.equal(target.view(torch.uint8), pre8.view(torch.uint8))
+        assert_same_outputs((target.view(F8[fmt]), *got), (want[0], *want[2:]), f"act {act}, {dtype}, fmt {fmt}")
+        none = torch.ops.fused_dense.fp8_quantize_grad_(pre8.clone(), x, act, fmt, scale, False, pre_si)
+        assert none[3].numel() == 0
+
+
+def test_quantize_grad_in_place_errors():
+    op = torch.ops.fused_dense.fp8_quantize_grad_
+    x = randn(4, 16)
+    pre8, si = e4m3_copy(randn(4, 16))
+    with pytest.raises(ValueError, match="pre_act must be float8_e4m3fn .* got BFloat16"):
+        op(randn(4, 16), x, 1, 0, None, False, si)
+    with pytest.raises(ValueError, match="must not share memory with input"):
+        op(x.view(torch.float8_e4m3fn), x, 1, 0, None, False, si)
+    with pytest.raises(ValueError, match=r"pre_act must have input's shape \[4, 16\], got \[4, 32\]"):
+        op(torch.cat([pre8.view(torch.uint8)] * 2, 1).view(torch.float8_e4m3fn), x, 1, 0, None, False, si)
+    with pytest.raises(ValueError, match="a gated backward's pre_act must be the packed gu"):
+        op(pre8.clone(), x, 4, 0, None, False, si)
+    with pytest.raises(ValueError, match="pre_scale_inv must be float32"):
+        op(pre8.clone(), x, 1, 0, None, False, si.double())
+    before = pre8.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=r"fp8_format must be 0 \(e4m3\) or 1 \(e5m2\), got 2"):
+        op(pre8, x, 1, 2, None, False, si)
+    assert torch.equal(pre8.view(torch.uint8), before)  # a refused call writes nothing
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fmt", [0, 1])
+@pytest.mark.parametrize("rows,cols", [(1, 16), (37, 48), (130, 208), (300, 64), (0, 32)])
+def test_transpose_is_quantizes_transposed_copy(device, fmt, rows, cols):
+    """fp8_transpose of the row-major bytes is the quantize pass's data_t of the same values, padding
+    columns (zeros up to a multiple of 16 rows) included, and the plain byte transpose."""
+    if device == "cuda":
+        poison_cuda_cache()
+    x = randn(rows, cols, device=device, scale=3.0)
+    data, data_t = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, fmt, None, True, True, False)[:2]
+    got = torch.ops.fused_dense.fp8_transpose(data)
+    assert got.dtype == F8[fmt] and got.shape == data_t.shape == (cols, (rows + 15) // 16 * 16)
+    assert torch.equal(got.view(torch.uint8).cpu(), data_t.view(torch.uint8).cpu())
+    plain = torch.zeros(cols, (rows + 15) // 16 * 16, dtype=torch.uint8)
+    plain[:, :rows] = data.view(torch.uint8).cpu().T
+    assert torch.equal(got.view(torch.uint8).cpu(), plain)
+
+
+def test_transpose_errors():
+    op = torch.ops.fused_dense.fp8_transpose
+    with pytest.raises(ValueError, match="data must be float8_e4m3fn or float8_e5m2, got BFloat16"):
+        op(randn(4, 16))
+    with pytest.raises(ValueError, match=r"data.size\(1\) \(cols\) must be a multiple of 16, got 24"):
+        op(torch.zeros(4, 24).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="data must be 2-D"):
+        op(torch.zeros(64).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="data must be contiguous"):
+        op(torch.zeros(32, 16).to(torch.float8_e5m2).t())
+
+
+
 def e4m3_of(t):
     """t's e4m3 bytes at its own amax and that scale's inverse, in plain PyTorch (float32 scale
     fp8_max / max(amax, 1e-12), saturating cast, round to nearest even)."""
@@ -466,6 +544,11 @@ def test_opcheck(device):
     copy, copy_si = poisoned_e4m3_copy(x.shape, device)
     torch.library.opcheck(torch.ops.fused_dense.fp8_quantize.default,
                           (x, None, 1, False, 0, scale, True, True, False, None, copy, copy_si),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    # the gradient written over an e4m3 pre_act, and the byte transpose
+    torch.library.opcheck(torch.ops.fused_dense.fp8_quantize_grad_.default, (pre8.clone(), x, 1, 1, scale, True, si),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(torch.ops.fused_dense.fp8_transpose.default, (pre8,),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     xi = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, False, False)
     args = (xi[0], xi[0][:16], xi[3], xi[3], None, torch.bfloat16, True, -2)
@@ -701,6 +784,38 @@ def run_step(m, x, g, **kw):
     if m.fc1.bias is not None:
         grads.update(b1=m.fc1.bias.grad, b2=m.fc2.bias.grad)
     return out, grads
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", ["gelu_approx", "swiglu"])
+@pytest.mark.parametrize("save_pre_fp8", [False, True])
+@pytest.mark.parametrize("lvl", [0, 1])
+def test_mlp_backward_quantizes_the_gradient_row_major_then_transposes(device, act, save_pre_fp8, lvl):
+    """The backward quantizes the activation's gradient row-major and makes its transposed copy
+    from those bytes (fp8_transpose) once d_act and pre are gone; with save_pre_fp8 at level 0 and
+    no retain_graph the row-major copy is written over pre's e4m3 copy (fp8_quantize_grad_), with a
+    kept graph or at level 1 out of place. The same bits either way."""
+    from conftest import OpLog
+    torch.manual_seed(0)
+    recipe = Float8Recipe(min_features=0, save_pre_fp8=save_pre_fp8)
+    if act == "swiglu":
+        m = FusedGatedMLP(64, 128, activation=act, checkpoint_lvl=lvl, device=device, dtype=torch.bfloat16,
+                          fp8=recipe)
+    else:
+        m = make_mlp(device, act, recipe, lvl=lvl)
+    x = randn(96, 64, device=device).requires_grad_(True)
+    g = randn(96, 64, device=device)
+    params = [x, *m.parameters()]
+    runs = {}
+    for retain in (True, False):
+        out = m(x)
+        with OpLog() as log:
+            runs[retain] = torch.autograd.grad(out, params, g, retain_graph=retain)
+        in_place = "fp8_quantize_grad_" in log.names
+        assert in_place == (save_pre_fp8 and lvl == 0 and not retain), (retain, log.names)
+        assert log.names.count("fp8_transpose") == 1, log.names
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", devices())

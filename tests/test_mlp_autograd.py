@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from conftest import saved_bytes, saved_tensors
+from conftest import OpLog, saved_bytes, saved_tensors
 from fused_dense import FusedDense, FusedMLP, ops
 from fused_dense.functional import FusedMLPFunc, fused_mlp_func
 
@@ -151,19 +151,6 @@ def test_backward_frees_its_saved_intermediates_unless_the_graph_is_kept(device,
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
-class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """The fused_dense ops a region calls, by name (the C++ autograd calls them through the dispatcher)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fused_dense":
-            self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("activation", ["swiglu", "geglu"])
 @pytest.mark.parametrize("lvl", [0, 1, 2])
@@ -179,7 +166,7 @@ def test_gated_backward_writes_d_gu_over_gu_where_nothing_reads_gu_after(device,
     runs = {}
     for retain in (True, False):
         out = NATIVE(*ts, code, lvl, 0)
-        with _OpLog() as log:
+        with OpLog() as log:
             runs[retain] = torch.autograd.grad(out, inputs, dy, retain_graph=retain)
         in_place = "gated_linear_dgrad_" in log.names
         assert in_place == (lvl == 2 or (lvl == 0 and not retain)), (retain, log.names)

@@ -1,6 +1,7 @@
 """Every FP8 kernel once at small shapes, for compute-sanitizer (tools/README.md): fp8_quantize in
 each mode (plain, forward activations, backward activation derivatives, the gated forward and
-backward; current and delayed scaling; row-major, transposed and column sums), fp8_linear with
+backward; current and delayed scaling; row-major, transposed and column sums; in place over an
+e4m3 pre_act: fp8_quantize_grad_), fp8_transpose, fp8_linear with
 each format pair, fp8_linear_act (its one-GEMM kernels and the two-kernel path), and an FP8 MLP,
 gated MLP and linear layer step under both recipes.
 ``--quantize-only``: the quantize calls alone, on inputs that PyTorch's own kernels wrote (for
@@ -31,6 +32,18 @@ for rows, cols in [(1, 8), (77, 40), (130, 200)]:
         q(x.float(), gu.float(), act, True, 1, None, True, True, True)
     q(x.float(), None, 0, False, 0, None, True, True, True)
     q(x.half(), None, 1, False, 1, None, False, True, False)
+    # the backward quantize written over an e4m3 pre_act (plain and gated), and the byte transpose
+    for p, acts in [(pre, (1, 2, 3)), (gu, (4, 5))]:
+        p8 = q(p, None, 0, False, 0, None, True, False, False)
+        for act in acts:
+            for fmt in (0, 1):
+                for s in (None, scale):
+                    torch.ops.fused_dense.fp8_quantize_grad_(p8[0].clone(), x, act, fmt, s, True, p8[3])
+    if cols % 16 == 0:
+        torch.ops.fused_dense.fp8_transpose(q(x, None, 0, False, 1, None, True, False, False)[0])
+for rows, cols in [(300, 208), (1000, 64)]:  # several row tiles of the transpose, padded rows
+    torch.ops.fused_dense.fp8_transpose(
+        q(torch.randn(rows, cols, device=dev, dtype=torch.bfloat16), None, 0, False, 0, None, True, False, False)[0])
 if "--quantize-only" in sys.argv:
     torch.cuda.synchronize()
     print("fp8_probe: done (quantize only)")

@@ -1,4 +1,4 @@
-// The FP8 family: fp8_quantize, fp8_linear, fp8_linear_act: their schemas, argument checks and the
+// The FP8 family: fp8_quantize (and fp8_quantize_grad_, fp8_transpose), fp8_linear, fp8_linear_act: their schemas, argument checks and the
 // output allocation the kernels share (kernels: cpu/, meta/, cuda/fp8.cpp). Per-tensor scaling, the
 // rule of core/common/types.h (fp8_scale_from_amax).
 //
@@ -18,6 +18,17 @@
 //     activation only: written with input's own e4m3 copy at input's own amax (current scaling
 //     whatever `scale`) and its scale_inv, the bytes of fp8_quantize(input, None, 0, False, 0, None,
 //     True, False, False), from the same passes (what an MLP keeps with save_pre_fp8).
+//   fp8_quantize_grad_(pre_act [R, C'], input, activation, fp8_format, scale?, column_sums,
+//                      pre_scale_inv) -> (scale [], scale_inv [], amax [], column_sums [C'] or [0])
+//     the backward fp8_quantize(input, pre_act, activation, True, fp8_format, scale, True, False,
+//     column_sums, pre_scale_inv) with its data written over pre_act (float8_e4m3fn, the e4m3 copy
+//     an MLP saved, which nothing reads after it): pre_act's bytes are then data's, in fp8_format
+//     (view them as that dtype). The gradient of an activation quantized without a second tensor
+//     of its size.
+//   fp8_transpose(data [R, C]) -> data_t [C, pad16(R)]
+//     the byte transpose of FP8 data (e4m3 or e5m2, C a multiple of 16), the padding columns zeros:
+//     fp8_quantize's data_t of the values whose data is `data` (per-tensor scaling), made after the
+//     high-precision source is gone.
 //   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
 //              out_dtype, fast_accum, heuristic) -> out [B, N]
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
@@ -208,6 +219,36 @@ Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tenso
           at::empty({}, f32)};
 }
 
+void check_fp8_quantize_grad_(const at::Tensor& pre_act, const at::Tensor& input, int64_t activation,
+                              int64_t fp8_format, const std::optional<at::Tensor>& scale,
+                              const at::Tensor& pre_scale_inv) {
+  constexpr const char* op = "fused_dense::fp8_quantize_grad_";
+  TORCH_CHECK_VALUE(pre_scale_inv.defined(), op, ": pre_scale_inv (pre_act's e4m3 scale_inv) is required");
+  TORCH_CHECK_VALUE(pre_act.scalar_type() == at::kFloat8_e4m3fn, op,
+                    ": pre_act must be float8_e4m3fn (the gradient is written over an e4m3 copy), got ",
+                    pre_act.scalar_type());
+  TORCH_CHECK_VALUE(!pre_act.is_alias_of(input), op,
+                    ": pre_act is overwritten with the quantized gradient, so it must not share memory with input");
+  check_fp8_quantize(input, pre_act, activation, true, fp8_format, scale, pre_scale_inv);
+}
+
+void check_fp8_transpose(const at::Tensor& data) {
+  constexpr const char* op = "fused_dense::fp8_transpose";
+  TORCH_CHECK_VALUE(data.dim() == 2, op, ": data must be 2-D [rows, cols], got shape ", data.sizes());
+  TORCH_CHECK_VALUE(is_fp8(data.scalar_type()), op, ": data must be float8_e4m3fn or float8_e5m2, got ",
+                    data.scalar_type());
+  TORCH_CHECK_VALUE(data.is_contiguous(), op, ": data must be contiguous, got strides ", data.strides());
+  TORCH_CHECK_VALUE(data.size(1) % 16 == 0, op, ": data.size(1) (cols) must be a multiple of 16, got ",
+                    data.size(1));
+}
+
+Fp8QuantizeGradResult empty_fp8_quantize_grad(const at::Tensor& input, int64_t activation, bool column_sums) {
+  const int64_t C = fp8_quantized_cols(input, activation, true);
+  const auto f32 = input.options().dtype(at::kFloat);
+  return {at::empty({}, f32), at::empty({}, f32), at::empty({}, f32),
+          column_sums ? at::empty({C}, input.options()) : at::empty({0}, input.options())};
+}
+
 int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward) {
   if (!is_gated_activation(activation)) return input.size(1);
   return backward ? 2 * input.size(1) : input.size(1) / 2;
@@ -235,6 +276,9 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
              "bool rowwise, bool columnwise, bool column_sums, Tensor? pre_scale_inv=None, "
              "Tensor(a!)? input_fp8=None, Tensor(b!)? input_scale_inv=None) "
              "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  def_raw_op(m, "fp8_quantize_grad_(Tensor(a!) pre_act, Tensor input, int activation, int fp8_format, Tensor? scale, "
+             "bool column_sums, Tensor pre_scale_inv) -> (Tensor, Tensor, Tensor, Tensor)");
+  def_raw_op(m, "fp8_transpose(Tensor data) -> Tensor");
   def_raw_op(m, "fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
              "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
   def_raw_op(m, "fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "

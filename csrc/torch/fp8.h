@@ -24,6 +24,14 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
                         const std::optional<at::Tensor>& pre_scale_inv = std::nullopt,
                         const std::optional<at::Tensor>& input_fp8 = std::nullopt,
                         const std::optional<at::Tensor>& input_scale_inv = std::nullopt);
+// fp8_quantize_grad_ (in place over an e4m3 pre_act): fp8_quantize's backward checks, pre_scale_inv
+// given, and pre_act neither input nor sharing memory with it.
+void check_fp8_quantize_grad_(const at::Tensor& pre_act, const at::Tensor& input, int64_t activation,
+                              int64_t fp8_format, const std::optional<at::Tensor>& scale,
+                              const at::Tensor& pre_scale_inv);
+// fp8_transpose: data [R, C] float8 (e4m3 or e5m2), contiguous, C a multiple of 16.
+void check_fp8_transpose(const at::Tensor& data);
+
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                       at::ScalarType out_dtype, const char* op = "fused_dense::fp8_linear");
@@ -47,5 +55,10 @@ int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool bac
 // The outputs of fp8_quantize [rows, cols], allocated (Meta and CUDA share it).
 Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int64_t fp8_format, bool rowwise,
                                      bool columnwise, bool column_sums);
+
+// The scalar outputs and column sums of fp8_quantize_grad_ (scale, scale_inv, amax, column_sums):
+// fp8_quantize's without data and data_t.
+using Fp8QuantizeGradResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+Fp8QuantizeGradResult empty_fp8_quantize_grad(const at::Tensor& input, int64_t activation, bool column_sums);
 
 }  // namespace fused_dense

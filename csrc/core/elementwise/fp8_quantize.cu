@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <string>
 
 #include "core/common/activation_math.cuh"
 #include "core/common/cuda_check.h"
@@ -276,8 +277,9 @@ struct CastParams {
 // Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
 // tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t. kInput (forward
 // modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
+// pre carries no __restrict__: data may be pre itself (modes 5 and 6, in place; fp8_quantize.h).
 template <typename T, Activation A, int kMode, bool kInput>
-__device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* __restrict__ pre, const CastParams& p) {
+__device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre, const CastParams& p) {
   static_assert(!kInput || kMode == 1 || kMode == 3, "the input's copy is of forward modes 1 and 3");
   // Row-major, rows padded by 4 bytes: the transposed reads (16 rows of one column per thread) then
   // hit 2 banks per warp instead of 1, and the row writes stay 4-byte aligned.
@@ -313,6 +315,9 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* __re
     float v[kPasses][kVec];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, psi, v[pass]);
+    // Mode 6 in place: the two lanes of an interleave block read its 16 gu bytes, and each writes
+    // 8 of them below; both reads precede both writes (the loop is uniform across the block).
+    if constexpr (kMode == 6) __syncwarp();
     if constexpr (kInput) {
       // The input's copy, before the raw words are reloaded: mode 1's 8 elements at the values'
       // offset, mode 3's 16 of gu at twice it (its rows are 2 cols wide).
@@ -390,7 +395,7 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* __re
 }
 
 template <typename T, Activation A, int kMode, bool kInput>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* __restrict__ pre, CastParams p) {
+__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* pre, CastParams p) {
   cast_body<T, A, kMode, kInput>(x, pre, p);
 }
 
@@ -399,8 +404,7 @@ __global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x,
 // one's (gated, 16384 x 28672, H200); mode 6's pairwise dequantization takes 200-228. (A minimum of 1 block in the launch bounds is not the same as none: it moves
 // every kernel's register count, so the uncapped kernel states none.)
 template <typename T, Activation A, int kMode, bool kInput>
-__global__ void __launch_bounds__(kThreads, 2) cast_kernel_capped(const T* __restrict__ x, const T* __restrict__ pre,
-                                                                   CastParams p) {
+__global__ void __launch_bounds__(kThreads, 2) cast_kernel_capped(const T* __restrict__ x, const T* pre, CastParams p) {
   cast_body<T, A, kMode, kInput>(x, pre, p);
 }
 
@@ -493,12 +497,69 @@ void check_args(const Fp8QuantizeArgs& a) {
   if (copy && a.input_data == nullptr && a.rows > 0) msg << "the input's e4m3 copy needs input_data";
   if (!copy && (a.input_data != nullptr || a.input_known_amax != nullptr))
     msg << "input_data and input_known_amax are for the input's copy (input_scale_inv_out)";
+  if (a.data != nullptr && a.data == a.pre_act && (a.pre_scale_inv == nullptr || a.data_t != nullptr))
+    msg << "data may be pre_act itself (in place) only for an e4m3 pre_act (pre_scale_inv) without data_t";
   if (is_gated(a.activation) && a.backward && a.cols % (2 * kGatedInterleave) != 0)
     msg << "the gated backward's cols (2 hidden) must be a multiple of " << 2 * kGatedInterleave << ", got " << a.cols;
   if (!msg.str().empty()) throw Error("fused_dense: fp8_quantize: " + msg.str());
 }
 
+// fp8_transpose: block (bx, by) moves 128-row x 64-column tiles (columns 64 bx; rows 128 by, then
+// every gridDim.y tiles on) through shared memory, in the cast pass's data_t layout and stores (16
+// rows of one column a store); rows past `rows` (up to the padded count) are zeros.
+__global__ void __launch_bounds__(kThreads)
+    transpose_kernel(const uint8_t* __restrict__ data, int64_t rows, int64_t cols, int64_t ld_t,
+                     uint8_t* __restrict__ data_t) {
+  __shared__ __align__(16) uint8_t tile[kTileRows][kTileCols + 4];
+  const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  const int64_t col = c0 + cg * kVec;
+  for (int64_t t0 = static_cast<int64_t>(blockIdx.y) * kTileRows; t0 < ld_t;
+       t0 += static_cast<int64_t>(gridDim.y) * kTileRows) {
+    uint2 w[kPasses];
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int64_t row = t0 + pass * kRowsPerPass + rl;
+      w[pass] = (col < cols && row < rows) ? *reinterpret_cast<const uint2*>(data + row * cols + col)
+                                           : make_uint2(0, 0);
+    }
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[pass * kRowsPerPass + rl][cg * kVec]);
+      dst[0] = w[pass].x;
+      dst[1] = w[pass].y;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
+      const int k = i * kThreads + threadIdx.x;
+      const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
+      const int64_t out_row = c0 + c, out_col = t0 + rc;
+      if (out_row < cols && out_col < ld_t) {
+        __align__(16) uint8_t b[kChunk];
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
+        *reinterpret_cast<uint4*>(data_t + out_row * ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
+      }
+    }
+    __syncthreads();  // the tile is rewritten by the next rows
+  }
+}
+
 }  // namespace
+
+void fp8_transpose(const uint8_t* data, int64_t rows, int64_t cols, uint8_t* data_t, cudaStream_t stream) {
+  const auto misaligned = [](const void* p) { return p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0; };
+  if (cols % 16 != 0 || rows < 0 || misaligned(data) || misaligned(data_t))
+    throw Error("fused_dense: fp8_transpose: cols must be a multiple of 16 and the pointers 16-byte aligned, got cols " +
+                std::to_string(cols));
+  const int64_t ld_t = fp8_padded_rows(rows);
+  if (cols == 0 || ld_t == 0) return;
+  const int64_t row_tiles = std::min<int64_t>((ld_t + kTileRows - 1) / kTileRows, 65535);
+  dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols), static_cast<unsigned>(row_tiles));
+  transpose_kernel<<<grid, kThreads, 0, stream>>>(data, rows, cols, ld_t, data_t);
+  FD_CHECK_LAUNCH();
+}
 
 void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out, cudaStream_t stream) {
   scales_kernel<<<1, 1, 0, stream>>>(scale, scale_out, scale_inv_out);

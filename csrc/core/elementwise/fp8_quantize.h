@@ -33,6 +33,10 @@ namespace fused_dense::core {
 //   columns are zeros): q = saturate(v * scale) in `format`, round to nearest even; NaN stays NaN;
 //   scale_out, scale_inv_out, amax_out: one float each (amax = max |v|, NaN if any v is NaN);
 //   column_sums [cols] in dtype: sum over rows of v (fp32 accumulation, in a fixed order).
+// In place: data may be pre_act itself when pre_act is e4m3 (pre_scale_inv set) and data_t is
+// null; each element's bytes are read before its quantized value is written there (the gated
+// backward's two halves of an interleave block by lanes of one warp, ordered by a warp barrier).
+// No other output may overlap an input.
 // scale null: current scaling (a first pass computes the amax, the scale follows from it; with
 // known_amax set, that amax of v, recorded by the GEMM that wrote the input, and no first pass);
 // else delayed scaling with *scale, the amax recorded in the same single pass.
@@ -64,6 +68,12 @@ struct Fp8QuantizeArgs {
 };
 
 std::size_t fp8_quantize_workspace_bytes(int device, const Fp8QuantizeArgs& args);
+// The transposed copy of FP8 bytes data [rows, cols] (row-major, cols a multiple of 16, both
+// pointers 16-byte aligned): data_t [cols, fp8_padded_rows(rows)], the padding columns zeros, the
+// bytes the quantize pass writes to data_t for the same values. With per-tensor scaling the
+// transposed copy of a quantized tensor is this byte transpose, so a caller can free the tensor's
+// high-precision source after the row-major pass and make data_t from data.
+void fp8_transpose(const uint8_t* data, int64_t rows, int64_t cols, uint8_t* data_t, cudaStream_t stream);
 // The scale outputs the quantize pass writes with delayed scaling, without the pass: *scale_out =
 // *scale and *scale_inv_out = 1 / *scale, the same bits (for a GEMM that quantized in its epilogue).
 void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out, cudaStream_t stream);

@@ -13,7 +13,8 @@
 //             out = fp8_linear(aq, W2q) + b2
 //   backward  gq = Q(grad_out) (grad_format; rowwise, transposed, column sums = grad of b2)
 //             d_act = fp8_linear(gq, W2q^T)                         (model dtype)
-//             dq = Q(d_act * act'(pre)) (grad_format; + transposed, column sums = grad of b1)
+//             dq = Q(d_act * act'(pre)) (grad_format; row-major, column sums = grad of b1), then
+//             its transposed copy from dq's bytes (fp8_transpose), once d_act and pre are freed
 //             grad_W2 = fp8_linear(gq^T, aq^T), grad_x = fp8_linear(dq, W1q^T),
 //             grad_W1 = fp8_linear(dq^T, xq^T)
 // The transposed copies are padded along the tokens to a multiple of 16 with zeros (the K of the
@@ -27,7 +28,8 @@
 // read), and backward's quantize of the activation's gradient reads pre' = dequantized Q(pre)
 // rounded to the model dtype in act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the
 // pre-activation, none of it rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits
-// from pre (off by default).
+// from pre (off by default); where backward may free it (no retain_graph), the gradient's row-major
+// FP8 copy is written over it (fp8_quantize_grad_), so the step holds no second tensor of its size.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
@@ -207,17 +209,32 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
     at::Tensor d_act =
         op_calls::fp8_linear(gq.data, w2.data_t, gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
     gq = Q{};
-    // With pre_in_fp8, s.pre is the e4m3 copy: the quantize op reads it dequantized (pre_scale_inv),
-    // with no tensor of pre in the model's dtype.
-    Q dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), p.need.x, p.need.w1,
-                    p.need.b1, s.pre_scale_inv.defined() ? Opt(s.pre_scale_inv) : Opt());
+    // The activation's gradient quantized row-major only, d_act and pre freed, then the transposed
+    // copy made from the row-major bytes (fp8_transpose: the bytes the quantize pass would have
+    // written), so the pass never holds d_act, pre and both copies at once. With pre_in_fp8, s.pre is
+    // the e4m3 copy, read dequantized (pre_scale_inv) with no tensor of pre in the model's dtype, and
+    // where this backward may free it, the row-major copy is written over it (fp8_quantize_grad_).
+    Q dq;
+    const bool pre8 = s.pre_scale_inv.defined();
+    const bool in_place = pre8 && free_saved && may_write_over(s.pre);
+    if (in_place) {
+      auto [sc, si, am, sums] = op_calls::fp8_quantize_grad_(s.pre, d_act, c.activation, c.grad_format,
+                                                             slot(scales, 3), p.need.b1, s.pre_scale_inv);
+      dq = Q{s.pre.view(fp8_scalar_type(static_cast<core::Fp8Format>(c.grad_format))), at::Tensor(), sc, si, am,
+             sums};
+      s.pre.reset();  // its storage is dq.data's now, freed with it below (the node still holds it)
+    } else {
+      dq = quantize(d_act, s.pre, c.activation, true, c.grad_format, slot(scales, 3), true, false, p.need.b1,
+                    pre8 ? Opt(s.pre_scale_inv) : Opt());
+      drop_saved(s.pre, free_saved);
+    }
     d_act.reset();
-    drop_saved(s.pre, free_saved);
     record_amax(amax_out, 3, dq.amax);
     if (p.need.b1) r.b1 = dq.sums;
+    if (p.need.w1) dq.data_t = op_calls::fp8_transpose(dq.data);
     if (p.need.x)
       r.x = op_calls::fp8_linear(dq.data, w1.data_t, dq.scale_inv, w1.scale_inv, std::nullopt, dtype, false, -2);
-    dq.data.reset();
+    drop_saved(dq.data, in_place);
     if (p.need.w1)
       r.w1 = op_calls::fp8_linear(dq.data_t, s.x_t, dq.scale_inv, s.x_scale_inv, std::nullopt, weight_dtype, false,
                                   -2);

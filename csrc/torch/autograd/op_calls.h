@@ -94,6 +94,23 @@ inline Fp8Quantized fp8_quantize(const at::Tensor& input, const OptTensor& pre_a
                  pre_scale_inv, input_fp8, input_scale_inv);
 }
 
+using Fp8QuantizedGrad = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+inline Fp8QuantizedGrad fp8_quantize_grad_(const at::Tensor& pre_act, const at::Tensor& input, int64_t activation,
+                                           int64_t fp8_format, const OptTensor& scale, bool column_sums,
+                                           const at::Tensor& pre_scale_inv) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_quantize_grad_", "")
+                       .typed<Fp8QuantizedGrad(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
+                                               bool, const at::Tensor&)>();
+  return op.call(pre_act, input, activation, fp8_format, scale, column_sums, pre_scale_inv);
+}
+
+inline at::Tensor fp8_transpose(const at::Tensor& data) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fused_dense::fp8_transpose", "")
+                       .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(data);
+}
+
 inline at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                              const at::Tensor& weight_scale_inv, const OptTensor& bias, at::ScalarType out_dtype,
                              bool fast_accum, int64_t heuristic) {

@@ -76,6 +76,27 @@ Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::opt
   return {data, data_t, s, at::reciprocal(s), amax.reshape({}), sums};
 }
 
+Fp8QuantizeGradResult fp8_quantize_grad_reference_(const at::Tensor& pre_act, const at::Tensor& input,
+                                                   int64_t activation, int64_t fp8_format,
+                                                   const std::optional<at::Tensor>& scale, bool column_sums,
+                                                   const at::Tensor& pre_scale_inv) {
+  check_fp8_quantize_grad_(pre_act, input, activation, fp8_format, scale, pre_scale_inv);
+  auto [data, data_t, s, s_inv, amax, sums] = fp8_quantize_reference(
+      input, pre_act, activation, true, fp8_format, scale, true, false, column_sums, pre_scale_inv, std::nullopt,
+      std::nullopt);
+  (void)data_t;
+  pre_act.view(at::kByte).copy_(data.view(at::kByte));  // read in full above, then written over
+  return {s, s_inv, amax, sums};
+}
+
+at::Tensor fp8_transpose_reference(const at::Tensor& data) {
+  check_fp8_transpose(data);
+  const int64_t R = data.size(0), C = data.size(1);
+  at::Tensor t = at::zeros({C, core::fp8_padded_rows(R)}, data.options().dtype(at::kByte));
+  t.narrow(1, 0, R).copy_(data.view(at::kByte).t());
+  return t.view(data.scalar_type());
+}
+
 at::Tensor fp8_linear_reference(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                                 const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                                 at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
@@ -109,6 +130,8 @@ Fp8LinearActResult fp8_linear_act_reference(const at::Tensor& input, const at::T
 
 TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_reference);
+  m.impl("fp8_quantize_grad_", &fused_dense::fp8_quantize_grad_reference_);
+  m.impl("fp8_transpose", &fused_dense::fp8_transpose_reference);
   m.impl("fp8_linear", &fused_dense::fp8_linear_reference);
   m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_reference);
 }

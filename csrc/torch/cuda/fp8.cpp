@@ -93,6 +93,37 @@ Fp8QuantizeResult fp8_quantize_cuda(const at::Tensor& input, const std::optional
   return res;
 }
 
+Fp8QuantizeGradResult fp8_quantize_grad_cuda_(const at::Tensor& pre_act, const at::Tensor& input, int64_t activation,
+                                              int64_t fp8_format, const std::optional<at::Tensor>& scale,
+                                              bool column_sums, const at::Tensor& pre_scale_inv) {
+  constexpr const char* op = "fused_dense::fp8_quantize_grad_";
+  check_fp8_quantize_grad_(pre_act, input, activation, fp8_format, scale, pre_scale_inv);
+  TORCH_CHECK_VALUE(pre_act.numel() == 0 || aligned16(pre_act), op, ": pre_act must be 16-byte aligned (it is "
+                    "written in place), got address ", pre_act.data_ptr());
+  c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = aligned16(input) ? input : input.clone();
+  const auto [s, s_inv, amax, sums] = empty_fp8_quantize_grad(x, activation, column_sums);
+  // The quantize pass's data is pre_act's own bytes (fp8_quantize.h, in place).
+  Fp8QuantizeResult res{pre_act, at::Tensor(), s, s_inv, amax, sums};
+  const float* sc = (scale.has_value() && scale->defined()) ? scale->data_ptr<float>() : nullptr;
+  quantize_into(x, pre_act, activation, true, fp8_format, sc, nullptr, true, false, column_sums, res,
+                pre_scale_inv.data_ptr<float>());
+  return {s, s_inv, amax, sums};
+}
+
+at::Tensor fp8_transpose_cuda(const at::Tensor& data) {
+  check_fp8_transpose(data);
+  c10::cuda::CUDAGuard guard(data.device());
+  const at::Tensor d = aligned16(data) ? data : data.clone();
+  at::Tensor out = empty_output({d.size(1), core::fp8_padded_rows(d.size(0))}, d.options());
+  const int device = d.get_device();
+  run_core([&] {
+    core::fp8_transpose(static_cast<const uint8_t*>(d.data_ptr()), d.size(0), d.size(1),
+                        static_cast<uint8_t*>(out.data_ptr()), at::cuda::getCurrentCUDAStream(device).stream());
+  });
+  return out;
+}
+
 at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                            const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                            at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
@@ -186,6 +217,8 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
 
 TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_cuda);
+  m.impl("fp8_quantize_grad_", &fused_dense::fp8_quantize_grad_cuda_);
+  m.impl("fp8_transpose", &fused_dense::fp8_transpose_cuda);
   m.impl("fp8_linear", &fused_dense::fp8_linear_cuda);
   m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_cuda);
 }

@@ -18,6 +18,18 @@ Fp8QuantizeResult fp8_quantize_meta(const at::Tensor& input, const std::optional
                             column_sums);
 }
 
+Fp8QuantizeGradResult fp8_quantize_grad_meta_(const at::Tensor& pre_act, const at::Tensor& input, int64_t activation,
+                                              int64_t fp8_format, const std::optional<at::Tensor>& scale,
+                                              bool column_sums, const at::Tensor& pre_scale_inv) {
+  check_fp8_quantize_grad_(pre_act, input, activation, fp8_format, scale, pre_scale_inv);
+  return empty_fp8_quantize_grad(input, activation, column_sums);
+}
+
+at::Tensor fp8_transpose_meta(const at::Tensor& data) {
+  check_fp8_transpose(data);
+  return at::empty({data.size(1), core::fp8_padded_rows(data.size(0))}, data.options());
+}
+
 at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                            const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                            at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
@@ -43,6 +55,8 @@ Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor
 
 TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_meta);
+  m.impl("fp8_quantize_grad_", &fused_dense::fp8_quantize_grad_meta_);
+  m.impl("fp8_transpose", &fused_dense::fp8_transpose_meta);
   m.impl("fp8_linear", &fused_dense::fp8_linear_meta);
   m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_meta);
 }
