@@ -794,7 +794,9 @@ def test_mlp_backward_quantizes_the_gradient_row_major_then_transposes(device, a
     """The backward quantizes the activation's gradient row-major and makes its transposed copy
     from those bytes (fp8_transpose) once d_act and pre are gone; with save_pre_fp8 at level 0 and
     no retain_graph the row-major copy is written over pre's e4m3 copy (fp8_quantize_grad_), with a
-    kept graph or at level 1 out of place. The same bits either way."""
+    kept graph or at level 1 out of place. With save_pre_fp8 at level 0 the forward makes the
+    activation's transposed copy the same way. The same bits either way (and the references of
+    the other tests check the bits of both paths)."""
     from conftest import OpLog
     torch.manual_seed(0)
     recipe = Float8Recipe(min_features=0, save_pre_fp8=save_pre_fp8)
@@ -808,7 +810,10 @@ def test_mlp_backward_quantizes_the_gradient_row_major_then_transposes(device, a
     params = [x, *m.parameters()]
     runs = {}
     for retain in (True, False):
-        out = m(x)
+        with OpLog() as log:
+            out = m(x)
+        # with pre's e4m3 copy kept, the activation's transposed copy is made after pre is freed
+        assert log.names.count("fp8_transpose") == (1 if save_pre_fp8 and lvl == 0 else 0), log.names
         with OpLog() as log:
             runs[retain] = torch.autograd.grad(out, params, g, retain_graph=retain)
         in_place = "fp8_quantize_grad_" in log.names

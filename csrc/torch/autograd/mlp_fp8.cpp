@@ -134,17 +134,22 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   const Opt pre8 = pre_copy ? Opt(at::empty({x.size(0), pre_cols}, x.options().dtype(at::kFloat8_e4m3fn)))
                             : std::nullopt;
   const Opt pre8_si = pre_copy ? Opt(at::empty({}, x.options().dtype(at::kFloat))) : std::nullopt;
+  // With pre's e4m3 copy kept, the pass over pre writes pre8 and the activation's copies while pre
+  // is alive: the activation's transposed copy is then made from its row-major bytes after pre is
+  // freed (fp8_transpose, the same bytes), so that pass holds one FP8 copy of the activation.
+  const bool a_t_after_pre = pre_copy && p.keep_act_out;
+  const bool a_t_now = p.keep_act_out && !a_t_after_pre;
   at::Tensor pre;
   Q aq;
   if (fc1_one_op(c)) {
     auto [pr, d, t, sc, si, am] = op_calls::fp8_linear_act(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype,
-                                                           c.activation, slot(scales, 1), p.keep_act_out, pre8,
-                                                           pre8_si);
+                                                           c.activation, slot(scales, 1), a_t_now, pre8, pre8_si);
     pre = pr;
     aq = Q{d, t, sc, si, am, at::Tensor()};
   } else {
     pre = op_calls::fp8_linear(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype, true, -2);
-    aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, p.keep_act_out, false,
+    if (s != nullptr && !p.recompute_fc1) xq.data.reset();  // x's row-major copy has no reader left
+    aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, a_t_now, false,
                   std::nullopt, pre8, pre8_si);
   }
   record_amax(amax_out, 1, aq.amax);
@@ -157,7 +162,6 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
       s->pre = *pre8;
       s->pre_scale_inv = *pre8_si;
     }
-    s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
     s->a_scale = aq.scale;
     s->a_scale_inv = aq.scale_inv;
   }
@@ -166,6 +170,8 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   // rebuilds it.
   xq = Q{};
   pre.reset();
+  if (a_t_after_pre) aq.data_t = op_calls::fp8_transpose(aq.data);
+  if (s != nullptr) s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
   aq.data_t.reset();
   return op_calls::fp8_linear(aq.data, w2.data, aq.scale_inv, w2.scale_inv, b2, dtype, true, -2);
 }
