@@ -88,10 +88,14 @@ def environment(device, argv, commit=None, fused_dense_import_error=None):
         env["fused_dense_cuda_kernels"] = bool(fused_dense.has_cuda_kernels())
     except Exception:  # noqa: BLE001
         pass
-    commit = (commit or _git("rev-parse", "HEAD", timeout=20) or "").strip().lower()
+    # The commit: the caller's, else $FUSED_DENSE_COMMIT (a copy of a tree whose .git lags its files,
+    # as on the GPU machine), else HEAD. Dirtiness is HEAD's against the files, so it is recorded
+    # only where the commit is HEAD; git_tree identifies the files either way.
+    head = (_git("rev-parse", "HEAD", timeout=20) or "").strip().lower()
+    commit = (commit or os.environ.get("FUSED_DENSE_COMMIT") or head).strip().lower()
     ok = 7 <= len(commit) <= 40 and all(c in "0123456789abcdef" for c in commit)
     env["git_commit"] = commit if ok else None
-    status = _git("status", "--porcelain", "--untracked-files=no", timeout=20) if ok else None
+    status = _git("status", "--porcelain", "--untracked-files=no", timeout=20) if ok and head.startswith(commit) else None
     env["git_dirty"] = None if status is None else bool(status)
     env["git_tree"] = source_tree_id()
     if device.type == "cuda":
