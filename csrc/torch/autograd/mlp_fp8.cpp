@@ -28,7 +28,8 @@
 // read), and backward's quantize of the activation's gradient reads pre' = dequantized Q(pre)
 // rounded to the model dtype in act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the
 // pre-activation, none of it rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits
-// from pre (off by default); where backward may free it (no retain_graph), the gradient's row-major
+// from pre (off by default); the forward then makes aq^T from aq's bytes after pre is freed
+// (fp8_transpose), and where backward may free Q(pre) (no retain_graph) the gradient's row-major
 // FP8 copy is written over it (fp8_quantize_grad_), so the step holds no second tensor of its size.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
