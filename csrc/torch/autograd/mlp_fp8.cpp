@@ -28,8 +28,8 @@
 // read), and backward's quantize of the activation's gradient reads pre' = dequantized Q(pre)
 // rounded to the model dtype in act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the
 // pre-activation, none of it rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits
-// from pre (off by default); the forward then makes aq^T from aq's bytes after pre is freed
-// (fp8_transpose), and where backward may free Q(pre) (no retain_graph) the gradient's row-major
+// from pre (off by default); the forward then makes aq^T from aq's bytes (fp8_transpose) and x's
+// transposed copy from x at x's scale after pre is freed, and where backward may free Q(pre) (no retain_graph) the gradient's row-major
 // FP8 copy is written over it (fp8_quantize_grad_), so the step holds no second tensor of its size.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
@@ -127,10 +127,14 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
                        const Fp8Weight& w1, const Opt& b1, const Fp8Weight& w2, const Opt& b2, const Opt& scales,
                        const Opt& amax_out, Fp8MlpSaved* s) {
   const auto dtype = x.scalar_type();
-  Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1, kMlpOp);
-  record_amax(amax_out, 0, xq.amax);
   // pre's e4m3 copy, written by the ops that read pre for the activation (pre_in_fp8 and kept).
   const bool pre_copy = s != nullptr && p.keep_pre && c.pre_in_fp8();
+  // With pre's e4m3 copy kept, the pass over pre is the forward's peak: x's transposed copy (for
+  // fc1's weight gradient) is made after it, from x with x's own scale (the same bytes), unless
+  // the caller handed x's copies over.
+  const bool x_t_after_pre = pre_copy && p.keep_act_out && p.need.w1 && x_fp8.empty();
+  Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1 && !x_t_after_pre, kMlpOp);
+  record_amax(amax_out, 0, xq.amax);
   const int64_t pre_cols = w1.data.size(0);
   const Opt pre8 = pre_copy ? Opt(at::empty({x.size(0), pre_cols}, x.options().dtype(at::kFloat8_e4m3fn)))
                             : std::nullopt;
@@ -169,8 +173,10 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   // What fc2 does not read is released before its output is allocated (the transient peak): x's
   // copies and pre where nothing keeps them, the activation's transposed copy where level 1 / 2
   // rebuilds it.
+  const at::Tensor x_scale = xq.scale;
   xq = Q{};
   pre.reset();
+  if (x_t_after_pre) s->x_t = quantize(x, std::nullopt, 0, false, kE4M3, x_scale, false, true, false).data_t;
   if (a_t_after_pre) aq.data_t = op_calls::fp8_transpose(aq.data);
   if (s != nullptr) s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
   aq.data_t.reset();
