@@ -274,6 +274,25 @@ struct CastParams {
   float* input_scale_inv_out;       // kInput
 };
 
+// A block's tile of FP8 bytes (rows t0 + [0, 128), columns c0 + [0, 64), row-major in shared
+// memory, rows padded by 4 bytes) stored transposed into data_t [cols, ld_t]: 64 columns x 8
+// chunks of 16 rows, thread k writing rows [16 (k % 8), +16) of column k / 8 in one 16-byte store.
+__device__ __forceinline__ void store_tile_transposed(const uint8_t (&tile)[kTileRows][kTileCols + 4], int64_t c0,
+                                                      int64_t t0, int64_t cols, int64_t ld_t, uint8_t* data_t) {
+#pragma unroll
+  for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
+    const int k = i * kThreads + threadIdx.x;
+    const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
+    const int64_t out_row = c0 + c, out_col = t0 + rc;
+    if (out_row < cols && out_col < ld_t) {
+      __align__(16) uint8_t b[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
+      *reinterpret_cast<uint4*>(data_t + out_row * ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
+    }
+  }
+}
+
 // Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
 // tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t. kInput (forward
 // modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
@@ -361,19 +380,7 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
     }
     if (p.data_t != nullptr) {
       __syncthreads();
-      // 64 columns x 8 chunks of 16 rows: thread k writes rows [16 (k % 8), +16) of column k / 8.
-#pragma unroll
-      for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
-        const int k = i * kThreads + threadIdx.x;
-        const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
-        const int64_t out_row = c0 + c, out_col = t0 + rc;
-        if (out_row < p.cols && out_col < p.ld_t) {
-          __align__(16) uint8_t b[kChunk];
-#pragma unroll
-          for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
-          *reinterpret_cast<uint4*>(p.data_t + out_row * p.ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
-        }
-      }
+      store_tile_transposed(tile, c0, t0, p.cols, p.ld_t, p.data_t);
       __syncthreads();  // the tile is rewritten by the next rows
     }
   }
@@ -505,8 +512,8 @@ void check_args(const Fp8QuantizeArgs& a) {
 }
 
 // fp8_transpose: block (bx, by) moves 128-row x 64-column tiles (columns 64 bx; rows 128 by, then
-// every gridDim.y tiles on) through shared memory, in the cast pass's data_t layout and stores (16
-// rows of one column a store); rows past `rows` (up to the padded count) are zeros.
+// every gridDim.y tiles on) through shared memory and stores them as the cast pass stores data_t;
+// rows past `rows` (up to the padded count) are zeros.
 __global__ void __launch_bounds__(kThreads)
     transpose_kernel(const uint8_t* __restrict__ data, int64_t rows, int64_t cols, int64_t ld_t,
                      uint8_t* __restrict__ data_t) {
@@ -530,18 +537,7 @@ __global__ void __launch_bounds__(kThreads)
       dst[1] = w[pass].y;
     }
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
-      const int k = i * kThreads + threadIdx.x;
-      const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
-      const int64_t out_row = c0 + c, out_col = t0 + rc;
-      if (out_row < cols && out_col < ld_t) {
-        __align__(16) uint8_t b[kChunk];
-#pragma unroll
-        for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
-        *reinterpret_cast<uint4*>(data_t + out_row * ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
-      }
-    }
+    store_tile_transposed(tile, c0, t0, cols, ld_t, data_t);
     __syncthreads();  // the tile is rewritten by the next rows
   }
 }
