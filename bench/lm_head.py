@@ -15,6 +15,8 @@ states' and the weight's gradients):
   liger       liger_kernel's LigerFusedLinearCrossEntropyLoss, where liger_kernel imports (else
               recorded unavailable)
   fused       fused_dense.loss.linear_cross_entropy
+  fused_fp8   the same with fp8=True (the logits' and the input gradient's GEMMs in FP8; off by
+              default in the library, measured beside; the targets are the default's)
 
 Reported per shape and variant: ms (median over --rounds interleaved rounds of bench.timing's
 Bench, every round's block after its own warm-up), peak memory over what was allocated before the
@@ -49,7 +51,7 @@ from bench.timing import MIB, Bench, step_memory  # noqa: E402
 
 D, VOCABS, TOKENS = 4096, (32000, 128256), (8192, 16384)
 CPU_D, CPU_VOCABS, CPU_TOKENS = 64, (512, 1000), (128, 256)
-VARIANTS = ("hf_eager", "hf_compile", "liger", "fused")
+VARIANTS = ("hf_eager", "hf_compile", "liger", "fused", "fused_fp8")
 IGNORE_INDEX, IGNORED_SHARE = -100, 0.05
 REFERENCE_ROWS = 1024
 TARGETS = {"time_vs_hf_compile": 1.0, "time_vs_liger": 0.95, "peak_vs_liger": 1.15, "error_vs_hf_eager": 1.0}
@@ -90,14 +92,17 @@ def make_variant(name, device):
             out = liger(weight, x, target)
             return out[0] if isinstance(out, tuple) else out
         return liger_loss
-    if name == "fused":
+    if name in ("fused", "fused_fp8"):
         try:
             from fused_dense.loss import linear_cross_entropy
         except Exception as exc:  # noqa: BLE001 - a build without the op is recorded, not fatal
             raise Unavailable(f"fused_dense.loss not importable: {type(exc).__name__}: {exc}") from exc
+        fp8 = name == "fused_fp8"
+        if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise Unavailable("FP8 needs compute capability 8.9+")
 
         def fused_loss(x, weight, target):
-            return linear_cross_entropy(x, weight, target, ignore_index=IGNORE_INDEX)
+            return linear_cross_entropy(x, weight, target, ignore_index=IGNORE_INDEX, fp8=fp8)
         return fused_loss
     raise ValueError(f"unknown variant {name!r}")
 

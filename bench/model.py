@@ -34,6 +34,18 @@ and, on request (--variants):
   fd_fp8_current_lce_compile    convert_model(fp8=current, linear_cross_entropy=True): FP8 with the
                                 fused LM head and loss, uncompiled and compiled
   fd_fp8_current_pre_lce_compile  the same compiled with save_pre_fp8=True
+  fd_fp8_current_mf1024_compile as fd_fp8_current_compile with Float8Recipe(min_features=1024): the
+                                1024-wide k / v projections (8 KV heads) in FP8 too, as torchao's
+  fd_lce8_compile,
+  fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
+                                GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
+                                loss curves against hf_eager are #42's check of that option
+--causal-sdpa: every variant's causal mask left to SDPA's is_causal under torch.compile as in
+eager (causal_sdpa_under_compile below; the batches have no padding). transformers skips
+materialising a causal mask without padding in eager, but under torch.compile with torch < 2.14
+it cannot tell compiling from exporting and builds the [seq, seq] mask: SDPA then runs with an
+explicit mask, no is_causal and the KV heads repeated (no enable_gqa), which is not the flash
+kernel. The JSON and markdown say when it was set.
 The GPT-2 config runs the bf16 variants only (its MLP is what the main job measures).
 
 Reported per config and variant: ms a step (median over rounds of each round's median; the first
@@ -90,7 +102,8 @@ DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_
                     "fd_fp8_delayed_compile", "torchao_compile", "fd_fp8_current_eager"]
 VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre_compile", "fd_lce_compile",
                                "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
-                               "fd_fp8_current_pre_lce_compile"]
+                               "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
+                               "fd_fp8_current_lce8_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -151,6 +164,33 @@ class Unavailable(Exception):
     pass
 
 
+def causal_sdpa_under_compile():
+    """Let transformers' SDPA masks skip a pure causal mask under torch.compile as they do in
+    eager (--causal-sdpa; the module docstring says why). The skip is taken where there is no
+    padding mask, no sliding window and as many queries as keys; anything else keeps transformers'
+    rule. Returns a description, or raises Unavailable where transformers has no such rule."""
+    import transformers.masking_utils as mu
+    original = getattr(mu, "_ignore_causal_mask_sdpa", None)
+    if original is None:
+        raise Unavailable("transformers.masking_utils has no _ignore_causal_mask_sdpa")
+    if getattr(original, "_bench_causal_sdpa", False):
+        return "already set"
+
+    import inspect
+    signature = inspect.signature(original)
+
+    def skip(padding_mask, q_length, kv_length, *args, **kwargs):
+        window = signature.bind(padding_mask, q_length, kv_length, *args, **kwargs).arguments.get(
+            "local_attention_size")
+        if padding_mask is None and window is None and q_length == kv_length:
+            return True
+        return original(padding_mask, q_length, kv_length, *args, **kwargs)
+
+    skip._bench_causal_sdpa = True
+    mu._ignore_causal_mask_sdpa = skip
+    return "transformers' causal mask skipped under torch.compile (no padding), as in eager"
+
+
 def make_variant(key, base, device):
     """(model, what was done to it): a deep copy of base, converted and compiled as key says."""
     import fused_dense
@@ -163,11 +203,15 @@ def make_variant(key, base, device):
                 raise Unavailable("FP8 variants run on the GPU")
             fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed",
                                            compiled_input_quantize="op" if "_opq_" in key else "traced",
-                                           save_pre_fp8="_pre_" in key)
-        lce = "_lce_" in key
+                                           save_pre_fp8="_pre_" in key,
+                                           **({"min_features": 1024} if "_mf1024_" in key else {}))
+        lce_fp8 = "_lce8_" in key
+        lce = "_lce_" in key or lce_fp8
         rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce)
         note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}): {len(rep.converted)} converted, "
                 f"{len(rep.left)} left")
+        if lce_fp8:
+            note += "; " + fused_dense.use_fused_linear_cross_entropy(model, fp8=True)
     elif key.startswith("torchao"):
         try:
             from torchao.float8 import convert_to_float8_training
@@ -531,6 +575,9 @@ def markdown(res):
             L += [f"Measured in another call: commit {str(ce.get('git_commit'))[:12]}, {ce.get('date_utc', '')}.", ""]
         if c.get("steps_per_round", res["steps_per_round"]) != res["steps_per_round"]:
             L += [f"{res['rounds']} interleaved rounds of {c['steps_per_round']} steps here.", ""]
+        if c.get("causal_sdpa"):
+            L += ["Every variant with `--causal-sdpa`: SDPA's is_causal under torch.compile as in eager, no "
+                  "materialised causal mask (bench/model.py).", ""]
         L += ["| variant | ms a step | tokens/s | vs hf_eager | vs hf_compile | step memory over resident (MiB) "
               "| loss gap to hf_eager | what |", "|---|---|---|---|---|---|---|---|"]
         for key, v in c["variants"].items():
@@ -597,6 +644,8 @@ def parse_args(argv):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps-per-round", type=int, default=40, help="steps per variant and round (5 x 40 = 200)")
     p.add_argument("--compile-cpu", action="store_true", help="include the compiled variants on the CPU")
+    p.add_argument("--causal-sdpa", action="store_true",
+                   help="every variant: SDPA's is_causal under torch.compile as in eager (module docstring)")
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps")
     p.add_argument("--merge", metavar="FILE.json",
                    help="keep the configs of this earlier result that this run does not measure (one record "
@@ -638,6 +687,9 @@ def main(argv=None):
             env[mod] = None
     res = {"environment": env, "targets": TARGETS, "rounds": args.rounds, "steps_per_round": args.steps_per_round,
            "configs": {}}
+    if args.causal_sdpa:
+        res["causal_sdpa"] = causal_sdpa_under_compile()
+        log(f"--causal-sdpa: {res['causal_sdpa']}")
     earlier = {}
     if args.merge:
         with open(args.merge) as f:
@@ -650,6 +702,7 @@ def main(argv=None):
         res["configs"][name] = run_config(name, args.config_table[name], args, device, data)
         res["configs"][name]["environment"] = env
         res["configs"][name]["steps_per_round"] = args.steps_per_round
+        res["configs"][name]["causal_sdpa"] = args.causal_sdpa
         # written after each config, so a run cut short keeps what it measured
         for other, c in earlier.items():
             if other not in args.configs:

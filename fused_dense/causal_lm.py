@@ -136,13 +136,15 @@ def _output_class(cls: type) -> Optional[type]:
     return out if {"loss", "logits"} <= names else None
 
 
-def use_fused_linear_cross_entropy(model: nn.Module, *, chunk_size: Optional[int] = None) -> str:
+def use_fused_linear_cross_entropy(model: nn.Module, *, chunk_size: Optional[int] = None, fp8: bool = False) -> str:
     """Makes `model` (a supported transformers causal LM, module docstring) compute its training
     loss with :func:`fused_dense.loss.linear_cross_entropy`, without materialising the logits.
 
     chunk_size: tokens per chunk of the fused loss (None: the op's rule).
+    fp8: the head's logits and input-gradient GEMMs in FP8 (:func:`fused_dense.loss.linear_cross_entropy`'s
+        ``fp8``; off by default).
     Returns a one-line description of what now computes the loss. Calling it again on the same
-    model updates chunk_size. A model it does not support is a ValueError naming its class and the
+    model updates chunk_size and fp8. A model it does not support is a ValueError naming its class and the
     reason (the supported families among it).
     """
     if not isinstance(model, nn.Module):
@@ -150,15 +152,18 @@ def use_fused_linear_cross_entropy(model: nn.Module, *, chunk_size: Optional[int
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0):
         raise ValueError(f"use_fused_linear_cross_entropy: chunk_size must be a positive int or None, "
                          f"got {chunk_size!r}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"use_fused_linear_cross_entropy: fp8 must be True or False, got {type(fp8).__name__}")
     name, why = causal_lm_family(model)
     if name is None:
         raise ValueError(f"use_fused_linear_cross_entropy: {why}")
     cls = next(c for c in type(model).__mro__ if c.__name__ == name)
-    setattr(model, _SETTINGS, {"chunk_size": chunk_size})
+    setattr(model, _SETTINGS, {"chunk_size": chunk_size, "fp8": fp8})
     model.forward = types.MethodType(_fused_forward(cls), model)
     family = _FAMILIES[name]
     softcap = f", softcap config.{family.softcap}" if family.softcap else ""
-    return (f"{name}: training loss (labels given, model.training) through fused_dense linear_cross_entropy "
+    in_fp8 = " in FP8" if fp8 else ""
+    return (f"{name}: training loss (labels given, model.training) through fused_dense linear_cross_entropy{in_fp8} "
             f"from .{family.decoder}'s last hidden state and lm_head{softcap}; logits not returned in training")
 
 
@@ -190,14 +195,14 @@ def _fused_forward(cls: type):
         outputs = getattr(self, family.decoder)(**arguments, **extra)
         hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
         softcap = (getattr(self.config, family.softcap, None) or None) if family.softcap else None
-        loss = _causal_lm_loss(self.lm_head, hidden, labels, extra, softcap, getattr(self, _SETTINGS)["chunk_size"])
+        loss = _causal_lm_loss(self.lm_head, hidden, labels, extra, softcap, **getattr(self, _SETTINGS))
         result = output_class(loss=loss, logits=None, **{n: getattr(outputs, n, None) for n in carried})
         return result if return_dict else result.to_tuple()
 
     return forward
 
 
-def _causal_lm_loss(head: nn.Linear, hidden, labels, extra: dict, softcap, chunk_size):
+def _causal_lm_loss(head: nn.Linear, hidden, labels, extra: dict, softcap, chunk_size, fp8):
     """transformers' ForCausalLMLoss(head(hidden), labels, **extra) with the head and the loss fused."""
     ignore_index = extra.get("ignore_index", -100)
     shift_labels = extra.get("shift_labels")
@@ -210,4 +215,4 @@ def _causal_lm_loss(head: nn.Linear, hidden, labels, extra: dict, softcap, chunk
                          f"{tuple(shift_labels.shape)}), the decoder {x.shape[0]} hidden states "
                          f"(shape {tuple(hidden.shape[:-1])})")
     return linear_cross_entropy(x, head.weight, target, head.bias, ignore_index=ignore_index, softcap=softcap,
-                                num_items_in_batch=extra.get("num_items_in_batch"), chunk_size=chunk_size)
+                                num_items_in_batch=extra.get("num_items_in_batch"), chunk_size=chunk_size, fp8=fp8)

@@ -50,7 +50,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
                          ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
                          softcap: Optional[float] = None, reduction: str = "mean",
                          num_items_in_batch: Union[None, int, float, Tensor] = None,
-                         chunk_size: Optional[int] = None) -> Tensor:
+                         chunk_size: Optional[int] = None, fp8: bool = False) -> Tensor:
     """``cross_entropy(softcap(x @ weight.T + bias), target)`` without materialising the logits.
 
     x: ``[..., d]`` (the hidden states); weight: ``[vocab, d]``; target: int64 ``[...]`` (x's leading
@@ -64,6 +64,11 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     Face's gradient-accumulation normalisation: the sum over this batch divided by it).
     chunk_size: tokens per chunk (None: the op's rule, docs/contract.md; what it picks:
         ``torch.ops.fused_dense.linear_cross_entropy_chunk_rows(tokens, d, 0)``).
+    fp8: the logits' GEMM and the input gradient's in FP8 (per-tensor current scaling: x and the
+        weight in e4m3, each chunk's logits' gradient in e5m2; the weight's gradient stays in the
+        model's dtype); off by default. Needs d and the vocabulary multiples of 16 and, on a GPU,
+        compute capability 8.9 or later; holds the weight's two FP8 copies (2 · vocab · d bytes)
+        through the call. docs/contract.md, "The LM head".
 
     Returns the loss in float32 (float64 for float64 inputs). The input, weight and bias gradients are computed during the forward
     when ``reduction`` is ``'mean'`` or ``'sum'`` (backward then scales them by the incoming
@@ -85,15 +90,17 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
         code = REDUCTIONS["sum"]
     if not isinstance(target, Tensor):
         raise TypeError(f"linear_cross_entropy: target must be a tensor, got {type(target).__name__}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"linear_cross_entropy: fp8 must be True or False, got {type(fp8).__name__}")
     dtype, autocast = compute_dtype(x)
     if autocast:
         x = cast_for_op(x, dtype, True)
         weight, bias = cast_for_op(weight, dtype, True), cast_for_op(bias, dtype, True)
         with autocast_off(x.device.type):
             return _op(x, weight, bias, target, ignore_index, float(label_smoothing), float(z_loss), float(softcap),
-                       code, divisor, chunk_size)
+                       code, divisor, chunk_size, fp8)
     return _op(x, weight, bias, target, ignore_index, float(label_smoothing), float(z_loss), float(softcap), code,
-               divisor, chunk_size)
+               divisor, chunk_size, fp8)
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):
@@ -101,19 +108,20 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     with the loss's settings held by the module (it has no parameters: pass the LM head's)."""
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-                 softcap: Optional[float] = None, reduction: str = "mean", chunk_size: Optional[int] = None) -> None:
+                 softcap: Optional[float] = None, reduction: str = "mean", chunk_size: Optional[int] = None,
+                 fp8: bool = False) -> None:
         super().__init__()
         _reduction_code(reduction)
         self.ignore_index, self.label_smoothing, self.z_loss = ignore_index, label_smoothing, z_loss
-        self.softcap, self.reduction, self.chunk_size = softcap, reduction, chunk_size
+        self.softcap, self.reduction, self.chunk_size, self.fp8 = softcap, reduction, chunk_size, fp8
 
     def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None,
                 num_items_in_batch=None) -> Tensor:
         return linear_cross_entropy(x, weight, target, bias, ignore_index=self.ignore_index,
                                     label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     reduction=self.reduction, num_items_in_batch=num_items_in_batch,
-                                    chunk_size=self.chunk_size)
+                                    chunk_size=self.chunk_size, fp8=self.fp8)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
-                f"softcap={self.softcap}, reduction={self.reduction!r}, chunk_size={self.chunk_size}")
+                f"softcap={self.softcap}, reduction={self.reduction!r}, chunk_size={self.chunk_size}, fp8={self.fp8}")

@@ -696,6 +696,57 @@ def test_model_section_runs_on_cpu(tmp_path):
     assert "Measured in another call: commit 0123456789ab" in bench_model.markdown(merged)
 
 
+def test_model_causal_sdpa_leaves_the_mask_to_is_causal_under_compile(monkeypatch):
+    """bench.model --causal-sdpa: a compiled Llama's SDPA call gets is_causal and no mask (with
+    torch < 2.14 transformers builds the mask under torch.compile), the same logits as eager."""
+    transformers = pytest.importorskip("transformers")
+    import transformers.masking_utils as mu
+    from bench import model as bench_model
+
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", mu._ignore_causal_mask_sdpa)  # restored after the test
+    torch.manual_seed(0)
+    conf = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(conf).eval()
+    ids = torch.randint(0, 128, (2, 32))
+
+    def compiled_sdpa_calls():
+        calls = []
+
+        def backend(gm, example_inputs):
+            calls.extend(dict(n.kwargs) for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+            return gm.forward
+
+        torch._dynamo.reset()
+        with torch.no_grad():
+            logits = torch.compile(model, backend=backend)(ids).logits
+        return calls, logits
+
+    with torch.no_grad():
+        eager = model(ids).logits
+    before, _ = compiled_sdpa_calls()
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14):
+        assert before and before[0].get("attn_mask") is not None, before
+    assert "skipped" in bench_model.causal_sdpa_under_compile()
+    assert bench_model.causal_sdpa_under_compile() == "already set"
+    after, logits = compiled_sdpa_calls()
+    torch._dynamo.reset()
+    assert after and all(k.get("attn_mask") is None and k.get("is_causal") is True for k in after), after
+    assert torch.allclose(logits, eager, rtol=1e-5, atol=1e-5)
+    # the skip is taken only without padding or window and with as many queries as keys
+    def rule(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        return "transformers' rule"
+
+    monkeypatch.setattr(mu, "_ignore_causal_mask_sdpa", rule)
+    bench_model.causal_sdpa_under_compile()
+    skip = mu._ignore_causal_mask_sdpa
+    assert skip(None, 8, 8, 0, 0) is True and skip(None, 8, 8, 0, 0, None) is True
+    assert skip(None, 8, 8, 0, 0, 4) == skip(None, 8, 8, 0, 0, local_attention_size=4) == "transformers' rule"
+    assert skip(torch.ones(1, 8, dtype=torch.bool), 8, 8, 0, 0) == "transformers' rule"
+    assert skip(None, 1, 8, 7, 0) == "transformers' rule"
+
+
 def test_lm_head_section_runs_on_cpu(tmp_path):
     """bench.lm_head: Hugging Face's LM head + loss against the fused one at tiny shapes, interleaved,
     with errors against float64 and targets reported, and a markdown the report code rewrites the
@@ -706,8 +757,8 @@ def test_lm_head_section_runs_on_cpu(tmp_path):
         res = json.load(f)
     (shape,) = res["shapes"]
     vs = shape["variants"]
-    assert set(vs) == {"hf_eager", "hf_compile", "liger", "fused"}, sorted(vs)
-    for name in ("hf_eager", "fused"):
+    assert set(vs) == {"hf_eager", "hf_compile", "liger", "fused", "fused_fp8"}, sorted(vs)
+    for name in ("hf_eager", "fused", "fused_fp8"):
         assert vs[name]["status"] == "ok" and vs[name]["ms"] > 0 and len(vs[name]["round_ms"]) == 2, vs[name]
     assert vs["hf_compile"]["status"] == "unavailable" and vs["liger"]["status"] == "unavailable"
     (acc,) = res["accuracy"]

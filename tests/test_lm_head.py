@@ -13,12 +13,8 @@ OPS = torch.ops.fused_dense
 IGNORE = -100
 
 
-def reference(x, weight, target, bias=None, *, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean",
-              num_items_in_batch=None, ignore_index=IGNORE):
-    """The loss in float64 from the definition: log-softmax of the (capped) logits."""
-    z = x.double() @ weight.double().T
-    if bias is not None:
-        z = z + bias.double()
+def row_losses(z, target, *, label_smoothing=0.0, z_loss=0.0, softcap=None, ignore_index=IGNORE):
+    """Each row's loss from the definition (0 at ignored rows): log-softmax of the (capped) logits z."""
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     valid = target != ignore_index
@@ -27,7 +23,18 @@ def reference(x, weight, target, bias=None, *, label_smoothing=0.0, z_loss=0.0, 
     loss = -(1 - label_smoothing) * picked - label_smoothing * logp.mean(-1)
     if z_loss:
         loss = loss + z_loss * torch.logsumexp(z, dim=-1) ** 2
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def reference(x, weight, target, bias=None, *, label_smoothing=0.0, z_loss=0.0, softcap=None, reduction="mean",
+              num_items_in_batch=None, ignore_index=IGNORE):
+    """The loss in float64 from the definition: log-softmax of the (capped) logits."""
+    z = x.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    loss = row_losses(z, target, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                      ignore_index=ignore_index)
+    valid = target != ignore_index
     if reduction == "none":
         return loss
     if num_items_in_batch is not None:

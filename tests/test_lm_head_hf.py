@@ -245,6 +245,29 @@ def test_chunk_size():
     assert_matches_hf(model, fused, ids, labels)
 
 
+def test_fp8_head():
+    # fp8=True: the loss is linear_cross_entropy(fp8=True) of the decoder's last hidden state, bit
+    # for bit, with the head's weight gradient; called again with fp8=False the model is back to
+    # the bf16 / fp32 head (tests/test_lm_head_fp8.py holds the FP8 head to its reference)
+    from fused_dense import linear_cross_entropy
+
+    model, fused = build("llama")
+    assert "in FP8" in use_fused_linear_cross_entropy(fused, fp8=True)
+    ids, labels = batch()
+    out, grads = step(fused, ids, labels)
+    hidden = fused.model(input_ids=ids).last_hidden_state.detach()
+    w = fused.lm_head.weight.detach().clone().requires_grad_()
+    target = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    want = linear_cross_entropy(hidden.reshape(-1, HIDDEN), w, target, fp8=True)
+    want.backward()
+    assert torch.equal(out.loss, want) and torch.equal(grads["lm_head.weight"], w.grad)
+    assert rel_err(out.loss, step(model, ids, labels)[0].loss) > 1e-4  # the FP8 head is taken
+    assert "in FP8" not in use_fused_linear_cross_entropy(fused, fp8=False)
+    assert_matches_hf(model, fused, ids, labels)
+    with pytest.raises(TypeError, match="fp8 must be True or False"):
+        use_fused_linear_cross_entropy(fused, fp8=None)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_gradient_checkpointing(family):
     model, fused = build(family)

@@ -4,18 +4,18 @@
 //
 //   linear_cross_entropy(input [..., d], weight [V, d], bias [V]?, target [...] int64,
 //                        ignore_index, label_smoothing, z_loss, softcap, reduction, divisor?,
-//                        chunk_size) -> loss
+//                        chunk_size, fp8) -> loss
 //     the loss of cross_entropy(softcap(input . weight^T + bias), target) as
 //     core/elementwise/elementwise.h (cross_entropy_rows) defines it per row; reduction 0 none
 //     (float32 [...], 0 at ignored rows), 1 mean (over the rows whose target is not
 //     ignore_index), 2 sum, or with divisor (one number) the sum divided by it. float32 (float64
 //     for float64 input, as the lse below and the fp32 sums of the bias gradient).
 //   linear_cross_entropy_forward(input [N, d], weight, bias?, target [N], ..., chunk_size,
-//                                grads bool[3]) -> (loss, lse [N] float32, grad_input [N, d] or [0],
+//                                grads bool[3], fp8) -> (loss, lse [N] float32, grad_input [N, d] or [0],
 //                                grad_weight [V, d] or [0], grad_bias [V] or [0])
 //     the loss, each row's log-sum-exp and, for grads (input, weight, bias), the gradients of the
 //     loss itself (incoming gradient 1) computed during the forward.
-//   linear_cross_entropy_backward(grad_loss, input, weight, bias?, target, lse, ..., grads)
+//   linear_cross_entropy_backward(grad_loss, input, weight, bias?, target, lse, ..., grads, fp8)
 //       -> (grad_input, grad_weight, grad_bias)
 //     the gradients for the incoming grad_loss (the loss's shape), the logits recomputed.
 //   linear_cross_entropy_scale_grads_(grads Tensor[], grad_loss []) -> ()
@@ -29,6 +29,15 @@
 // kernel turns them into the loss and the gradient in place, and two GEMMs take the input's and
 // the weight's gradients from it (the weight's accumulated in its own dtype, one rounding a
 // chunk); only one chunk of logits exists at a time.
+//
+// fp8 (off by default): the logits' GEMM and the input gradient's run in FP8 through the fp8
+// family's ops, per-tensor current scaling: x and the weight quantized once a call (e4m3, each at
+// its own amax; the weight's transposed copy too when the input needs a gradient), each chunk's
+// logits fp8_linear(x_q, W_q) (+ bias) in the model's dtype with the forward's fast accumulation,
+// each chunk's logits' gradient quantized at its own amax (e5m2) and the input's gradient
+// fp8_linear(g_q, W_q^T) with the precise one. The weight's gradient stays g^T . x in the model's
+// dtype. Needs d and vocab multiples of 16 and a 16- or 32-bit float input; the weight's two FP8
+// copies (2 . vocab . d bytes) live through the call.
 #include "torch/lm_head.h"
 
 #include <c10/util/Exception.h>
@@ -36,7 +45,9 @@
 
 #include <algorithm>
 
+#include "core/common/types.h"
 #include "torch/autograd/guard.h"
+#include "torch/autograd/op_calls.h"
 #include "torch/checks.h"
 
 namespace fused_dense {
@@ -70,12 +81,45 @@ at::Tensor base_scale(const at::Tensor& target, const LceOptions& opts, const st
   return at::ones({}, f32);
 }
 
-// The gradients of one chunk from its logits' gradient g [c, V]; k: the chunk's index.
-void accumulate_grads(const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight, int64_t start, int64_t k,
-                      at::Tensor& grad_input, at::Tensor& grad_weight, at::Tensor& bias_sums) {
+// The FP8 operands of a call with fp8 (the header comment): x's and the weight's e4m3 copies and
+// the weight's transposed copy [d, V] (when the input needs a gradient).
+struct Fp8Operands {
+  at::Tensor x, x_scale_inv, w, w_t, w_scale_inv;
+};
+
+constexpr int64_t kE4M3 = static_cast<int64_t>(core::Fp8Format::kE4M3);
+constexpr int64_t kE5M2 = static_cast<int64_t>(core::Fp8Format::kE5M2);
+
+Fp8Operands fp8_operands(const at::Tensor& input, const at::Tensor& weight, bool grad_input) {
+  auto [xd, xt, xs, xsi, xa, xc] =
+      op_calls::fp8_quantize(input, std::nullopt, 0, false, kE4M3, std::nullopt, true, false, false);
+  auto [wd, wt, ws, wsi, wa, wc] =
+      op_calls::fp8_quantize(weight, std::nullopt, 0, false, kE4M3, std::nullopt, true, grad_input, false);
+  return {xd, xsi, wd, wt, wsi};
+}
+
+// One chunk's logits [c, V] from the FP8 copies, in the model's dtype.
+at::Tensor fp8_logits(const Fp8Operands& q, int64_t start, int64_t c, const std::optional<at::Tensor>& bias,
+                      at::ScalarType dtype) {
+  return op_calls::fp8_linear(q.x.narrow(0, start, c), q.w, q.x_scale_inv, q.w_scale_inv, bias, dtype, true,
+                              core::kHeuristicAuto);
+}
+
+// The gradients of one chunk from its logits' gradient g [c, V]; k: the chunk's index; q: the FP8
+// operands (fp8) or null.
+void accumulate_grads(const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight, const Fp8Operands* q,
+                      int64_t start, int64_t k, at::Tensor& grad_input, at::Tensor& grad_weight,
+                      at::Tensor& bias_sums) {
   if (grad_input.numel() > 0) {
     at::Tensor rows = grad_input.narrow(0, start, x.size(0));
-    at::mm_out(rows, g, weight);
+    if (q == nullptr) {
+      at::mm_out(rows, g, weight);
+    } else {
+      auto [gd, gt, gs, gsi, ga, gc] =
+          op_calls::fp8_quantize(g, std::nullopt, 0, false, kE5M2, std::nullopt, true, false, false);
+      rows.copy_(op_calls::fp8_linear(gd, q->w_t, gsi, q->w_scale_inv, std::nullopt, g.scalar_type(), false,
+                                      core::kHeuristicAuto));
+    }
   }
   if (grad_weight.numel() > 0) {
     if (k == 0) {
@@ -137,6 +181,15 @@ void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weigh
   TORCH_CHECK_VALUE(opts.softcap >= 0.0 && std::isfinite(opts.softcap), op,
                     ": softcap must be finite and >= 0 (0: none), got ", opts.softcap);
   TORCH_CHECK_VALUE(chunk_size >= 0, op, ": chunk_size must be >= 0 (0: the library's rule), got ", chunk_size);
+  if (opts.fp8) {
+    const auto t = input.scalar_type();
+    TORCH_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, op,
+                      ": fp8 needs a float16, bfloat16 or float32 input (the FP8 GEMMs' output dtypes), got ", t);
+    TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": fp8 needs d (input.size(1)) a multiple of 16 (the FP8 GEMM's "
+                      "K), got ", input.size(1));
+    TORCH_CHECK_VALUE(weight.size(0) % 16 == 0, op, ": fp8 needs the vocabulary (weight.size(0)) a multiple of 16 "
+                      "(the FP8 GEMMs' N and K; pad the embedding), got ", weight.size(0));
+  }
   if (divisor.has_value() && divisor->defined()) {
     TORCH_CHECK_VALUE(opts.reduction == kReduceSum, op, ": divisor divides the sum; it needs reduction 2 (sum), got ",
                       opts.reduction);
@@ -148,10 +201,10 @@ void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weigh
 LceOptions checked_lce_options(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                const at::Tensor& target, int64_t ignore_index, double label_smoothing, double z_loss,
                                double softcap, int64_t reduction, const std::optional<at::Tensor>& divisor,
-                               int64_t chunk_size, const at::Tensor* grad_loss, const at::Tensor* lse) {
+                               int64_t chunk_size, bool fp8, const at::Tensor* grad_loss, const at::Tensor* lse) {
   const char* op = grad_loss == nullptr ? "fused_dense::linear_cross_entropy_forward"
                                         : "fused_dense::linear_cross_entropy_backward";
-  const LceOptions opts{ignore_index, label_smoothing, z_loss, softcap, reduction};
+  const LceOptions opts{ignore_index, label_smoothing, z_loss, softcap, reduction, fp8};
   check_linear_cross_entropy(input, weight, bias, target, opts, divisor, chunk_size, op);
   if (grad_loss != nullptr) check_lce_backward(*grad_loss, *lse, input, reduction, op);
   return opts;
@@ -230,18 +283,26 @@ ChunkGrads empty_chunk_grads(const at::Tensor& input, const at::Tensor& weight, 
 // then, when gradients are made, their share of the chunk.
 template <typename RowsOf>
 void run_chunks(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                int64_t chunk_size, ChunkGrads& g, RowsOf&& rows_of) {
+                int64_t chunk_size, bool fp8, ChunkGrads& g, RowsOf&& rows_of) {
   const int64_t N = input.size(0), V = weight.size(0);
+  if (N == 0) return;
   const int64_t C = lce_chunk_rows(N, input.size(1), chunk_size);
-  at::Tensor buffer = at::empty({std::min(C, N), V}, input.options());
+  // fp8: each chunk's logits are fp8_linear's output (the allocator hands the last chunk's back)
+  const Fp8Operands q = fp8 ? fp8_operands(input, weight, g.input.numel() > 0) : Fp8Operands{};
+  at::Tensor buffer = fp8 ? at::Tensor() : at::empty({std::min(C, N), V}, input.options());
   const at::Tensor weight_t = weight.t();
   for (int64_t start = 0, k = 0; start < N; start += C, ++k) {
     const int64_t c = std::min(C, N - start);
     const at::Tensor x = input.narrow(0, start, c);
-    at::Tensor logits = buffer.narrow(0, 0, c);
-    logits_into(logits, x, weight_t, bias);
+    at::Tensor logits;
+    if (fp8) {
+      logits = fp8_logits(q, start, c, bias, input.scalar_type());
+    } else {
+      logits = buffer.narrow(0, 0, c);
+      logits_into(logits, x, weight_t, bias);
+    }
     rows_of(start, c, logits);
-    if (g.any) accumulate_grads(logits, x, weight, start, k, g.input, g.weight, g.bias_sums);
+    if (g.any) accumulate_grads(logits, x, weight, fp8 ? &q : nullptr, start, k, g.input, g.weight, g.bias_sums);
   }
 }
 
@@ -255,7 +316,7 @@ LceForwardResult lce_forward(const at::Tensor& input, const at::Tensor& weight, 
   const at::Tensor scale = base_scale(target, opts, divisor, acc);
   at::Tensor loss_rows = at::empty({N}, acc), lse = at::empty({N}, acc);
   ChunkGrads g = empty_chunk_grads(input, weight, bias, grads);
-  run_chunks(input, weight, bias, chunk_size, g, [&](int64_t start, int64_t c, const at::Tensor& logits) {
+  run_chunks(input, weight, bias, chunk_size, opts.fp8, g, [&](int64_t start, int64_t c, const at::Tensor& logits) {
     rows_fn({logits, target.narrow(0, start, c), scale, loss_rows.narrow(0, start, c), lse.narrow(0, start, c), false,
              g.any},
             opts);
@@ -275,7 +336,7 @@ LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& in
                                    : (grad_loss.to(acc).reshape({}) * base_scale(target, opts, divisor, acc));
   ChunkGrads g = empty_chunk_grads(input, weight, bias, grads);
   if (g.any) {
-    run_chunks(input, weight, bias, chunk_size, g, [&](int64_t start, int64_t c, const at::Tensor& logits) {
+    run_chunks(input, weight, bias, chunk_size, opts.fp8, g, [&](int64_t start, int64_t c, const at::Tensor& logits) {
       rows_fn({logits, target.narrow(0, start, c), per_row ? scale.narrow(0, start, c) : scale, at::Tensor(),
                lse.narrow(0, start, c), true, true},
               opts);
@@ -305,13 +366,13 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   using fused_dense::def_raw_op;
   def_raw_op(m, "linear_cross_entropy_forward(Tensor input, Tensor weight, Tensor? bias, Tensor target, int ignore_index, "
              "float label_smoothing, float z_loss, float softcap, int reduction, Tensor? divisor, int chunk_size, "
-             "bool[3] grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+             "bool[3] grads, bool fp8=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   def_raw_op(m, "linear_cross_entropy_backward(Tensor grad_loss, Tensor input, Tensor weight, Tensor? bias, "
              "Tensor target, Tensor lse, int ignore_index, float label_smoothing, float z_loss, float softcap, "
-             "int reduction, Tensor? divisor, int chunk_size, bool[3] grads) -> (Tensor, Tensor, Tensor)");
+             "int reduction, Tensor? divisor, int chunk_size, bool[3] grads, bool fp8=False) -> (Tensor, Tensor, Tensor)");
   m.def("linear_cross_entropy(Tensor input, Tensor weight, Tensor? bias, Tensor target, int ignore_index=-100, "
         "float label_smoothing=0., float z_loss=0., float softcap=0., int reduction=1, Tensor? divisor=None, "
-        "int chunk_size=0) -> Tensor");
+        "int chunk_size=0, bool fp8=False) -> Tensor");
   def_raw_op(m, "linear_cross_entropy_scale_grads_(Tensor(a!)[] grads, Tensor grad_loss) -> ()");
   m.def("linear_cross_entropy_chunk_rows(int rows, int d, int chunk_size) -> int",
         &fused_dense::lce_chunk_rows);

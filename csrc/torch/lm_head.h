@@ -13,11 +13,13 @@ namespace fused_dense {
 // The reduction codes of the schema: 0 none, 1 mean, 2 sum.
 inline constexpr int64_t kReduceNone = 0, kReduceMean = 1, kReduceSum = 2;
 
-// The loss's settings (the schema's scalars).
+// The loss's settings (the schema's scalars). fp8: the logits' and the input gradient's GEMMs in
+// FP8 (lm_head.cpp's header comment).
 struct LceOptions {
   int64_t ignore_index = -100;
   double label_smoothing = 0.0, z_loss = 0.0, softcap = 0.0;
   int64_t reduction = kReduceMean;
+  bool fp8 = false;
 };
 
 // One chunk's rows for the backend's cross-entropy kernel (core/elementwise/elementwise.h,
@@ -38,7 +40,7 @@ void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weigh
 LceOptions checked_lce_options(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                const at::Tensor& target, int64_t ignore_index, double label_smoothing, double z_loss,
                                double softcap, int64_t reduction, const std::optional<at::Tensor>& divisor,
-                               int64_t chunk_size, const at::Tensor* grad_loss, const at::Tensor* lse);
+                               int64_t chunk_size, bool fp8, const at::Tensor* grad_loss, const at::Tensor* lse);
 
 // grad_loss has the loss's shape (reduction none: [tokens], else []) and lse is float32 [tokens].
 void check_lce_backward(const at::Tensor& grad_loss, const at::Tensor& lse, const at::Tensor& input,
@@ -79,9 +81,9 @@ LceForwardResult lce_forward_op(const at::Tensor& input, const at::Tensor& weigh
                                 const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
                                 double label_smoothing, double z_loss, double softcap, int64_t reduction,
                                 const std::optional<at::Tensor>& divisor, int64_t chunk_size,
-                                std::array<bool, 3> grads) {
+                                std::array<bool, 3> grads, bool fp8) {
   const LceOptions opts = checked_lce_options(input, weight, bias, target, ignore_index, label_smoothing, z_loss,
-                                              softcap, reduction, divisor, chunk_size, nullptr, nullptr);
+                                              softcap, reduction, divisor, chunk_size, fp8, nullptr, nullptr);
   if (Backend::reads_targets(target))
     check_targets_in_range(target, weight.size(0), ignore_index, "fused_dense::linear_cross_entropy_forward");
   return lce_forward(input, weight, bias, target, opts, divisor, chunk_size, grads, &Backend::rows);
@@ -92,9 +94,9 @@ LceBackwardResult lce_backward_op(const at::Tensor& grad_loss, const at::Tensor&
                                   const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                   const at::Tensor& lse, int64_t ignore_index, double label_smoothing, double z_loss,
                                   double softcap, int64_t reduction, const std::optional<at::Tensor>& divisor,
-                                  int64_t chunk_size, std::array<bool, 3> grads) {
+                                  int64_t chunk_size, std::array<bool, 3> grads, bool fp8) {
   const LceOptions opts = checked_lce_options(input, weight, bias, target, ignore_index, label_smoothing, z_loss,
-                                              softcap, reduction, divisor, chunk_size, &grad_loss, &lse);
+                                              softcap, reduction, divisor, chunk_size, fp8, &grad_loss, &lse);
   if (Backend::reads_targets(target))
     check_targets_in_range(target, weight.size(0), ignore_index, "fused_dense::linear_cross_entropy_backward");
   return lce_backward(grad_loss, input, weight, bias, target, lse, opts, divisor, chunk_size, grads, &Backend::rows);

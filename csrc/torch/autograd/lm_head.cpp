@@ -29,9 +29,10 @@ LceForwardResult call_forward(const at::Tensor& x, const at::Tensor& weight, con
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("fused_dense::linear_cross_entropy_forward", "")
                        .typed<LceForwardResult(const at::Tensor&, const at::Tensor&, const Opt&, const at::Tensor&,
-                                               int64_t, double, double, double, int64_t, const Opt&, int64_t, Grads)>();
+                                               int64_t, double, double, double, int64_t, const Opt&, int64_t, Grads,
+                                               bool)>();
   return op.call(x, weight, bias, target, o.ignore_index, o.label_smoothing, o.z_loss, o.softcap, o.reduction, divisor,
-                 chunk_size, grads);
+                 chunk_size, grads, o.fp8);
 }
 
 LceBackwardResult call_backward(const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight,
@@ -41,9 +42,9 @@ LceBackwardResult call_backward(const at::Tensor& grad_loss, const at::Tensor& x
                        .findSchemaOrThrow("fused_dense::linear_cross_entropy_backward", "")
                        .typed<LceBackwardResult(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Opt&,
                                                 const at::Tensor&, const at::Tensor&, int64_t, double, double, double,
-                                                int64_t, const Opt&, int64_t, Grads)>();
+                                                int64_t, const Opt&, int64_t, Grads, bool)>();
   return op.call(grad_loss, x, weight, bias, target, lse, o.ignore_index, o.label_smoothing, o.z_loss, o.softcap,
-                 o.reduction, divisor, chunk_size, grads);
+                 o.reduction, divisor, chunk_size, grads, o.fp8);
 }
 
 void call_scale_grads(at::TensorList grads, const at::Tensor& grad_loss) {
@@ -59,8 +60,8 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
   // An absent bias is not a variable input: its position in needs_input_grad is skipped.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const Opt& bias,
                             const at::Tensor& target, const Opt& divisor, int64_t ignore_index, double label_smoothing,
-                            double z_loss, double softcap, int64_t reduction, int64_t chunk_size) {
-    const LceOptions o{ignore_index, label_smoothing, z_loss, softcap, reduction};
+                            double z_loss, double softcap, int64_t reduction, int64_t chunk_size, bool fp8) {
+    const LceOptions o{ignore_index, label_smoothing, z_loss, softcap, reduction, fp8};
     const bool has_bias = bias.has_value() && bias->defined();
     const Grads needs{ctx->needs_input_grad(0), ctx->needs_input_grad(1), has_bias && ctx->needs_input_grad(2)};
     ctx->saved_data["needs"] = c10::List<bool>({needs[0], needs[1], needs[2]});
@@ -75,6 +76,7 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
     ctx->save_for_backward({x, weight, has_bias ? *bias : at::Tensor(), target, lse});
     ctx->saved_data["options"] = c10::List<double>({label_smoothing, z_loss, softcap});
     ctx->saved_data["ints"] = c10::List<int64_t>({ignore_index, reduction, chunk_size});
+    ctx->saved_data["fp8"] = fp8;
     return loss;
   }
 
@@ -82,7 +84,7 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
     TORCH_CHECK(!at::GradMode::is_enabled(), kOp, ": double backward (create_graph=True) is not supported");
     const auto needs = ctx->saved_data["needs"].toBoolList();
     const Grads need{needs.get(0), needs.get(1), needs.get(2)};
-    variable_list out(11);
+    variable_list out(12);
     if (ctx->saved_data.count("grads")) {
       TORCH_CHECK(!ctx->saved_data["spent"].toBool(), kOp, ": a second backward through the same graph "
                   "(retain_graph=True) is not supported with reduction 'mean' or 'sum': their gradients are computed "
@@ -104,7 +106,8 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
     const auto saved = ctx->get_saved_variables();  // before leaving autograd: unpack hooks may recompute
     const auto reals = ctx->saved_data["options"].toDoubleList();
     const auto ints = ctx->saved_data["ints"].toIntList();
-    const LceOptions o{ints.get(0), reals.get(0), reals.get(1), reals.get(2), ints.get(1)};
+    const LceOptions o{ints.get(0), reals.get(0), reals.get(1), reals.get(2), ints.get(1),
+                       ctx->saved_data["fp8"].toBool()};
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const Opt bias = saved[2].defined() ? Opt(saved[2]) : std::nullopt;
     auto [gi, gw, gb] = call_backward(grad_outputs[0].contiguous(), saved[0], saved[1], bias, saved[3], saved[4], o,
@@ -136,25 +139,25 @@ Opt contiguous(const Opt& t) { return t.has_value() && t->defined() ? Opt(t->con
 
 at::Tensor lce_composite(const at::Tensor& input, const at::Tensor& weight, const Opt& bias, const at::Tensor& target,
                          int64_t ignore_index, double label_smoothing, double z_loss, double softcap, int64_t reduction,
-                         const Opt& divisor, int64_t chunk_size) {
+                         const Opt& divisor, int64_t chunk_size, bool fp8) {
   auto [x, t] = rows_of(input, target);
-  const LceOptions o{ignore_index, label_smoothing, z_loss, softcap, reduction};
+  const LceOptions o{ignore_index, label_smoothing, z_loss, softcap, reduction, fp8};
   auto res = call_forward(x, weight.contiguous(), contiguous(bias), t, o, divisor, chunk_size, {false, false, false});
   return shaped_loss(std::get<0>(res), target, reduction);
 }
 
 at::Tensor lce_autograd(const at::Tensor& input, const at::Tensor& weight, const Opt& bias, const at::Tensor& target,
                         int64_t ignore_index, double label_smoothing, double z_loss, double softcap, int64_t reduction,
-                        const Opt& divisor, int64_t chunk_size) {
+                        const Opt& divisor, int64_t chunk_size, bool fp8) {
   const bool bias_requires = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(input.requires_grad() || weight.requires_grad() || bias_requires)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;  // nothing to differentiate: no node, nothing saved
     return lce_composite(input, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
-                         divisor, chunk_size);
+                         divisor, chunk_size, fp8);
   }
   auto [x, t] = rows_of(input, target);
   const at::Tensor loss = LceFunction::apply(x, weight.contiguous(), contiguous(bias), t, divisor, ignore_index,
-                                             label_smoothing, z_loss, softcap, reduction, chunk_size);
+                                             label_smoothing, z_loss, softcap, reduction, chunk_size, fp8);
   return shaped_loss(loss, target, reduction);
 }
 

@@ -10,9 +10,9 @@ LceForwardResult lce_forward_meta(const at::Tensor& input, const at::Tensor& wei
                                   const std::optional<at::Tensor>& bias, const at::Tensor& target, int64_t ignore_index,
                                   double label_smoothing, double z_loss, double softcap, int64_t reduction,
                                   const std::optional<at::Tensor>& divisor, int64_t chunk_size,
-                                  std::array<bool, 3> grads) {
+                                  std::array<bool, 3> grads, bool fp8) {
   checked_lce_options(input, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, reduction, divisor,
-                      chunk_size, nullptr, nullptr);
+                      chunk_size, fp8, nullptr, nullptr);
   return empty_lce_forward(input, weight, bias, reduction, grads);
 }
 
@@ -20,9 +20,9 @@ LceBackwardResult lce_backward_meta(const at::Tensor& grad_loss, const at::Tenso
                                     const std::optional<at::Tensor>& bias, const at::Tensor& target,
                                     const at::Tensor& lse, int64_t ignore_index, double label_smoothing, double z_loss,
                                     double softcap, int64_t reduction, const std::optional<at::Tensor>& divisor,
-                                    int64_t chunk_size, std::array<bool, 3> grads) {
+                                    int64_t chunk_size, std::array<bool, 3> grads, bool fp8) {
   checked_lce_options(input, weight, bias, target, ignore_index, label_smoothing, z_loss, softcap, reduction, divisor,
-                      chunk_size, &grad_loss, &lse);
+                      chunk_size, fp8, &grad_loss, &lse);
   return empty_lce_grads(input, weight, bias, grads);
 }
 
