@@ -78,7 +78,8 @@ class Float8Recipe:
             the group must run the same FP8 layers in the same order. A NaN amax enters the
             history as inf (the scale is then kept, as for a NaN).
         compiled_input_quantize: under torch.compile, ``'traced'`` (a layer's input quantized in
-            PyTorch ops Inductor fuses with what makes it) or ``'op'`` (the op's kernels).
+            PyTorch ops Inductor fuses with what makes it; delayed scaling: at the layer's x scale)
+            or ``'op'`` (the op's kernels). The same bytes either way.
         save_pre_fp8: an MLP at checkpoint level 0 keeps its pre-activation (gated: gu) for
             backward as an e4m3 copy scaled from its own amax instead of in the model's dtype, and
             evaluates the activation's derivative at that copy dequantized: saved bytes 0.5x the
@@ -347,7 +348,8 @@ class Fp8Layer:
             xc, x2, (b,) = _op_inputs(x, (self.bias,))
             weights = self._fp8_state.weight_copies((self.weight,), is_first_microbatch)
             scales, amax_out = _scaling(self, recipe, DENSE_SLOTS, x.device)
-            x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and self.weight.requires_grad)
+            x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and self.weight.requires_grad,
+                                     scales)
             with autocast_off(x.device.type):
                 out = torch.ops.fused_dense.fp8_dense(x2, self.weight, b, weights, recipe.grad_format_code, scales,
                                                       amax_out, x_fp8)
@@ -358,7 +360,8 @@ class Fp8Layer:
             xc, x2, (b1, b2) = _op_inputs(x, (fc1.bias, fc2.bias))
             weights = self._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
             scales, amax_out = _scaling(self, recipe, MLP_SLOTS, x.device)
-            x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and fc1.weight.requires_grad)
+            x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and fc1.weight.requires_grad,
+                                     scales)
             with autocast_off(x.device.type):
                 out = torch.ops.fused_dense.fused_mlp_fp8(x2, fc1.weight, b1, fc2.weight, b2, act, lvl, weights,
                                                           recipe.grad_format_code, scales, amax_out, x_fp8,
@@ -383,17 +386,20 @@ def hand_off(out: Tensor, copies: Sequence[Tensor]) -> None:
         _HANDOFF[out] = (out._version, list(copies))
 
 
-def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, columnwise: bool) -> List[Tensor]:
-    """x's FP8 copies for the op's x_fp8, ``[]`` where the op quantizes x itself. Current scaling
-    only. Under torch.compile: :func:`traced_quantize` of the op's input ``x2``, which Inductor
-    fuses with what makes it (the norm before it; q / k / v's three quantizations of one input are
-    one after AOTAutograd's common-subexpression pass). Eager: the copies handed over for x, if x
-    is unchanged since and read as it is (``xc`` is x: no cast, no gather)."""
-    if recipe.scaling != "current":
-        return []
+def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, columnwise: bool,
+                     scales: Optional[Tensor] = None) -> List[Tensor]:
+    """x's FP8 copies for the op's x_fp8, ``[]`` where the op quantizes x itself. Under
+    torch.compile: :func:`traced_quantize` of the op's input ``x2``, which Inductor fuses with what
+    makes it (the norm before it; with current scaling q / k / v's three quantizations of one input
+    are one after AOTAutograd's common-subexpression pass; with delayed scaling, at the layer's x
+    scale ``scales[0]``, each layer's cast joins the producer's kernel). Eager, current scaling: the
+    copies handed over for x, if x is unchanged since and read as it is (``xc`` is x: no cast, no
+    gather); delayed scaling: none (each layer quantizes x at its own scale in the op)."""
     if torch.compiler.is_compiling():
-        return traced_quantize(x2, columnwise) if recipe.compiled_input_quantize == "traced" else []
-    if xc is not x:
+        if recipe.compiled_input_quantize != "traced":
+            return []
+        return traced_quantize(x2, columnwise, None if recipe.scaling == "current" else scales[0])
+    if recipe.scaling != "current" or xc is not x:
         return []
     with _HANDOFF_LOCK:
         entry = _HANDOFF.get(x)
@@ -402,13 +408,15 @@ def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, co
     return entry[1]
 
 
-def traced_quantize(x2: Tensor, columnwise: bool) -> List[Tensor]:
-    """fp8_quantize(x2, e4m3, current scaling, rowwise, ``columnwise``) written in PyTorch ops, the
-    same bytes (tests/test_norm_handoff.py): [data, data_t, scale_inv, amax]."""
+def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None) -> List[Tensor]:
+    """fp8_quantize(x2, e4m3, rowwise, ``columnwise``) written in PyTorch ops, the same bytes
+    (tests/test_norm_handoff.py): [data, data_t, scale_inv, amax]; current scaling (the scale from
+    x2's amax), or delayed at ``scale`` (float32, one element)."""
     fmax = ops.FP8_FORMAT_MAX["e4m3"]
     v = x2.float()
     amax = v.abs().amax()
-    scale = fmax / torch.clamp(amax, min=ops.FP8_MIN_AMAX)
+    if scale is None:
+        scale = fmax / torch.clamp(amax, min=ops.FP8_MIN_AMAX)
     q = (v * scale).clamp(-fmax, fmax)
     data = q.to(torch.float8_e4m3fn)
     if columnwise:

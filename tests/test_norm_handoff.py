@@ -2,6 +2,9 @@
 nn.LayerNorm by default; with fp8_handoff their FP8 output copy reaches the FP8 layers that read it
 (fused_dense.fp8.hand_off), and they compute the same bits as when they quantize that output
 themselves."""
+import copy
+import functools
+
 import pytest
 import torch
 
@@ -227,13 +230,15 @@ def test_converted_model_close_to_unconverted():
     assert abs(loss.item() - ref_loss.item()) <= 0.01 * ref_loss.item()
 
 
+@pytest.mark.parametrize("scale", [None, 3.7, 200.0], ids=["current", "delayed", "delayed_saturating"])
 @pytest.mark.parametrize("columnwise", [True, False])
 @pytest.mark.parametrize("rows", [40, 37])
-def test_traced_quantize_gives_fp8_quantizes_bytes(rows, columnwise):
+def test_traced_quantize_gives_fp8_quantizes_bytes(rows, columnwise, scale):
     x = torch.randn(rows, C, dtype=torch.bfloat16) * 5
     x[3, 4] = 0.0
-    want = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, columnwise, False)
-    got = fused_dense.fp8.traced_quantize(x, columnwise)
+    s = None if scale is None else torch.tensor([scale], dtype=torch.float32)
+    want = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, s, True, columnwise, False)
+    got = fused_dense.fp8.traced_quantize(x, columnwise, None if s is None else s[0])
     for i, (a, b) in enumerate(zip(got, (want[0], want[1], want[3], want[4]))):
         assert a.shape == b.shape and a.dtype == b.dtype, i
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
@@ -246,31 +251,39 @@ def ops_min_amax():
     return fused_dense.ops.FP8_MIN_AMAX
 
 
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("mode", ["traced", "op"])
-def test_compiled_fp8_layers_match_eager(mode, monkeypatch):
+def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
     """Under torch.compile (fullgraph) the layers' inputs are quantized in traced PyTorch ops (or by
-    the op): the same bits as eager, forward and backward."""
-    recipe = Float8Recipe(scaling="current", min_features=0, compiled_input_quantize=mode)
+    the op): the same bits as eager, forward and backward; delayed scaling's traced quantize at each
+    layer's x scale, with the history and amaxes the op leaves in eager."""
+    recipe = Float8Recipe(scaling=scaling, min_features=0, compiled_input_quantize=mode)
     torch.manual_seed(0)
     layers = [FusedDense(C, 32, bias=False, dtype=torch.bfloat16, fp8=recipe),
               FusedDense(C, 48, dtype=torch.bfloat16, fp8=recipe), FusedGatedMLP(C, 48, dtype=torch.bfloat16, fp8=recipe)]
+    if scaling == "delayed":  # a history whose scales are not 1: x's copy then differs from current scaling's
+        for layer in layers:
+            layer.fp8_amax.copy_(torch.rand_like(layer.fp8_amax) * 4 + 1)
+    twins = copy.deepcopy(layers)  # the compiled step starts from the same scaling state
 
-    def step(x):
+    def step(mods, x):
         h = x * 2  # exact: a producer Inductor fuses the quantization into, the same bits as eager
-        return tuple(layer(h) for layer in layers)
+        return tuple(layer(h) for layer in mods)
 
     x = torch.randn(40, C, dtype=torch.bfloat16, requires_grad=True)
     # the parameters' gradients (x's sums three layers' in an order Inductor picks: not compared)
-    params = [p for layer in layers for p in layer.parameters()]
-    eager = step(x)
+    eager = step(layers, x)
     grad_outs = [torch.randn_like(y) for y in eager]
-    eager_grads = torch.autograd.grad(eager, params, grad_outs)
+    eager_grads = torch.autograd.grad(eager, [p for m in layers for p in m.parameters()], grad_outs)
     traced = []
     real = fused_dense.fp8.traced_quantize
     monkeypatch.setattr(fused_dense.fp8, "traced_quantize", lambda *a: traced.append(1) or real(*a))
     torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True)(x)
-    compiled_grads = torch.autograd.grad(compiled, params, grad_outs)
+    compiled = torch.compile(functools.partial(step, twins), fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, [p for m in twins for p in m.parameters()], grad_outs)
     assert len(traced) == (3 if mode == "traced" else 0)  # one per layer, traced once
     for a, b in zip(eager + eager_grads, compiled + compiled_grads):
         assert torch.equal(a, b)
+    for mod, twin in zip(layers, twins):
+        for name, buf in mod.named_buffers():
+            assert torch.equal(buf, dict(twin.named_buffers())[name]), name

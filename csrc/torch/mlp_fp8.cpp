@@ -73,12 +73,10 @@ void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad
                     ": weights_fp8 must hold 3 tensors (the weight's data, data_t, scale_inv), got ", weights_fp8.size());
 }
 
-void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const Opt& scales, const char* op) {
+void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op) {
   if (x_fp8.empty()) return;
   TORCH_CHECK_VALUE(x_fp8.size() == 4, op, ": x_fp8 must be empty or hold 4 tensors (x's data, data_t, scale_inv, "
                     "amax), got ", x_fp8.size());
-  TORCH_CHECK_VALUE(!(scales.has_value() && scales->defined()), op, ": x_fp8 (an input quantized before the op) "
-                    "serves current scaling only; got delayed scaling's scales too");
   const at::Tensor &d = x_fp8[0], &t = x_fp8[1];
   TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && d.sizes() == x.sizes(), op,
                     ": x_fp8[0] must be x's float8_e4m3fn copy of shape ", x.sizes(), ", got ", d.scalar_type(), " ",

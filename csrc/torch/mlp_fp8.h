@@ -20,10 +20,12 @@ void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad
                      const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& amax_out,
                      at::TensorList weights_fp8);
 
-// x_fp8: empty, or x's FP8 copies made before the op (a norm's, norm_fp8): [data [B, K] e4m3,
-// data_t [K, pad16(B)] e4m3 (or [0] where no weight gradient reads it), scale_inv [], amax []
-// float32], current scaling only (scales None). Checked against x.
-void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const std::optional<at::Tensor>& scales, const char* op);
+// x_fp8: empty, or x's FP8 copies made before the op (a norm's, norm_fp8, or the traced quantize
+// under torch.compile): [data [B, K] e4m3, data_t [K, pad16(B)] e4m3 (or [0] where no weight
+// gradient reads it), scale_inv [], amax [] float32]. The op reads them as they are, whatever scale
+// made them: current scaling's at x's own amax, delayed scaling's at the caller's x scale
+// (scales[0]); amax_out's x entry receives their amax. Checked against x.
+void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op);
 
 // A weight's FP8 copies, made by fp8_quantize(weight, rowwise and columnwise).
 struct Fp8Weight {

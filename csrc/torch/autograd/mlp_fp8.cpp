@@ -322,7 +322,7 @@ at::Tensor fused_mlp_fp8_forward(const at::Tensor& x, const at::Tensor& weight1,
                                  int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
                                  const Opt& scales, const Opt& amax_out, at::TensorList x_fp8, bool save_pre_fp8) {
   check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
-  check_x_fp8(x, x_fp8, scales, kMlpOp);
+  check_x_fp8(x, x_fp8, kMlpOp);
   const MlpPlan p = make_plan(activation, checkpoint_lvl, MlpNeeds{}, kMlpOp);
   const Fp8MlpConfig c{activation, checkpoint_lvl, grad_format, save_pre_fp8};
   return mlp_forward(p, c, x, x_fp8, fp8_weight_at(weights_fp8, 0, weight1, kMlpOp), bias1,
@@ -334,7 +334,7 @@ at::Tensor fused_mlp_fp8_autograd(const at::Tensor& x, const at::Tensor& weight1
                                   int64_t checkpoint_lvl, at::TensorList weights_fp8, int64_t grad_format,
                                   const Opt& scales, const Opt& amax_out, at::TensorList x_fp8, bool save_pre_fp8) {
   check_mlp_fp8(x, weight1, weight2, activation, grad_format, scales, amax_out, weights_fp8);
-  check_x_fp8(x, x_fp8, scales, kMlpOp);
+  check_x_fp8(x, x_fp8, kMlpOp);
   check_mlp_codes(activation, checkpoint_lvl, kMlpOp);
   const auto requires = [](const Opt& t) { return t.has_value() && t->defined() && t->requires_grad(); };
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight1.requires_grad() || requires(bias1) ||
@@ -405,7 +405,7 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
 at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
                              int64_t grad_format, const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
   check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
-  check_x_fp8(x, x_fp8, scales, kDenseOp);
+  check_x_fp8(x, x_fp8, kDenseOp);
   const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
   const Q xq = input_q(x, x_fp8, slot(scales, 0), false, kDenseOp);
   record_amax(amax_out, 0, xq.amax);
@@ -415,7 +415,7 @@ at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, cons
 at::Tensor fp8_dense_autograd(const at::Tensor& x, const at::Tensor& weight, const Opt& bias, at::TensorList weights_fp8,
                               int64_t grad_format, const Opt& scales, const Opt& amax_out, at::TensorList x_fp8) {
   check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
-  check_x_fp8(x, x_fp8, scales, kDenseOp);
+  check_x_fp8(x, x_fp8, kDenseOp);
   const bool b_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() || !(x.requires_grad() || weight.requires_grad() || b_grad)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
