@@ -226,8 +226,14 @@ def _mib(v):
     return "–" if b is None else f"{b / MIB:,.0f}"
 
 
+def recorded_variants(res):
+    """The variants a result holds (a record made before a variant existed leaves it out)."""
+    return [n for n in VARIANTS if any(n in s["variants"] for s in res["shapes"])]
+
+
 def markdown(res):
     env = res["environment"]
+    names_run = recorded_variants(res)
     lines = [f"# The LM head and its loss, fused ({env.get('date_utc', '')[:10]})", "",
              f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
              f"CUDA {env.get('torch_cuda')}, source tree {str(env.get('git_tree'))[:12]}. {res['dtype']}, no bias, "
@@ -238,11 +244,11 @@ def markdown(res):
         lines += ["Unavailable: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()) + ".", ""]
     lines += [f"## Time (ms, median and p20–p80 over {res['rounds']} interleaved rounds) and peak memory (MiB "
               "over what was allocated before the step, each variant alone)", "",
-              "| shape | " + " | ".join(f"{n} ms | {n} MiB" for n in VARIANTS) + " |",
-              "|---|" + "---|---|" * len(VARIANTS)]
+              "| shape | " + " | ".join(f"{n} ms | {n} MiB" for n in names_run) + " |",
+              "|---|" + "---|---|" * len(names_run)]
     for s in res["shapes"]:
         cells = []
-        for n in VARIANTS:
+        for n in names_run:
             v = s["variants"].get(n, {"status": "unavailable"})
             cells += [report.ms_cell(v), _mib(v)]
         lines.append(f"| {s['d']} → {s['vocab']}, {s['tokens']} tokens | " + " | ".join(cells) + " |")
@@ -251,7 +257,7 @@ def markdown(res):
               "| shape | variant | loss | x grad | weight grad |", "|---|---|---|---|---|"]
     for a in res["accuracy"]:
         where = f"{a['d']} → {a['vocab']}, {a['tokens']} tokens"
-        for n in VARIANTS:
+        for n in names_run:
             v = a["variants"].get(n, {"status": "unavailable"})
             if v.get("status") != "ok":
                 lines.append(f"| {where} | {n} | {v.get('status')} | | |")
@@ -273,10 +279,11 @@ def make_png(res, path):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"{s['vocab']}\n{s['tokens']} tok" for s in res["shapes"]]
-    width = 0.8 / len(VARIANTS)
+    names_run = recorded_variants(res)
+    width = 0.8 / len(names_run)
     for ax, key, scale, ylabel in ((axes[0], "ms", 1.0, "ms (forward + backward)"),
                                    (axes[1], "peak_bytes", 1.0 / MIB, "peak MiB over resident")):
-        for j, n in enumerate(VARIANTS):
+        for j, n in enumerate(names_run):
             vals = [(report.ok_value(s, n, key) or 0.0) * scale for s in res["shapes"]]
             ax.bar([i + j * width for i in range(len(labels))], vals, width, label=n)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels)

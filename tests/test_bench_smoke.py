@@ -405,6 +405,11 @@ def test_runs_of_record_are_what_the_report_writes():
     dyn = _only(os.path.join(ROOT, "docs", "results", "dynamic-*.json"))
     assert dynamic.markdown(json.loads(open(dyn).read())) == open(dyn[:-5] + ".md").read()
     assert os.path.exists(dyn[:-5] + ".png")
+    from bench import lm_head, memory, model
+    for name, mod in (("lm_head", lm_head), ("model", model), ("memory", memory)):
+        path = _only(os.path.join(ROOT, "docs", "results", f"{name}-*.json"))
+        assert mod.markdown(json.loads(open(path).read())) == open(path[:-5] + ".md").read(), path
+        assert os.path.exists(path[:-5] + ".png"), path
 
 
 def test_bench_remeasures_a_disturbed_median(monkeypatch):
