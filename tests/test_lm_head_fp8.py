@@ -190,6 +190,21 @@ def test_opcheck_fp8():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
+def test_cpu_compiles_fullgraph():
+    x, weight, _, target = problem("cpu", torch.float32, bias=False)
+    w = weight.clone().requires_grad_()
+
+    def step(x, w):
+        return linear_cross_entropy(torch.tanh(x), w, target, chunk_size=8, fp8=True)
+
+    loss = torch.compile(step, fullgraph=True)(x, w)
+    loss.backward()
+    w_ref = weight.clone().requires_grad_()
+    ref = step(x, w_ref)
+    ref.backward()
+    assert rel_err(loss, ref) <= 1e-6 and rel_err(w.grad, w_ref.grad) <= 1e-5
+
+
 # CUDA: the FP8 GEMMs accumulate in fp32 (the logits' with Hopper's fast accumulation), so the
 # logits may differ from the reference's by a unit of the model's dtype, which the e5m2 gradient
 # can amplify as on the CPU; the tolerances are the FP8 MLP tests' (tests/test_fp8.py, FP8_TOL and
