@@ -195,7 +195,9 @@ def _fused_forward(cls: type):
         outputs = getattr(self, family.decoder)(**arguments, **extra)
         hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
         softcap = (getattr(self.config, family.softcap, None) or None) if family.softcap else None
-        loss = _causal_lm_loss(self.lm_head, hidden, labels, extra, softcap, **getattr(self, _SETTINGS))
+        settings = getattr(self, _SETTINGS)
+        loss = _causal_lm_loss(self.lm_head, hidden, labels, extra, softcap, settings["chunk_size"],
+                               settings.get("fp8", False))
         result = output_class(loss=loss, logits=None, **{n: getattr(outputs, n, None) for n in carried})
         return result if return_dict else result.to_tuple()
 
