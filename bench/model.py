@@ -68,6 +68,7 @@ Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<da
 import contextlib
 import copy
 import gc
+import inspect
 import json
 import os
 import pathlib
@@ -176,7 +177,6 @@ def causal_sdpa_under_compile():
     if getattr(original, "_bench_causal_sdpa", False):
         return "already set"
 
-    import inspect
     signature = inspect.signature(original)
 
     def skip(padding_mask, q_length, kv_length, *args, **kwargs):

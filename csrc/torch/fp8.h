@@ -12,6 +12,10 @@
 
 namespace fused_dense {
 
+// The schemas' fp8_format codes: core::Fp8Format's values.
+inline constexpr int64_t kE4M3Code = static_cast<int64_t>(core::Fp8Format::kE4M3);
+inline constexpr int64_t kE5M2Code = static_cast<int64_t>(core::Fp8Format::kE5M2);
+
 // (data, data_t, scale, scale_inv, amax, column_sums): fp8.cpp's header comment.
 using Fp8QuantizeResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 

@@ -49,6 +49,7 @@
 #include "torch/autograd/guard.h"
 #include "torch/autograd/op_calls.h"
 #include "torch/checks.h"
+#include "torch/fp8.h"
 
 namespace fused_dense {
 
@@ -87,14 +88,11 @@ struct Fp8Operands {
   at::Tensor x, x_scale_inv, w, w_t, w_scale_inv;
 };
 
-constexpr int64_t kE4M3 = static_cast<int64_t>(core::Fp8Format::kE4M3);
-constexpr int64_t kE5M2 = static_cast<int64_t>(core::Fp8Format::kE5M2);
-
 Fp8Operands fp8_operands(const at::Tensor& input, const at::Tensor& weight, bool grad_input) {
   auto [xd, xt, xs, xsi, xa, xc] =
-      op_calls::fp8_quantize(input, std::nullopt, 0, false, kE4M3, std::nullopt, true, false, false);
+      op_calls::fp8_quantize(input, std::nullopt, 0, false, kE4M3Code, std::nullopt, true, false, false);
   auto [wd, wt, ws, wsi, wa, wc] =
-      op_calls::fp8_quantize(weight, std::nullopt, 0, false, kE4M3, std::nullopt, true, grad_input, false);
+      op_calls::fp8_quantize(weight, std::nullopt, 0, false, kE4M3Code, std::nullopt, true, grad_input, false);
   return {xd, xsi, wd, wt, wsi};
 }
 
@@ -116,7 +114,7 @@ void accumulate_grads(const at::Tensor& g, const at::Tensor& x, const at::Tensor
       at::mm_out(rows, g, weight);
     } else {
       auto [gd, gt, gs, gsi, ga, gc] =
-          op_calls::fp8_quantize(g, std::nullopt, 0, false, kE5M2, std::nullopt, true, false, false);
+          op_calls::fp8_quantize(g, std::nullopt, 0, false, kE5M2Code, std::nullopt, true, false, false);
       rows.copy_(op_calls::fp8_linear(gd, q->w_t, gsi, q->w_scale_inv, std::nullopt, g.scalar_type(), false,
                                       core::kHeuristicAuto));
     }

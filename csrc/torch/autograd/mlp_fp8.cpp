@@ -51,8 +51,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using Opt = std::optional<at::Tensor>;
 
-constexpr int64_t kE4M3 = static_cast<int64_t>(core::Fp8Format::kE4M3);
-
 Opt opt(const at::Tensor& t) { return t.defined() ? Opt(t) : std::nullopt; }
 
 // One quantized tensor: what the GEMMs and the rebuilds read.
@@ -71,7 +69,7 @@ Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool
 // x's quantized copy: x_fp8 when the caller made it (check_x_fp8), else fp8_quantize of x (e4m3;
 // the transposed copy when a weight gradient reads it).
 Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool columnwise, const char* op) {
-  if (x_fp8.empty()) return quantize(x, std::nullopt, 0, false, kE4M3, scale, true, columnwise, false);
+  if (x_fp8.empty()) return quantize(x, std::nullopt, 0, false, kE4M3Code, scale, true, columnwise, false);
   TORCH_CHECK_VALUE(!columnwise || x_fp8[1].numel() > 0, op, ": x_fp8[1] (x's transposed copy) is empty, but the "
                     "weight needs a gradient, which reads it");
   return Q{x_fp8[0], x_fp8[1], at::Tensor(), x_fp8[2], x_fp8[3], at::Tensor()};
@@ -154,7 +152,7 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   } else {
     pre = op_calls::fp8_linear(xq.data, w1.data, xq.scale_inv, w1.scale_inv, b1, dtype, true, -2);
     if (s != nullptr && !p.recompute_fc1) xq.data.reset();  // x's row-major copy has no reader left
-    aq = quantize(pre, std::nullopt, c.activation, false, kE4M3, slot(scales, 1), true, a_t_now, false,
+    aq = quantize(pre, std::nullopt, c.activation, false, kE4M3Code, slot(scales, 1), true, a_t_now, false,
                   std::nullopt, pre8, pre8_si);
   }
   record_amax(amax_out, 1, aq.amax);
@@ -176,7 +174,7 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   const at::Tensor x_scale = xq.scale;
   xq = Q{};
   pre.reset();
-  if (x_t_after_pre) s->x_t = quantize(x, std::nullopt, 0, false, kE4M3, x_scale, false, true, false).data_t;
+  if (x_t_after_pre) s->x_t = quantize(x, std::nullopt, 0, false, kE4M3Code, x_scale, false, true, false).data_t;
   if (a_t_after_pre) aq.data_t = op_calls::fp8_transpose(aq.data);
   if (s != nullptr) s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
   aq.data_t.reset();
@@ -208,7 +206,7 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
   }
   if (p.need_act_out && !s.a_t.defined()) {
     // Levels 1 and 2: the forward's transposed activation, rebuilt with the forward's scale.
-    s.a_t = quantize(s.pre, std::nullopt, c.activation, false, kE4M3, s.a_scale, false, true, false).data_t;
+    s.a_t = quantize(s.pre, std::nullopt, c.activation, false, kE4M3Code, s.a_scale, false, true, false).data_t;
   }
   Q gq = quantize(g, std::nullopt, 0, false, c.grad_format, slot(scales, 2), p.need_d_pre, p.need.w2, p.need.b2);
   g.reset();
