@@ -53,7 +53,32 @@ def screening_matrix(res):
     return out
 
 
-def render(res, resources, commit, out_dir, date):
+def energy_lines(res):
+    """The energy phase (the harness's --energy-s): per shape, cuBLASLt's fastest and our finalists back to
+    back and hot, with NVML's energy counter and SM clock; [] when the run has none."""
+    if not res.get("energy_s"):
+        return []
+    lines = ["", f"## Energy and clock cycles under the power cap ({res['energy_s']:g} s of each finalist back to "
+             "back, hot, no L2 flushes)", "",
+             "Per GEMM: its time back to back, the energy NVML's counter moved, the mean power, the median SM clock "
+             "of the samples and the cycles at that clock. A kernel that takes fewer cycles than cuBLASLt's but more "
+             "time runs at a lower clock: the power cap's doing, so energy per GEMM is what to lower.", "",
+             "| role | M × N × K | finalist | ms | mJ | W | SM MHz | Mcycles | mJ ÷ cuBLASLt | Mcycles ÷ cuBLASLt |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in res["problems"]:
+        fin = [f for f in p["final"] if "energy" in f]
+        base = next((f["energy"] for f in fin if f["name"] == "cublaslt_fastest"), None)
+        for f in fin:
+            e = f["energy"]
+            rel = (f"{e['mj'] / base['mj']:.3f} | {e['mcycles'] / base['mcycles']:.3f}"
+                   if base and base["mj"] > 0 and base["mcycles"] > 0 else "– | –")
+            lines.append(f"| {p['role']} | {p['m']} × {p['n']} × {p['k']} | {f['name']} | {e['ms']:.4f} | "
+                         f"{e['mj']:.2f} | {e['watts']:.0f} | {e['sm_mhz']:.0f} | {e['mcycles']:.3f} | {rel} |")
+    return lines
+
+
+def markdown(res, resources, commit, date):
+    """The record's markdown from the harness's JSON (a record's own JSON holds its commit and resources)."""
     rows = ratio_rows(res)
     lines = [f"# The mainloop search: the library's CUTLASS sm90 configurations against cuBLASLt ({date})", "",
              f"{res['gpu']} ({res['sm_count']} SMs), driver {res['driver']}, CUDA runtime {res['cuda_runtime']}, "
@@ -77,20 +102,25 @@ def render(res, resources, commit, out_dir, date):
                      f"{r['lt_best']['full_ms']:.3f} | {r['best_full']['name']} | {r['best_full']['full_ms']:.3f} | "
                      f"{r['tflops']:.0f} | {r['ratio_full']:.3f} | {r['ratio_sus']:.3f}{sus_name} | "
                      f"{'met' if met else 'not met'} |")
-    lines += ["", "Names: `pp` ping-pong, `co` cooperative; tile M × N (K 64); cluster M × N (TMA multicast across "
-              "it); `sk` stream-K, else the persistent data-parallel scheduler; then the scheduler's raster order "
-              "(heuristic, M, N) / swizzle.", "",
+    lines += energy_lines(res)
+    lines += ["", "Names: `pp` ping-pong, `co` cooperative; tile M × N (K 64 unless `_k128`); cluster M × N (TMA "
+              "multicast across it); `sk` stream-K, else the persistent data-parallel scheduler; `_s3` a mainloop of "
+              "3 stages, else as many as fit beside the epilogue's shared memory; `_e64` an epilogue sub-tile of 64 "
+              "columns, else CUTLASS's 32; then the scheduler's raster order (heuristic, M, N) / swizzle.", "",
               "## The configurations", "",
               "Registers: ptxas's figure per kernel, the launch bound of a warp-specialized kernel (its warp groups "
               "then set their own with setmaxnreg); spills are what tells a configuration short of registers.", "",
-              "| configuration | schedule | scheduler | shared memory KiB | registers (B K-major, N-major) | spill stores / loads bytes |",
-              "|---|---|---|---|---|---|"]
+              "| configuration | schedule | scheduler | tile M × N × K | stages | epilogue sub-tile | shared memory KiB | registers (B K-major, N-major) | spill stores / loads bytes |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in res["configs"]:
         k = resources.get(c["name"], [])
         regs = ", ".join(str(x["registers"]) for x in k) or "–"
         spills = ", ".join(f"{x['spill_stores']} / {x['spill_loads']}" for x in k) or "–"
-        lines.append(f"| {c['name']} | {c['schedule']} | {c['scheduler']} | {c['smem_bytes'] / 1024:.1f} | {regs} | "
-                     f"{spills} |")
+        tile = " × ".join(str(x) for x in c["tile"])
+        stages = c.get("stages", "–")  # records before the stage count was written leave it out
+        epi = " × ".join(str(x) for x in c["epilogue_tile"]) if "epilogue_tile" in c else "–"
+        lines.append(f"| {c['name']} | {c['schedule']} | {c['scheduler']} | {tile} | {stages} | {epi} | "
+                     f"{c['smem_bytes'] / 1024:.1f} | {regs} | {spills} |")
     mat = screening_matrix(res)
     heads = [f"{p['role']} {p['m']}×{p['n']}×{p['k']}" for p in res["problems"]]
     lines += ["", "## Screening: each configuration's best order ÷ cuBLASLt's fastest (median of 5 launches, one pass)",
@@ -102,10 +132,15 @@ def render(res, resources, commit, out_dir, date):
     lines += ["", "Every configuration's output was checked against cuBLASLt's at each shape (relative Frobenius "
               "error ≤ 1e-2; a wrong layout gives about 1): "
               + ("all agreed." if not wrong else "WRONG: " + "; ".join(f"{a} {b} {c:.2e}" for a, b, c in wrong))]
+    return "\n".join(lines) + "\n"
+
+
+def render(res, resources, commit, out_dir, date):
+    rows = ratio_rows(res)
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, f"mainloop-{date}")
     with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(markdown(res, resources, commit, date))
     with open(base + ".json", "w") as f:
         json.dump({**res, "commit": commit, "resources": resources, "summary": [
             {k: v for k, v in r.items() if k not in ("lt_first", "lt_best", "best_full", "best_sus")}

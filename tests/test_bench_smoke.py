@@ -410,6 +410,44 @@ def test_runs_of_record_are_what_the_report_writes():
         path = _only(os.path.join(ROOT, "docs", "results", f"{name}-*.json"))
         assert mod.markdown(json.loads(open(path).read())) == open(path[:-5] + ".md").read(), path
         assert os.path.exists(path[:-5] + ".png"), path
+    from bench import mainloop
+    path = _only(os.path.join(ROOT, "docs", "results", "mainloop-*.json"))
+    res = json.loads(open(path).read())
+    date = os.path.basename(path)[len("mainloop-"):-len(".json")]
+    assert mainloop.markdown(res, res["resources"], res["commit"], date) == open(path[:-5] + ".md").read()
+    assert os.path.exists(path[:-5] + ".png")
+
+
+def test_mainloop_record_shows_stages_and_energy():
+    """The mainloop search's newer fields (stage count, epilogue sub-tile, the energy phase) reach its
+    markdown, each finalist's energy and cycles against cuBLASLt's fastest."""
+    from bench import mainloop
+
+    def fin(name, config, ms, mj, mhz):
+        return {"name": name, "config": config, "raster": 0, "swizzle": 1, "full_ms": ms, "sustained_ms": ms * 1.01,
+                "energy": {"ms": ms, "mj": mj, "watts": mj / ms, "sm_mhz": mhz, "mcycles": ms * mhz * 1e-3,
+                           "gemms": 100}}
+    res = {"gpu": "GPU", "sm_count": 132, "driver": 1, "cuda_runtime": 1, "cublaslt": 1, "rounds": 7,
+           "sustain_s": 10, "energy_s": 0.5,
+           "configs": [{"name": "co_128x256_c2x1_s3", "tile": [128, 256, 64], "cluster": [2, 1],
+                        "schedule": "cooperative", "scheduler": "persistent", "smem_bytes": 160 * 1024, "stages": 3,
+                        "epilogue_tile": [128, 32]}],
+           "problems": [{"role": "gated_fc1", "m": 8192, "n": 22016, "k": 4096,
+                         "screen": [{"name": "cublaslt#0", "ms": 2.0},
+                                    {"name": "co_128x256_c2x1_s3 M/2", "config": 0, "ms": 2.1, "ok": True,
+                                     "error": 1e-3}],
+                         "final": [fin("cublaslt_first", -1, 2.0, 1200.0, 1700.0),
+                                   fin("cublaslt_fastest", -1, 2.0, 1200.0, 1700.0),
+                                   fin("co_128x256_c2x1_s3 M/2", 0, 2.1, 1320.0, 1600.0)]}]}
+    md = mainloop.markdown(res, {"co_128x256_c2x1_s3": [{"registers": 168, "spill_stores": 0, "spill_loads": 0}]},
+                           "abc1234", "2026-12-05")
+    assert "| co_128x256_c2x1_s3 | cooperative | persistent | 128 × 256 × 64 | 3 | 128 × 32 | 160.0 | 168 |" in md
+    assert "## Energy and clock cycles under the power cap (0.5 s" in md
+    # ours: 1.1x the energy, 2.1 ms at 1600 MHz = 3.36 Mcycles against 2.0 ms at 1700 = 3.4
+    assert "| gated_fc1 | 8192 × 22016 × 4096 | co_128x256_c2x1_s3 M/2 | 2.1000 | 1320.00 | 629 | 1600 | 3.360 | " \
+           "1.100 | 0.988 |" in md
+    del res["energy_s"]
+    assert "Energy and clock cycles" not in mainloop.markdown(res, {}, "abc1234", "2026-12-05")
 
 
 def test_bench_remeasures_a_disturbed_median(monkeypatch):

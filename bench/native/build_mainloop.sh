@@ -10,38 +10,55 @@ dir=${1:?usage: bash bench/native/build_mainloop.sh BUILD_DIR [NVCC_ARG...]}
 shift
 source tools/cutlass_path.sh
 mkdir -p "$dir"
-# name tile_m tile_n cluster_m cluster_n cooperative stream_k
+# name tile_m tile_n tile_k cluster_m cluster_n cooperative stream_k stages epi_n
+# (stages 0: as many as fit beside the epilogue's shared memory; epi_n: the epilogue sub-tile's
+# columns). The first 14 are the library's kind of configuration; the rest search the axes
+# #40 names: N tiles that are no power of two (160, 224), 2 x 2 clusters, fewer stages, a wider
+# epilogue sub-tile, and a 128-deep K tile.
 CONFIGS="
-pp_128x128_c1x1 128 128 1 1 0 0
-pp_128x128_c2x1 128 128 2 1 0 0
-pp_128x128_c1x2 128 128 1 2 0 0
-pp_128x192_c2x1 128 192 2 1 0 0
-co_128x256_c1x1 128 256 1 1 1 0
-co_128x256_c2x1 128 256 2 1 1 0
-co_128x256_c1x2 128 256 1 2 1 0
-co_256x128_c1x1 256 128 1 1 1 0
-co_256x128_c2x1 256 128 2 1 1 0
-co_256x128_c1x2 256 128 1 2 1 0
-co_128x192_c2x1 128 192 2 1 1 0
-co_256x192_c2x1 256 192 2 1 1 0
-co_128x256_c2x1_sk 128 256 2 1 1 1
-co_256x128_c2x1_sk 256 128 2 1 1 1
+pp_128x128_c1x1 128 128 64 1 1 0 0 0 32
+pp_128x128_c2x1 128 128 64 2 1 0 0 0 32
+pp_128x128_c1x2 128 128 64 1 2 0 0 0 32
+pp_128x192_c2x1 128 192 64 2 1 0 0 0 32
+co_128x256_c1x1 128 256 64 1 1 1 0 0 32
+co_128x256_c2x1 128 256 64 2 1 1 0 0 32
+co_128x256_c1x2 128 256 64 1 2 1 0 0 32
+co_256x128_c1x1 256 128 64 1 1 1 0 0 32
+co_256x128_c2x1 256 128 64 2 1 1 0 0 32
+co_256x128_c1x2 256 128 64 1 2 1 0 0 32
+co_128x192_c2x1 128 192 64 2 1 1 0 0 32
+co_256x192_c2x1 256 192 64 2 1 1 0 0 32
+co_128x256_c2x1_sk 128 256 64 2 1 1 1 0 32
+co_256x128_c2x1_sk 256 128 64 2 1 1 1 0 32
+pp_128x160_c2x1 128 160 64 2 1 0 0 0 32
+co_128x160_c2x1 128 160 64 2 1 1 0 0 32
+co_128x224_c2x1 128 224 64 2 1 1 0 0 32
+co_256x160_c2x1 256 160 64 2 1 1 0 0 32
+co_256x224_c2x1 256 224 64 2 1 1 0 0 32
+co_128x256_c2x2 128 256 64 2 2 1 0 0 32
+co_256x128_c2x2 256 128 64 2 2 1 0 0 32
+co_128x256_c2x1_s3 128 256 64 2 1 1 0 3 32
+co_128x256_c2x1_e64 128 256 64 2 1 1 0 0 64
+co_256x128_c2x1_e64 256 128 64 2 1 1 0 0 64
+pp_128x128_c2x1_k128 128 128 128 2 1 0 0 0 32
 "
 common=(-std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
         -I"$CUTLASS_PATH/include" -I"$CUTLASS_PATH/tools/util/include" -Ibench/native -I"$dir" "$@")
 : >"$dir/configs.inc"
 : >"$dir/jobs.txt"
 i=0
-while read -r name tm tn cm cn coop sk; do
+while read -r name tm tn tk cm cn coop sk st en; do
   [ -n "$name" ] || continue
+  [ -n "$en" ] || { echo "CONFIGS line '$name': 10 columns expected" >&2; exit 2; }
   echo "ML_CONFIG($i)" >>"$dir/configs.inc"
-  echo "$i $name $tm $tn $cm $cn $coop $sk" >>"$dir/jobs.txt"
+  echo "$i $name $tm $tn $tk $cm $cn $coop $sk $st $en" >>"$dir/jobs.txt"
   i=$((i + 1))
 done <<<"$CONFIGS"
 compile_one() {
-  read -r i name tm tn cm cn coop sk <<<"$1"
-  nvcc "${common[@]}" -Xptxas -v -DMAINLOOP_CONFIG=$i -DCONFIG_NAME=$name -DTILE_M=$tm -DTILE_N=$tn \
-    -DCLUSTER_M=$cm -DCLUSTER_N=$cn -DCOOPERATIVE=$coop -DSTREAM_K=$sk -c bench/native/mainloop_config.cu \
+  read -r i name tm tn tk cm cn coop sk st en <<<"$1"
+  nvcc "${common[@]}" -Xptxas -v -DMAINLOOP_CONFIG=$i -DCONFIG_NAME=$name -DTILE_M=$tm -DTILE_N=$tn -DTILE_K=$tk \
+    -DCLUSTER_M=$cm -DCLUSTER_N=$cn -DCOOPERATIVE=$coop -DSTREAM_K=$sk -DSTAGES=$st -DEPI_N=$en \
+    -c bench/native/mainloop_config.cu \
     -o "$dir/config_$i.o" >"$dir/ptxas_$i.log" 2>&1 || { cat "$dir/ptxas_$i.log" >&2; return 1; }
   echo "built $name"
 }
@@ -51,7 +68,7 @@ jobs=${MAX_JOBS:-$(nproc)}
 # xargs runs compile_one in child shells: hand the array over as a declaration
 declare -p common >"$dir/common.sh"
 xargs -P "$jobs" -I{} bash -c 'source "$dir/common.sh"; compile_one "$@"' _ {} <"$dir/jobs.txt"
-nvcc "${common[@]}" bench/native/mainloop_search.cu "$dir"/config_*.o -lcublasLt -o "$dir/mainloop_search"
+nvcc "${common[@]}" bench/native/mainloop_search.cu "$dir"/config_*.o -lcublasLt -ldl -o "$dir/mainloop_search"
 python3 - "$dir" <<'PY'
 import json, re, sys, pathlib
 d = pathlib.Path(sys.argv[1])

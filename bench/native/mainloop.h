@@ -17,6 +17,8 @@ struct Config {
   bool cooperative;  // else ping-pong
   bool stream_k;     // else the persistent data-parallel scheduler
   int smem_bytes;    // the kernel's shared storage
+  int stages;        // the mainloop's pipeline stages
+  int epi_m, epi_n;  // the epilogue's sub-tile
 };
 
 // raster: 0 CUTLASS's heuristic, 1 along M, 2 along N; swizzle: 1, 2, 4 or 8.

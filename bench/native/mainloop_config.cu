@@ -1,6 +1,8 @@
 // One configuration of the mainloop search (mainloop.h), chosen at compile time:
-//   -DMAINLOOP_CONFIG=i -DTILE_M= -DTILE_N= -DCLUSTER_M= -DCLUSTER_N= -DCOOPERATIVE=0|1 -DSTREAM_K=0|1
-// (build_mainloop.sh passes them). Defines mainloop_config_<i>(), the configuration and its launcher.
+//   -DMAINLOOP_CONFIG=i -DTILE_M= -DTILE_N= -DTILE_K= -DCLUSTER_M= -DCLUSTER_N= -DCOOPERATIVE=0|1
+//   -DSTREAM_K=0|1 -DSTAGES=0|n -DEPI_N=
+// (build_mainloop.sh passes them; STAGES 0: as many as the shared memory left by the epilogue
+// holds). Defines mainloop_config_<i>(), the configuration and its launcher.
 #ifndef NDEBUG
 #define NDEBUG  // CUTLASS's device asserts serialize the wgmma pipeline
 #endif
@@ -24,17 +26,21 @@ namespace {
 
 using Element = cutlass::bfloat16_t;
 constexpr int kAlign = 8;
-using TileShape = cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::_64>;
+using TileShape = cute::Shape<cute::Int<TILE_M>, cute::Int<TILE_N>, cute::Int<TILE_K>>;
 using ClusterShape = cute::Shape<cute::Int<CLUSTER_M>, cute::Int<CLUSTER_N>, cute::_1>;
 using KernelSchedule = cute::conditional_t<COOPERATIVE, cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
 using EpilogueSchedule = cute::conditional_t<COOPERATIVE, cutlass::epilogue::TmaWarpSpecializedCooperative,
                                              cutlass::epilogue::TmaWarpSpecialized>;
 using Scheduler = cute::conditional_t<STREAM_K, cutlass::gemm::StreamKScheduler, void>;
-// CUTLASS's automatic epilogue sub-tile, spelled out (EpilogueTileAuto's deduction does not
-// compile in gcc's host pass for the cooperative schedules): 128 (cooperative; 64 for 64-row
-// tiles) or 64 rows (ping-pong) by 32 columns.
-using EpilogueTile = cute::Shape<cute::Int<(COOPERATIVE && TILE_M >= 128) ? 128 : 64>, cute::_32>;
+// The epilogue sub-tile: CUTLASS's automatic one spelled out (EpilogueTileAuto's deduction does not
+// compile in gcc's host pass for the cooperative schedules), 128 (cooperative; 64 for 64-row
+// tiles) or 64 rows (ping-pong) by EPI_N columns (CUTLASS's choice: 32).
+using EpilogueTile = cute::Shape<cute::Int<(COOPERATIVE && TILE_M >= 128) ? 128 : 64>, cute::Int<EPI_N>>;
+template <class Epilogue>
+using Stages = cute::conditional_t<(STAGES > 0), cutlass::gemm::collective::StageCount<(STAGES > 0 ? STAGES : 1)>,
+                                   cutlass::gemm::collective::StageCountAutoCarveout<
+                                       static_cast<int>(sizeof(typename Epilogue::SharedStorage))>>;
 
 // One kernel per layout of B.
 #define ML_KERNEL(NAME, LAYOUT_B)                                                                               \
@@ -48,8 +54,7 @@ using EpilogueTile = cute::Shape<cute::Int<(COOPERATIVE && TILE_M >= 128) ? 128 
     using Mainloop = cutlass::gemm::collective::CollectiveBuilder<                                             \
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LAYOUT_B,      \
         kAlign, float, TileShape, ClusterShape,                                                                \
-        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(Epilogue::SharedStorage))>,  \
-        KernelSchedule>::CollectiveOp;                                                                         \
+        Stages<Epilogue>, KernelSchedule>::CollectiveOp;                                                       \
     using GemmKernel =                                                                                         \
         cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;  \
     using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;                                      \
@@ -110,6 +115,9 @@ bool run_any(bool b_k_major, mainloop::Order order, int sm_count, int m, int n, 
 
 mainloop::Entry ML_CAT(mainloop_config_, MAINLOOP_CONFIG)() {
   constexpr int smem = static_cast<int>(KernelBKMajor::GemmKernel::SharedStorageSize);
-  return {{ML_STR(CONFIG_NAME), TILE_M, TILE_N, 64, CLUSTER_M, CLUSTER_N, COOPERATIVE != 0, STREAM_K != 0, smem},
+  constexpr int stages = KernelBKMajor::Mainloop::DispatchPolicy::Stages;
+  static_assert(stages == KernelBNMajor::Mainloop::DispatchPolicy::Stages, "one stage count per configuration");
+  return {{ML_STR(CONFIG_NAME), TILE_M, TILE_N, TILE_K, CLUSTER_M, CLUSTER_N, COOPERATIVE != 0, STREAM_K != 0, smem,
+           stages, cute::size<0>(EpilogueTile{}), EPI_N},
           &run_any};
 }

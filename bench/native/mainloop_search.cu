@@ -1,18 +1,23 @@
 // The mainloop search of the library's GEMM roles (bench/native/README.md): every configuration
 // build_mainloop.sh compiled, with each tile-scheduler order, timed against cuBLASLt's GEMM at the
 // same shape and output, all in one run.
-//   mainloop_search [--out FILE.json] [--rounds R] [--sustain-s S] [--quick]
+//   mainloop_search [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] [--quick]
 // Per role and shape: a screening pass (every configuration x order and every algorithm cuBLASLt's
 // heuristic offers, each the median of 5 launches), then the best 3 of ours, cuBLASLt's first
 // algorithm and its fastest, in R interleaved rounds (default 7) of 10 launches: once after the
 // GPU idled (full clock) and once after S seconds (default 20) of back-to-back GEMMs (sustained,
 // the power cap's clock). Each launch is timed alone by CUDA events after a 512 MiB L2 flush
 // (whose ~0.2 ms on the GPU also hides the host's time to launch).
+// Then, still hot, each finalist back to back without flushes for E seconds (--energy-s, default
+// 0.5; 0 leaves it out) with NVML's energy counter and SM clock read around it: the energy and the
+// clock cycles a GEMM takes under the power cap (NVML is opened at run time; without it the phase
+// is left out and the JSON says so).
 // Every configuration's output is checked against cuBLASLt's at each shape (relative Frobenius
 // error <= 1e-2: the two differ by their bf16 rounding only; a wrong layout gives ~1).
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -208,6 +213,60 @@ struct Harness {
   }
 };
 
+// The part of NVML the energy phase reads, opened at run time (the driver's libnvidia-ml.so.1;
+// this machine's toolkit has no nvml.h, so the four entry points are declared here with NVML's
+// types: nvmlReturn_t is an int, 0 on success; a device is an opaque handle; clock type 1 is the
+// SM clock).
+class Nvml {
+ public:
+  Nvml() {
+    lib_ = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib_) return;
+    auto init = reinterpret_cast<int (*)()>(dlsym(lib_, "nvmlInit_v2"));
+    auto by_bus = reinterpret_cast<int (*)(const char*, void**)>(dlsym(lib_, "nvmlDeviceGetHandleByPciBusId_v2"));
+    energy_ = reinterpret_cast<int (*)(void*, unsigned long long*)>(dlsym(lib_, "nvmlDeviceGetTotalEnergyConsumption"));
+    clock_ = reinterpret_cast<int (*)(void*, int, unsigned*)>(dlsym(lib_, "nvmlDeviceGetClockInfo"));
+    shutdown_ = reinterpret_cast<int (*)()>(dlsym(lib_, "nvmlShutdown"));
+    char bus[32] = {};
+    if (!init || !by_bus || !energy_ || !clock_ || !shutdown_ || init() != 0) return;
+    initialized_ = true;
+    unsigned long long mj = 0;
+    unsigned mhz = 0;
+    ok_ = cudaDeviceGetPCIBusId(bus, sizeof bus, 0) == cudaSuccess && by_bus(bus, &dev_) == 0 &&
+          energy_(dev_, &mj) == 0 && clock_(dev_, 1, &mhz) == 0;
+  }
+  ~Nvml() {
+    if (initialized_) shutdown_();
+    if (lib_) dlclose(lib_);
+  }
+  Nvml(const Nvml&) = delete;
+  Nvml& operator=(const Nvml&) = delete;
+  bool ok() const { return ok_; }
+  double energy_mj() const {
+    unsigned long long mj = 0;
+    return energy_(dev_, &mj) == 0 ? static_cast<double>(mj) : -1;
+  }
+  double sm_mhz() const {
+    unsigned mhz = 0;
+    return clock_(dev_, 1, &mhz) == 0 ? static_cast<double>(mhz) : -1.0;
+  }
+
+ private:
+  void* lib_ = nullptr;
+  void* dev_ = nullptr;
+  bool initialized_ = false, ok_ = false;
+  int (*energy_)(void*, unsigned long long*) = nullptr;
+  int (*clock_)(void*, int, unsigned*) = nullptr;
+  int (*shutdown_)() = nullptr;
+};
+
+// One finalist back to back (no flushes) for `seconds`, hot: per GEMM its time, energy and clock
+// cycles, and the mean power and SM clock (sampled after each batch of 20).
+struct Energy {
+  double ms = 0, mj = 0, watts = 0, sm_mhz = 0, mcycles = 0;
+  int gemms = 0;
+};
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -218,16 +277,18 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   const char* out_path = "mainloop.json";
   int rounds = 7;
-  double sustain_s = 20;
+  double sustain_s = 20, energy_s = 0.5;
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
     else if (a == "--sustain-s" && i + 1 < argc) sustain_s = std::atof(argv[++i]);
+    else if (a == "--energy-s" && i + 1 < argc) energy_s = std::atof(argv[++i]);
     else if (a == "--quick") quick = true;
     else {
-      std::fprintf(stderr, "usage: %s [--out FILE.json] [--rounds R] [--sustain-s S] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] [--quick]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -269,13 +330,18 @@ int main(int argc, char** argv) {
   }
   std::fprintf(f, "{\"gpu\": \"%s\", \"sm_count\": %d, \"driver\": %d, \"cuda_runtime\": %d, \"cublaslt\": %zu, ",
                prop.name, hs.sm_count, driver, runtime, cublasLtGetVersion());
-  std::fprintf(f, "\"rounds\": %d, \"sustain_s\": %g, \"configs\": [", rounds, sustain_s);
+  Nvml nvml;
+  const bool energy = energy_s > 0 && nvml.ok();
+  if (energy_s > 0 && !energy) std::printf("NVML unavailable: the energy phase is left out\n");
+  std::fprintf(f, "\"rounds\": %d, \"sustain_s\": %g, \"energy_s\": %g, \"configs\": [", rounds, sustain_s,
+               energy ? energy_s : 0.0);
   for (size_t i = 0; i < hs.configs.size(); ++i) {
     const mainloop::Config& c = hs.configs[i].config;
     std::fprintf(f, "%s{\"name\": \"%s\", \"tile\": [%d, %d, %d], \"cluster\": [%d, %d], \"schedule\": \"%s\", "
-                 "\"scheduler\": \"%s\", \"smem_bytes\": %d}", i ? ", " : "", c.name, c.tile_m, c.tile_n, c.tile_k,
-                 c.cluster_m, c.cluster_n, c.cooperative ? "cooperative" : "pingpong",
-                 c.stream_k ? "stream-k" : "persistent", c.smem_bytes);
+                 "\"scheduler\": \"%s\", \"smem_bytes\": %d, \"stages\": %d, \"epilogue_tile\": [%d, %d]}",
+                 i ? ", " : "", c.name, c.tile_m, c.tile_n, c.tile_k, c.cluster_m, c.cluster_n,
+                 c.cooperative ? "cooperative" : "pingpong", c.stream_k ? "stream-k" : "persistent", c.smem_bytes,
+                 c.stages, c.epi_m, c.epi_n);
   }
   std::fprintf(f, "], \"problems\": [");
   std::printf("%s, %d SMs, driver %d, runtime %d, cuBLASLt %zu; %zu configurations x %zu orders\n", prop.name,
@@ -362,6 +428,31 @@ int main(int argc, char** argv) {
           (phase ? sustained : full)[j].push_back(hs.median_of(finalists[j], p, 10));
         }
     }
+    // hot, right after the sustained rounds: each finalist back to back, the order rotated per shape
+    std::vector<Energy> joules(finalists.size());
+    for (size_t i = 0; energy && i < finalists.size(); ++i) {
+      const size_t j = (i + pi) % finalists.size();
+      for (int w = 0; w < 20; ++w) hs.launch(finalists[j], p, buf.d);
+      CK(cudaDeviceSynchronize());
+      std::vector<double> mhz;
+      Energy& e = joules[j];
+      const double mj0 = nvml.energy_mj();
+      const auto t0 = std::chrono::steady_clock::now();
+      double secs = 0;
+      while (secs < energy_s) {
+        for (int b = 0; b < 20; ++b) hs.launch(finalists[j], p, buf.d);
+        CK(cudaDeviceSynchronize());
+        e.gemms += 20;
+        mhz.push_back(nvml.sm_mhz());
+        secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+      const double mj1 = nvml.energy_mj();
+      e.ms = secs * 1e3 / e.gemms;
+      e.mj = (mj1 - mj0) / e.gemms;
+      e.watts = (mj1 - mj0) * 1e-3 / secs;
+      e.sm_mhz = median(mhz);
+      e.mcycles = e.ms * e.sm_mhz * 1e-3;
+    }
     const double base_full = median(full[0]), base_sus = median(sustained[0]);
     const double best_full = median(full[1]), best_sus = median(sustained[1]);
     std::fprintf(f, "%s{\"role\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"b_k_major\": %s, \"cublaslt_algorithms\": %zu, ",
@@ -381,8 +472,16 @@ int main(int argc, char** argv) {
       std::printf("  %-36s %10.4f %8.1f %9.3f %10.4f %8.1f %9.3f\n", finalists[i].name.c_str(), mf, flop / mf * 1e-9,
                   mf / best_full, ms, flop / ms * 1e-9, ms / best_sus);
       std::fprintf(f, "%s{\"name\": \"%s\", \"config\": %d, \"raster\": %d, \"swizzle\": %d, \"full_ms\": %.5f, "
-                   "\"sustained_ms\": %.5f, \"full_rounds\": [", i ? ", " : "", finalists[i].name.c_str(),
+                   "\"sustained_ms\": %.5f, ", i ? ", " : "", finalists[i].name.c_str(),
                    finalists[i].config, finalists[i].order.raster, finalists[i].order.swizzle, mf, ms);
+      if (energy) {
+        const Energy& e = joules[i];
+        std::printf("  %-36s back to back %.4f ms, %.2f mJ, %.0f W, SM %.0f MHz, %.3f Mcycles per GEMM\n", "",
+                    e.ms, e.mj, e.watts, e.sm_mhz, e.mcycles);
+        std::fprintf(f, "\"energy\": {\"ms\": %.5f, \"mj\": %.4f, \"watts\": %.1f, \"sm_mhz\": %.0f, "
+                     "\"mcycles\": %.5f, \"gemms\": %d}, ", e.ms, e.mj, e.watts, e.sm_mhz, e.mcycles, e.gemms);
+      }
+      std::fprintf(f, "\"full_rounds\": [");
       for (size_t r = 0; r < full[i].size(); ++r) std::fprintf(f, "%s%.5f", r ? ", " : "", full[i][r]);
       std::fprintf(f, "], \"sustained_rounds\": [");
       for (size_t r = 0; r < sustained[i].size(); ++r) std::fprintf(f, "%s%.5f", r ? ", " : "", sustained[i][r]);
