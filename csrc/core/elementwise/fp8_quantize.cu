@@ -28,7 +28,6 @@ constexpr int kVec = 8;                // elements per thread and load (16 bytes
 constexpr int kColGroups = kTileCols / kVec;          // 8 threads span a tile row
 constexpr int kRowsPerPass = kThreads / kColGroups;   // 32 rows per pass
 constexpr int kPasses = kTileRows / kRowsPerPass;     // 4 passes per tile, their loads issued together
-constexpr int kChunk = 16;             // bytes per store of the transposed tile: 16 rows of a column
 
 // |v| as the bits of a non-negative float: their unsigned order is the float order, and every NaN
 // sorts above +inf, so an unsigned max over them is an amax that propagates NaN.
@@ -274,23 +273,56 @@ struct CastParams {
   float* input_scale_inv_out;       // kInput
 };
 
-// A block's tile of FP8 bytes (rows t0 + [0, 128), columns c0 + [0, 64), row-major in shared
-// memory, rows padded by 4 bytes) stored transposed into data_t [cols, ld_t]: 64 columns x 8
-// chunks of 16 rows, thread k writing rows [16 (k % 8), +16) of column k / 8 in one 16-byte store.
-__device__ __forceinline__ void store_tile_transposed(const uint8_t (&tile)[kTileRows][kTileCols + 4], int64_t c0,
-                                                      int64_t t0, int64_t cols, int64_t ld_t, uint8_t* data_t) {
-#pragma unroll
-  for (int i = 0; i < (kTileCols * kTileRows / kChunk) / kThreads; ++i) {
-    const int k = i * kThreads + threadIdx.x;
-    const int c = k / (kTileRows / kChunk), rc = (k % (kTileRows / kChunk)) * kChunk;
-    const int64_t out_row = c0 + c, out_col = t0 + rc;
-    if (out_row < cols && out_col < ld_t) {
-      __align__(16) uint8_t b[kChunk];
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) b[j] = tile[rc + j][c];
-      *reinterpret_cast<uint4*>(data_t + out_row * ld_t + out_col) = *reinterpret_cast<const uint4*>(b);
-    }
+// A block's tile of FP8 bytes (rows t0 + [0, 128), columns c0 + [0, 64)) in shared memory, as
+// 4-byte words (row r, word q = its bytes 4q .. 4q + 3). Rows r and r + 1 (r even) share one
+// 32-word line, and word 16 (r % 2) + q of that line sits at that index XOR 2 ((r / 8) % 16). Both
+// accesses then hit 32 distinct banks: a warp's row writes (8 bytes of each of 4 rows, a half-warp
+// per line) and its transposed reads (word q or q + 1 of 16 rows 8 apart; the XOR spreads the 16
+// rows over the 16 even or odd banks and q's parity picks which). A padded row-major tile with
+// per-byte reads had 4-way conflicts on the reads.
+struct TransposeTile {
+  uint32_t words[kTileRows / 2][32];
+
+  static __device__ __forceinline__ int index(int row, int q) {
+    return ((row & 1) * 16 + q) ^ (((row >> 3) & 15) << 1);
   }
+  // Row `row`'s bytes 8 cg .. 8 cg + 7 (words 2 cg, 2 cg + 1: adjacent after the XOR, which keeps
+  // bit 0).
+  __device__ __forceinline__ void put8(int row, int cg, uint32_t lo, uint32_t hi) {
+    *reinterpret_cast<uint2*>(&words[row >> 1][index(row, 2 * cg)]) = make_uint2(lo, hi);
+  }
+  __device__ __forceinline__ uint32_t get4(int row, int q) const { return words[row >> 1][index(row, q)]; }
+};
+
+// The tile stored transposed into data_t [cols, ld_t]: thread k reads 8 rows (8 (k % 16) on) of
+// the 4 columns 4 (k / 16) .. + 3, transposes the 8 x 4 bytes in registers, and writes 8 bytes to
+// each of the 4 output rows (a half-warp writes 128 contiguous bytes of one).
+__device__ __forceinline__ void store_tile_transposed(const TransposeTile& tile, int64_t c0, int64_t t0,
+                                                      int64_t cols, int64_t ld_t, uint8_t* data_t) {
+  static_assert(kThreads == (kTileRows / 8) * (kTileCols / 4), "one 8-row x 4-column block per thread");
+  const int rb = threadIdx.x % (kTileRows / 8), q = threadIdx.x / (kTileRows / 8);
+  const int64_t out_row = c0 + 4 * q, out_col = t0 + 8 * rb;
+  if (out_row >= cols || out_col >= ld_t) return;  // cols % 8 == 0: the 4 columns are wholly in or out
+  uint32_t w[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w[j] = tile.get4(8 * rb + j, q);
+  // Byte i of output row 4 q + i: byte i of w[0], ..., w[7]. __byte_perm(a, b, s) takes byte k of
+  // its result from byte nibble k of s of the pair (a: 0-3, b: 4-7).
+  uint32_t col[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo01 = __byte_perm(w[4 * h], w[4 * h + 1], 0x5140);  // w0.b0 w1.b0 w0.b1 w1.b1
+    const uint32_t hi01 = __byte_perm(w[4 * h], w[4 * h + 1], 0x7362);  // w0.b2 w1.b2 w0.b3 w1.b3
+    const uint32_t lo23 = __byte_perm(w[4 * h + 2], w[4 * h + 3], 0x5140);
+    const uint32_t hi23 = __byte_perm(w[4 * h + 2], w[4 * h + 3], 0x7362);
+    col[h][0] = __byte_perm(lo01, lo23, 0x5410);  // w0.b0 w1.b0 w2.b0 w3.b0
+    col[h][1] = __byte_perm(lo01, lo23, 0x7632);
+    col[h][2] = __byte_perm(hi01, hi23, 0x5410);
+    col[h][3] = __byte_perm(hi01, hi23, 0x7632);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    *reinterpret_cast<uint2*>(data_t + (out_row + i) * ld_t + out_col) = make_uint2(col[0][i], col[1][i]);
 }
 
 // Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
@@ -300,9 +332,7 @@ __device__ __forceinline__ void store_tile_transposed(const uint8_t (&tile)[kTil
 template <typename T, Activation A, int kMode, bool kInput>
 __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre, const CastParams& p) {
   static_assert(!kInput || kMode == 1 || kMode == 3, "the input's copy is of forward modes 1 and 3");
-  // Row-major, rows padded by 4 bytes: the transposed reads (16 rows of one column per thread) then
-  // hit 2 banks per warp instead of 1, and the row writes stay 4-byte aligned.
-  __shared__ __align__(16) uint8_t tile[kTileRows][kTileCols + 4];
+  __shared__ __align__(16) TransposeTile tile;
   __shared__ float sums[kRowsPerPass][kTileCols];
   const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
@@ -372,11 +402,8 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
       }
       if (p.data != nullptr && col_in && row < p.rows)
         *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = *reinterpret_cast<const uint2*>(q);
-      if (p.data_t != nullptr) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[lr][cg * kVec]);
-        dst[0] = *reinterpret_cast<const uint32_t*>(q);
-        dst[1] = *reinterpret_cast<const uint32_t*>(q + 4);
-      }
+      if (p.data_t != nullptr)
+        tile.put8(lr, cg, *reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 4));
     }
     if (p.data_t != nullptr) {
       __syncthreads();
@@ -517,7 +544,7 @@ void check_args(const Fp8QuantizeArgs& a) {
 __global__ void __launch_bounds__(kThreads)
     transpose_kernel(const uint8_t* __restrict__ data, int64_t rows, int64_t cols, int64_t ld_t,
                      uint8_t* __restrict__ data_t) {
-  __shared__ __align__(16) uint8_t tile[kTileRows][kTileCols + 4];
+  __shared__ __align__(16) TransposeTile tile;
   const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
   const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
   const int64_t col = c0 + cg * kVec;
@@ -531,11 +558,7 @@ __global__ void __launch_bounds__(kThreads)
                                            : make_uint2(0, 0);
     }
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[pass * kRowsPerPass + rl][cg * kVec]);
-      dst[0] = w[pass].x;
-      dst[1] = w[pass].y;
-    }
+    for (int pass = 0; pass < kPasses; ++pass) tile.put8(pass * kRowsPerPass + rl, cg, w[pass].x, w[pass].y);
     __syncthreads();
     store_tile_transposed(tile, c0, t0, cols, ld_t, data_t);
     __syncthreads();  // the tile is rewritten by the next rows
