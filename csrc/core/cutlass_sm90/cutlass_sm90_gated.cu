@@ -40,18 +40,20 @@ struct Pair<cutlass::half_t> {
 // The GEMM is row-major D[M, N] (M = batch). The accumulator fragment of a thread is cute's
 // CLayout_64xN partitioned by the tiled MMA: (V, MMA_M, MMA_N) with V = (2, 2, n / 8) over one
 // 64 x n wgmma atom, where value (v0, v1, v2) sits at row 8 v1 + r and column 8 v2 + 2 q + v0 of
-// the atom (r, q: the thread's row and column pair). So v0 steps one column, v2 eight: with
-// G = kGatedInterleave a multiple of 8 (kGroupsPerBlock = G / 8 groups of 8 columns) and 2G
+// the atom (r, q: the thread's row and column pair; the 4 lanes of a row, lanes 4r .. 4r + 3,
+// hold q = 0 .. 3). So v0 steps one column, v2 eight: with G = kGatedInterleave = 8 and 2G
 // dividing the atom's width, the packed blocks of 2G columns are aligned to the atoms, and in
-// the forward the values at a gate group v2 and at v2 + kGroupsPerBlock are the gate and up of
-// the same two units; (v0 = 0, 1) is one 4-byte word of every tensor touched.
+// the forward the values at gate group v2 = 2p and up group 2p + 1 are the gate and up of the
+// same two units; (v0 = 0, 1) is one 4-byte word of every tensor touched. A lane holds one word
+// of each group; the 4 lanes of a row exchange words (quad_transpose) so that every global access
+// is 16 bytes: one group's 8 values.
 //
 // kDgrad = false, forward, N = 2h: out[M, h] = act(g) * u; gu[M, 2h] = the accumulator (rounded)
 //   when gu is set.
 // kDgrad = true, data gradient, N = h: the accumulator is d_h[M, h]; g, u come from gu[M, 2h],
 //   d_gu[M, 2h] gets d_h * u * act'(g) and d_h * act(g), act_out[M, h] act(g) * u when set.
-//   d_gu may be gu itself: each thread reads every word it writes before it writes it, and no
-//   other thread touches it.
+//   d_gu may be gu itself: each thread reads every 16 bytes it writes before it writes them, and
+//   no other thread touches them.
 template <class Element, bool kDgrad>
 class GatedEpilogue {
  public:
@@ -119,12 +121,41 @@ class GatedEpilogue {
   using Word = typename Pair<Element>::Word;
   static_assert(sizeof(Word) == 4, "two 16-bit values");
   static constexpr int kG = static_cast<int>(kGatedInterleave);
-  static constexpr int kGroupsPerBlock = kG / 8;
+  static_assert(kG == 8, "a packed block is one 8-column group: a unit group's g and u are 32 contiguous bytes");
 
   // The data gradient's loads of g and u, this many 8-column groups at a time (16 registers),
   // in flight together. Loads cannot move past the stores before them (d_gu may be gu), so
-  // rounds do not overlap. 16 groups make ptxas spill, next to the 128 accumulators.
+  // rounds do not overlap. 16 groups made ptxas spill, next to the 128 accumulators.
   static constexpr int kLoadGroups = 8;
+
+  // A 4 x 4 transpose of words across the quad of lanes that share a row of the accumulator
+  // (lanes 4r .. 4r + 3; lane 4r + q holds columns 2q, 2q + 1 of every 8-column group): on entry
+  // lane q holds a[j], on exit a[j] is what lane j held in a[q]. So 4 lanes holding one word of each
+  // of 4 groups end up each holding the 4 words (16 contiguous bytes) of one group, and back. Every
+  // lane of the warp calls it (the shuffles name all 32).
+  static CUTLASS_DEVICE void quad_transpose(uint32_t (&a)[4], int lane) {
+    quad_exchange<1>(a, lane);
+    quad_exchange<2>(a, lane);
+  }
+  // Lanes kBit apart swap the two words whose index has bit kBit unlike the lane's: a lane with the
+  // bit set gives and takes a[0] and a[3 ^ kBit], one without it a[kBit] and a[3].
+  template <int kBit>
+  static CUTLASS_DEVICE void quad_exchange(uint32_t (&a)[4], int lane) {
+    constexpr int kOther = 3 ^ kBit;
+    const bool set = (lane & kBit) != 0;
+    const uint32_t x0 = __shfl_xor_sync(0xffffffffu, set ? a[0] : a[kBit], kBit);
+    const uint32_t x1 = __shfl_xor_sync(0xffffffffu, set ? a[kOther] : a[3], kBit);
+    if (set) {
+      a[0] = x0;
+      a[kOther] = x1;
+    } else {
+      a[kBit] = x0;
+      a[3] = x1;
+    }
+  }
+
+  static CUTLASS_DEVICE uint32_t bits(Word w) { return reinterpret_cast<uint32_t const&>(w); }
+  static CUTLASS_DEVICE Word word(uint32_t b) { return reinterpret_cast<Word const&>(b); }
 
   template <Activation A, class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine,
             class FrgLayout, class TiledMma>
@@ -137,8 +168,7 @@ class GatedEpilogue {
     static_assert(rank<0>(FrgLayout{}) == 3 && size<0, 0>(FrgLayout{}) == 2 && size<0, 1>(FrgLayout{}) == 2,
                   "a wgmma accumulator fragment (CLayout_64xN)");
     constexpr int kGroups = size<0, 2>(FrgLayout{});  // 8-column groups per atom
-    static_assert(kG % 8 == 0 && kGroups % (2 * kGroupsPerBlock) == 0,
-                  "packed blocks of whole groups, whole in an atom");
+    static_assert(kGroups % 8 == 0, "whole sets of 4 packed blocks (8 groups) in an atom");
     constexpr int kMmaM = size<1>(FrgLayout{});
     constexpr int kMmaN = size<2>(FrgLayout{});
     constexpr int kTileM = size<0>(BlockShapeMNK{});
@@ -163,18 +193,19 @@ class GatedEpilogue {
 
     if constexpr (kDgrad) prefetch_gu<kTileM, kTileN, decltype(size(tiled_mma))::value>(m0, n0, m, n, thread_idx);
 
+    // A row past the problem's is computed and not stored: the quads' exchanges need every lane.
+    const int lane = static_cast<int>(threadIdx.x % 32);
     CUTLASS_PRAGMA_UNROLL
     for (int mm = 0; mm < kMmaM; ++mm) {
       CUTLASS_PRAGMA_UNROLL
       for (int v1 = 0; v1 < 2; ++v1) {
         const int row = m0 + get<0>(t_coord(make_coord(0, v1, 0), mm, 0));
-        if (row >= m) continue;
         CUTLASS_PRAGMA_UNROLL
         for (int nn = 0; nn < kMmaN; ++nn) {
           if constexpr (kDgrad)
-            dgrad_row<A, kGroups>(acc, t_coord, row, n0, n, mm, v1, nn);
+            dgrad_row<A, kGroups>(acc, t_coord, row, row < m, n0, n, mm, v1, nn, lane);
           else
-            forward_row<A, kGroups>(acc, t_coord, row, n0, n, mm, v1, nn);
+            forward_row<A, kGroups>(acc, t_coord, row, row < m, n0, n, mm, v1, nn, lane);
         }
       }
     }
@@ -197,75 +228,110 @@ class GatedEpilogue {
     }
   }
 
-  // One row of one atom of the forward: kGroups / 2 (gate, up) pairs of groups.
+  // One row of one atom of the forward: kGroups / 2 (gate, up) pairs of groups, 4 pairs at a time.
+  // Gate group 2p and up group 2p + 1 are packed block p (kG == 8): its columns n0 + 16p' on
+  // (p' the block's place in the tile), the units of out 8p' on. Each lane forms one word of out,
+  // of g and of u for each of the 4 blocks; the quad's transposes give lane q the 4 words of block
+  // q, stored as 16 bytes each (out; g and u, adjacent, when gu is set).
   template <Activation A, int kGroups, class Acc, class Coord>
-  CUTLASS_DEVICE void forward_row(Acc const& acc, Coord const& t_coord, int row, int n0, int n, int mm, int v1,
-                                  int nn) {
+  CUTLASS_DEVICE void forward_row(Acc const& acc, Coord const& t_coord, int row, bool row_in, int n0, int n, int mm,
+                                  int v1, int nn, int lane) {
     using namespace cute;
+    static_assert(kGroups % 8 == 0, "whole sets of 4 packed blocks in an atom");
     const int64_t half_n = n / 2;
-    Word* const out_row = reinterpret_cast<Word*>(params_.act_out) + (static_cast<int64_t>(row) * half_n) / 2;
-    Word* const gu_row =
-        params_.gu == nullptr ? nullptr : reinterpret_cast<Word*>(params_.gu) + (static_cast<int64_t>(row) * n) / 2;
+    uint32_t* const out_row = reinterpret_cast<uint32_t*>(params_.act_out) + (static_cast<int64_t>(row) * half_n) / 2;
+    uint32_t* const gu_row = params_.gu == nullptr
+                                 ? nullptr
+                                 : reinterpret_cast<uint32_t*>(params_.gu) + (static_cast<int64_t>(row) * n) / 2;
+    const int q = lane & 3;
     CUTLASS_PRAGMA_UNROLL
-    for (int p = 0; p < kGroups / 2; ++p) {
-      // the p-th gate group of the atom and its up group
-      const int vg = (p / kGroupsPerBlock) * 2 * kGroupsPerBlock + p % kGroupsPerBlock;
-      const int vu = vg + kGroupsPerBlock;
-      const int col = n0 + get<1>(t_coord(make_coord(0, v1, vg), mm, nn));  // gate column, even
-      if (col >= n) continue;  // whole packed blocks: n % 2G == 0
-      const float g0 = acc(make_coord(0, v1, vg), mm, nn), g1 = acc(make_coord(1, v1, vg), mm, nn);
-      const float u0 = acc(make_coord(0, v1, vu), mm, nn), u1 = acc(make_coord(1, v1, vu), mm, nn);
-      // unit of column col: block col / 2G, place col % 2G (< G)
-      const int unit = (col / (2 * kG)) * kG + col % (2 * kG);
-      out_row[unit >> 1] = Pair<Element>::pack(gate_act<A, true>(g0) * u0, gate_act<A, true>(g1) * u1);
+    for (int set = 0; set < kGroups / 8; ++set) {
+      uint32_t o[4], gw[4], uw[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const int vg = 2 * (4 * set + i), vu = vg + 1;
+        const float g0 = acc(make_coord(0, v1, vg), mm, nn), g1 = acc(make_coord(1, v1, vg), mm, nn);
+        const float u0 = acc(make_coord(0, v1, vu), mm, nn), u1 = acc(make_coord(1, v1, vu), mm, nn);
+        o[i] = bits(Pair<Element>::pack(gate_act<A, true>(g0) * u0, gate_act<A, true>(g1) * u1));
+        gw[i] = bits(Pair<Element>::pack(g0, g1));
+        uw[i] = bits(Pair<Element>::pack(u0, u1));
+      }
+      quad_transpose(o, lane);
       if (gu_row != nullptr) {
-        gu_row[col >> 1] = Pair<Element>::pack(g0, g1);
-        gu_row[(col + kG) >> 1] = Pair<Element>::pack(u0, u1);  // the column of u0 (static_assert above)
+        quad_transpose(gw, lane);
+        quad_transpose(uw, lane);
+      }
+      // block 4 set + q's first column: this lane's gate column of block 4 set, less 2q, plus 16q
+      const int col = n0 + get<1>(t_coord(make_coord(0, v1, 8 * set), mm, nn)) + 14 * q;
+      if (!row_in || col >= n) continue;  // whole packed blocks: n % 2G == 0
+      *reinterpret_cast<uint4*>(out_row + col / 4) = make_uint4(o[0], o[1], o[2], o[3]);  // unit col / 2
+      if (gu_row != nullptr) {
+        *reinterpret_cast<uint4*>(gu_row + col / 2) = make_uint4(gw[0], gw[1], gw[2], gw[3]);
+        *reinterpret_cast<uint4*>(gu_row + col / 2 + 4) = make_uint4(uw[0], uw[1], uw[2], uw[3]);
       }
     }
   }
 
-  // One row of one atom of the data gradient: kGroups groups of 8 units, their g and u loaded
-  // kLoadGroups groups at a time before any of them is written.
+  // One row of one atom of the data gradient: kGroups groups of 8 units, kLoadGroups at a time,
+  // all their loads before any store. Units u0 .. u0 + 7 (u0 % 8 == 0) are packed block u0 / 8,
+  // words u0 .. u0 + 7 of gu's row (g then u, 32 bytes). Lane q loads the 32 bytes of group q of
+  // each set of 4; the quad's transposes give each lane the g and u words of its own columns, and
+  // give back d_g, d_u and act(g) u as 16 bytes a group.
   template <Activation A, int kGroups, class Acc, class Coord>
-  CUTLASS_DEVICE void dgrad_row(Acc const& acc, Coord const& t_coord, int row, int n0, int n, int mm, int v1,
-                                int nn) {
+  CUTLASS_DEVICE void dgrad_row(Acc const& acc, Coord const& t_coord, int row, bool row_in, int n0, int n, int mm,
+                                int v1, int nn, int lane) {
     using namespace cute;
     constexpr int kChunk = kGroups < kLoadGroups ? kGroups : kLoadGroups;
-    static_assert(kGroups % kChunk == 0, "whole chunks");
+    static_assert(kGroups % kChunk == 0 && kChunk % 4 == 0, "whole chunks of whole sets of 4 groups");
+    constexpr int kSets = kChunk / 4;
     const int64_t row_words = static_cast<int64_t>(row) * n;  // 2n 16-bit values per row of gu
-    Word const* const gu_row = reinterpret_cast<Word const*>(params_.gu) + row_words;
-    Word* const d_gu_row = reinterpret_cast<Word*>(params_.d_gu) + row_words;
-    Word* const act_row = params_.act_out == nullptr
-                              ? nullptr
-                              : reinterpret_cast<Word*>(params_.act_out) + (static_cast<int64_t>(row) * n) / 2;
+    uint32_t const* const gu_row = reinterpret_cast<uint32_t const*>(params_.gu) + row_words;
+    uint32_t* const d_gu_row = reinterpret_cast<uint32_t*>(params_.d_gu) + row_words;
+    uint32_t* const act_row = params_.act_out == nullptr
+                                  ? nullptr
+                                  : reinterpret_cast<uint32_t*>(params_.act_out) + (static_cast<int64_t>(row) * n) / 2;
+    const int q = lane & 3;
     CUTLASS_PRAGMA_UNROLL
     for (int c0 = 0; c0 < kGroups; c0 += kChunk) {
-      Word g[kChunk], u[kChunk];
+      uint32_t g[kSets][4], u[kSets][4];
+      int unit[kSets];  // the first unit of this lane's group of each set
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kChunk; ++c) {
-        const int unit = n0 + get<1>(t_coord(make_coord(0, v1, c0 + c), mm, nn));  // even
-        if (unit < n) {  // whole 8-unit groups: n % G == 0
-          const int pos = (unit / kG) * (2 * kG) + unit % kG;  // gate column in gu
-          g[c] = gu_row[pos >> 1];
-          u[c] = gu_row[(pos + kG) >> 1];
+      for (int st = 0; st < kSets; ++st) {
+        unit[st] = n0 + get<1>(t_coord(make_coord(0, v1, c0 + 4 * st), mm, nn)) + 6 * q;
+        if (row_in && unit[st] < n) {  // whole 8-unit groups: n % G == 0
+          const uint4 gv = *reinterpret_cast<uint4 const*>(gu_row + unit[st]);
+          const uint4 uv = *reinterpret_cast<uint4 const*>(gu_row + unit[st] + 4);
+          g[st][0] = gv.x, g[st][1] = gv.y, g[st][2] = gv.z, g[st][3] = gv.w;
+          u[st][0] = uv.x, u[st][1] = uv.y, u[st][2] = uv.z, u[st][3] = uv.w;
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 4; ++i) g[st][i] = u[st][i] = 0u;
         }
       }
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < kChunk; ++c) {
-        const int unit = n0 + get<1>(t_coord(make_coord(0, v1, c0 + c), mm, nn));
-        if (unit >= n) continue;
-        const int pos = (unit / kG) * (2 * kG) + unit % kG;
-        const float2 gf = Pair<Element>::unpack(g[c]), uf = Pair<Element>::unpack(u[c]);
-        const float d0 = acc(make_coord(0, v1, c0 + c), mm, nn), d1 = acc(make_coord(1, v1, c0 + c), mm, nn);
-        float a0, a1;
-        float da0;
-        a0 = gate_act<A, true>(gf.x, &da0);
-        float da1;
-        a1 = gate_act<A, true>(gf.y, &da1);
-        d_gu_row[pos >> 1] = Pair<Element>::pack(d0 * uf.x * da0, d1 * uf.y * da1);
-        d_gu_row[(pos + kG) >> 1] = Pair<Element>::pack(d0 * a0, d1 * a1);
-        if (act_row != nullptr) act_row[unit >> 1] = Pair<Element>::pack(a0 * uf.x, a1 * uf.y);
+      for (int st = 0; st < kSets; ++st) {
+        quad_transpose(g[st], lane);
+        quad_transpose(u[st], lane);
+        uint32_t dg[4], du[4], ag[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          const int v2 = c0 + 4 * st + i;
+          const float2 gf = Pair<Element>::unpack(word(g[st][i])), uf = Pair<Element>::unpack(word(u[st][i]));
+          const float d0 = acc(make_coord(0, v1, v2), mm, nn), d1 = acc(make_coord(1, v1, v2), mm, nn);
+          float da0, da1;
+          const float a0 = gate_act<A, true>(gf.x, &da0);
+          const float a1 = gate_act<A, true>(gf.y, &da1);
+          dg[i] = bits(Pair<Element>::pack(d0 * uf.x * da0, d1 * uf.y * da1));
+          du[i] = bits(Pair<Element>::pack(d0 * a0, d1 * a1));
+          ag[i] = bits(Pair<Element>::pack(a0 * uf.x, a1 * uf.y));
+        }
+        quad_transpose(dg, lane);
+        quad_transpose(du, lane);
+        if (act_row != nullptr) quad_transpose(ag, lane);
+        if (!row_in || unit[st] >= n) continue;
+        *reinterpret_cast<uint4*>(d_gu_row + unit[st]) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+        *reinterpret_cast<uint4*>(d_gu_row + unit[st] + 4) = make_uint4(du[0], du[1], du[2], du[3]);
+        if (act_row != nullptr) *reinterpret_cast<uint4*>(act_row + unit[st] / 2) = make_uint4(ag[0], ag[1], ag[2], ag[3]);
       }
     }
   }

@@ -13,9 +13,10 @@
 // D[B, n] = A[B, k] * B[k, n] in CUTLASS's terms (the batch along M, features along N), so in
 // the wgmma accumulator (cute's CLayout_64xN) each thread holds, at each of its rows, the column
 // pairs 2q, 2q + 1 (q = lane % 4) of every 8-column group: columns c and c + G = gate and up of
-// the same units in the forward, and two neighbouring units (one 4-byte access into gu, d_gu,
-// out and h) in both kernels. Any G that is a multiple of 8 with 2G dividing 128 pairs so; 8 is
-// the smallest, and with another G the kernels offer no variant. (With out features along M
+// the same units in the forward, and two neighbouring units (one 4-byte word of gu, d_gu, out
+// and h) in both kernels. With G = 8 a packed block is one 8-column group, so the 4 lanes of a
+// row together hold whole groups: 16 contiguous bytes of out or h, 32 of gu or d_gu (g then u).
+// The kernels are written for G = 8 (a static_assert in the .cu). (With out features along M
 // instead, as the library's other forward kernel has them, a thread holds rows r and r + 8, which
 // pairs as well for G = 8, but every access is then 2 bytes wide: the neighbouring units of a
 // column sit in neighbouring threads.)
@@ -25,8 +26,10 @@
 // tile and the backward's d_gu twice, each at packed positions, so neither fits. The epilogue is
 // the library's own (GatedEpilogue in the .cu, run through CUTLASS's adapter for epilogues
 // without shared memory): each thread computes on its accumulator registers and loads / stores
-// global memory directly, 4 bytes per access (two units or two columns), rows and column groups
-// past the problem's edge predicated off. In the ping-pong configuration the epilogue of one warp
+// global memory directly; the 4 lanes of a row exchange words by warp shuffles (a 4 x 4
+// transpose) so that each access is 16 bytes, one 8-value group, where a thread's own values are
+// one 4-byte word per group. Rows and column groups past the problem's edge are computed and not
+// stored (the exchanges need every lane). In the ping-pong configuration the epilogue of one warp
 // group runs under the other's MMAs.
 //
 // Compiled in when the build finds CUTLASS's headers and targets sm_90a
