@@ -2,6 +2,9 @@
 // build_mainloop.sh compiled, with each tile-scheduler order, timed against cuBLASLt's GEMM at the
 // same shape and output, all in one run.
 //   mainloop_search [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] [--quick]
+//   mainloop_search --profile P NAME[/ORDER] ...   (for ncu: shape P of the list, cuBLASLt's first
+//                   algorithm and each named configuration (ORDER: heuristic, M or N / swizzle;
+//                   default heuristic/1) launched 3 times each, checked, nothing timed or written)
 // Per role and shape: a screening pass (every configuration x order and every algorithm cuBLASLt's
 // heuristic offers, each the median of 5 launches), then the best 3 of ours, cuBLASLt's first
 // algorithm and its fastest, in R interleaved rounds (default 7) of 10 launches: once after the
@@ -274,14 +277,77 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
+// --profile: what ncu reads (e.g. ncu --clock-control none --section SpeedOfLight
+// --kernel-name regex:'device_kernel|gemm|nvjet' mainloop_search --profile 1 co_128x256_c2x1_sk/M/2).
+int profile_run(Harness& hs, int index, const std::vector<std::string>& names) {
+  const std::vector<Problem> probs = problems(false);
+  if (index < 0 || index >= static_cast<int>(probs.size()) || names.empty()) {
+    std::fprintf(stderr, "--profile P NAME[/ORDER] ...: P in [0, %zu), at least one configuration\n", probs.size());
+    return 2;
+  }
+  const Problem& p = probs[index];
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
+  hs.sm_count = prop.multiProcessorCount;
+  Buffers& buf = hs.buf;
+  CK(cudaMalloc(&buf.a, size_t(p.m) * p.k * 2));
+  CK(cudaMalloc(&buf.b, size_t(p.n) * p.k * 2));
+  CK(cudaMalloc(&buf.d, size_t(p.m) * p.n * 2));
+  CK(cudaMalloc(&buf.ref, size_t(p.m) * p.n * 2));
+  CK(cudaMalloc(&buf.flush, buf.flush_bytes));
+  CK(cudaMalloc(&buf.ws, buf.ws_bytes));
+  CK(cudaMalloc(&buf.sums, 2 * sizeof(double)));
+  fill<<<1024, 256>>>(buf.a, size_t(p.m) * p.k, 1);
+  fill<<<1024, 256>>>(buf.b, size_t(p.n) * p.k, 2);
+  CK(cudaGetLastError());
+  cublasLtHandle_t handle;
+  CKLT(cublasLtCreate(&handle));
+  Lt lt(handle, p, buf.ws_bytes);
+  hs.lt = &lt;
+  if (lt.algos.empty() || !lt.run(0, buf, buf.ref)) return 2;
+  for (int i = 0; i < 2; ++i) lt.run(0, buf, buf.d);
+  CK(cudaDeviceSynchronize());
+  std::printf("%s M %d N %d K %d: cuBLASLt's first algorithm launched 3 times\n", p.role, p.m, p.n, p.k);
+  int status = 0;
+  for (const std::string& full : names) {
+    const size_t slash = full.find('/');
+    const std::string name = full.substr(0, slash), order = slash == std::string::npos ? "" : full.substr(slash + 1);
+    Candidate c;
+    c.name = full;
+    for (size_t ci = 0; ci < hs.configs.size(); ++ci)
+      if (name == hs.configs[ci].config.name) c.config = static_cast<int>(ci);
+    bool order_found = order.empty();
+    for (mainloop::Order o : kOrders)
+      if (order == order_name(o)) c.order = o, order_found = true;
+    if (c.config < 0 || !order_found) {
+      std::fprintf(stderr, "unknown configuration or order: %s\n", full.c_str());
+      status = 2;
+      continue;
+    }
+    CK(cudaMemset(buf.d, 0xff, size_t(p.m) * p.n * 2));
+    bool ok = true;
+    for (int i = 0; i < 3; ++i) ok = ok && hs.launch(c, p, buf.d);
+    CK(cudaDeviceSynchronize());
+    const double err = ok ? hs.error_against_ref(p) : -1;
+    std::printf("%s: %s, relative error %.3e\n", full.c_str(), ok ? "launched 3 times" : "REFUSED", err);
+    if (!ok || !(err <= 1e-2)) status = 1;
+  }
+  cublasLtDestroy(handle);
+  return status;
+}
+
 int main(int argc, char** argv) {
   const char* out_path = "mainloop.json";
   int rounds = 7;
   double sustain_s = 20, energy_s = 0.5;
   bool quick = false;
+  int profile = -1;
+  std::vector<std::string> profile_names;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) out_path = argv[++i];
+    if (profile >= 0 && a.rfind("--", 0) != 0) profile_names.push_back(a);
+    else if (a == "--profile" && i + 1 < argc) profile = std::atoi(argv[++i]);
+    else if (a == "--out" && i + 1 < argc) out_path = argv[++i];
     else if (a == "--rounds" && i + 1 < argc) rounds = std::atoi(argv[++i]);
     else if (a == "--sustain-s" && i + 1 < argc) sustain_s = std::atof(argv[++i]);
     else if (a == "--energy-s" && i + 1 < argc) energy_s = std::atof(argv[++i]);
@@ -294,6 +360,7 @@ int main(int argc, char** argv) {
   }
   Harness hs;
   hs.configs = all_configs();
+  if (profile >= 0) return profile_run(hs, profile, profile_names);
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   hs.sm_count = prop.multiProcessorCount;
