@@ -283,7 +283,8 @@ struct CastParams {
 struct TransposeTile {
   uint32_t words[kTileRows / 2][32];
 
-  static __device__ __forceinline__ int index(int row, int q) {
+  // The word's place in its line, which is also its bank.
+  static __host__ __device__ constexpr int index(int row, int q) {
     return ((row & 1) * 16 + q) ^ (((row >> 3) & 15) << 1);
   }
   // Row `row`'s bytes 8 cg .. 8 cg + 7 (words 2 cg, 2 cg + 1: adjacent after the XOR, which keeps
@@ -293,6 +294,37 @@ struct TransposeTile {
   }
   __device__ __forceinline__ uint32_t get4(int row, int q) const { return words[row >> 1][index(row, q)]; }
 };
+
+// What the layout promises, checked by the compiler: every (row, word) has its own slot; each
+// half-warp's row writes (rows 2s, 2s + 1 of thread k: row pass * 32 + k / 8, words 2 (k % 8) and
+// 2 (k % 8) + 1) and each warp's transposed reads (thread k: row 8 (k % 16) + j, word k / 16) hit
+// 32 distinct banks.
+constexpr bool transpose_tile_is_conflict_free() {
+  for (int s = 0; s < kTileRows / 2; ++s) {  // a bijection on each line
+    unsigned long long seen = 0;
+    for (int r = 2 * s; r < 2 * s + 2; ++r)
+      for (int q = 0; q < kTileCols / 4; ++q) seen |= 1ull << TransposeTile::index(r, q);
+    if (seen != 0xffffffffull) return false;
+  }
+  for (int base = 0; base < kThreads; base += 16) {  // row writes, a half-warp at a time
+    for (int pass = 0; pass < kPasses; ++pass) {
+      unsigned long long banks = 0;
+      for (int k = base; k < base + 16; ++k)
+        for (int e = 0; e < 2; ++e)
+          banks |= 1ull << TransposeTile::index(pass * kRowsPerPass + k / kColGroups, 2 * (k % kColGroups) + e);
+      if (banks != 0xffffffffull) return false;
+    }
+  }
+  for (int base = 0; base < kThreads; base += 32) {  // transposed reads, a warp at a time
+    for (int j = 0; j < 8; ++j) {
+      unsigned long long banks = 0;
+      for (int k = base; k < base + 32; ++k) banks |= 1ull << TransposeTile::index(8 * (k % 16) + j, k / 16);
+      if (banks != 0xffffffffull) return false;
+    }
+  }
+  return true;
+}
+static_assert(transpose_tile_is_conflict_free(), "the transposed tile's layout");
 
 // The tile stored transposed into data_t [cols, ld_t]: thread k reads 8 rows (8 (k % 16) on) of
 // the 4 columns 4 (k / 16) .. + 3, transposes the 8 x 4 bytes in registers, and writes 8 bytes to
