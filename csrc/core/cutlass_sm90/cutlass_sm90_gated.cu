@@ -123,9 +123,10 @@ class GatedEpilogue {
   static constexpr int kG = static_cast<int>(kGatedInterleave);
   static_assert(kG == 8, "a packed block is one 8-column group: a unit group's g and u are 32 contiguous bytes");
 
-  // The data gradient's loads of g and u, this many 8-column groups at a time (16 registers),
-  // in flight together. Loads cannot move past the stores before them (d_gu may be gu), so
-  // rounds do not overlap. 16 groups made ptxas spill, next to the 128 accumulators.
+  // The data gradient's loads of g and u, this many 8-column groups at a time (16 registers,
+  // 4 16-byte loads a lane), in flight together. Loads cannot move past the stores before them
+  // (d_gu may be gu), so rounds do not overlap. 16 groups fit as well (ptxas: no spills beside the
+  // 128 accumulators, where 4-byte loads of 16 groups spilled); which is faster is not measured.
   static constexpr int kLoadGroups = 8;
 
   // A 4 x 4 transpose of words across the quad of lanes that share a row of the accumulator
