@@ -5,7 +5,10 @@ docs/results/mainloop-DATE.{json,md,png}.
     bash bench/native/build_mainloop.sh build/mainloop          # here or on the GPU machine
     build/mainloop/mainloop_search --out mainloop.json          # on the GPU machine
     python -m bench.mainloop mainloop.json --resources build/mainloop/resources.json \\
-        --commit COMMIT --out docs/results
+        --commit COMMIT --out docs/results [--ncu NCU.csv ...]
+
+(--ncu: the CSV of `ncu --csv --page details ... mainloop_search --profile P NAME ...`,
+bench/native/README.md; its counters are added to the record.)
 
 What each figure is: per role and shape, the kernel time (CUDA events around one launch after a
 512 MiB L2 flush; the median of 10 launches per round, the median of the rounds) of cuBLASLt's
@@ -51,6 +54,63 @@ def screening_matrix(res):
             times = [s["ms"] for s in p["screen"] if s.get("config") == ci and s["ok"]]
             out[n].append(min(times) / lt if times else None)
     return out
+
+
+# The counters shown from an Nsight Compute run of the harness's --profile mode (where present).
+NCU_METRICS = ["Duration", "SM Frequency", "Elapsed Cycles", "Compute (SM) Throughput", "Memory Throughput",
+               "DRAM Throughput", "L2 Cache Throughput", "L2 Hit Rate", "Issue Slots Busy",
+               "Warp Cycles Per Issued Instruction", "Registers Per Thread", "Achieved Occupancy"]
+
+
+def parse_ncu(path):
+    """One `ncu --csv --page details ... mainloop_search --profile P NAME ...` output (the program's own
+    lines mixed in) -> {role, m, n, k, kernels: [{label, kernel, metrics: {name: "value unit"}}]}: the
+    last of each candidate's 3 launches, cuBLASLt's first (launched first), then the named
+    configurations in the order the harness reports them launched."""
+    import csv
+    shape, names, rows = None, [], []
+    with open(path) as f:
+        for line in f:
+            if line.startswith('"'):
+                rows.append(line)
+            elif " M " in line and "cuBLASLt's first algorithm launched" in line:
+                role, rest = line.split(" M ", 1)
+                m, _, n, _, k = rest.split(":")[0].split()
+                shape = dict(role=role.strip(), m=int(m), n=int(n), k=int(k))
+            elif ": launched 3 times" in line:
+                names.append(line.split(": launched 3 times")[0].strip())
+    by_id = {}
+    for r in csv.DictReader(rows):
+        if not r.get("ID", "").strip().isdigit():
+            continue
+        k = by_id.setdefault(int(r["ID"]), {"kernel": r.get("Kernel Name", ""), "metrics": {}})
+        unit = (r.get("Metric Unit") or "").strip()
+        k["metrics"][r.get("Metric Name", "")] = (r.get("Metric Value", "").strip() + (" " + unit if unit else ""))
+    ids = sorted(by_id)
+    theirs = [i for i in ids if "device_kernel" not in by_id[i]["kernel"]]
+    ours = [i for i in ids if "device_kernel" in by_id[i]["kernel"]]
+    kernels = []
+    if theirs:
+        kernels.append(dict(label="cuBLASLt first", **by_id[theirs[min(2, len(theirs) - 1)]]))
+    for j, name in enumerate(names):
+        group = ours[3 * j:3 * j + 3]
+        if group:
+            kernels.append(dict(label=name, **by_id[group[-1]]))
+    return dict(**(shape or dict(role="?", m=0, n=0, k=0)), kernels=kernels)
+
+
+def counter_lines(res):
+    if not res.get("counters"):
+        return []
+    lines = ["", "## Counters (Nsight Compute, `--clock-control none`, the last of 3 launches)", ""]
+    for c in res["counters"]:
+        shown = [m for m in NCU_METRICS if any(m in k["metrics"] for k in c["kernels"])]
+        lines += [f"{c['role']} {c['m']} × {c['n']} × {c['k']}:", "",
+                  "| kernel | " + " | ".join(shown) + " |", "|---|" + "---|" * len(shown)]
+        for k in c["kernels"]:
+            lines.append(f"| {k['label']} | " + " | ".join(k["metrics"].get(m, "–") for m in shown) + " |")
+        lines.append("")
+    return lines[:-1]
 
 
 def energy_lines(res):
@@ -103,6 +163,7 @@ def markdown(res, resources, commit, date):
                      f"{r['tflops']:.0f} | {r['ratio_full']:.3f} | {r['ratio_sus']:.3f}{sus_name} | "
                      f"{'met' if met else 'not met'} |")
     lines += energy_lines(res)
+    lines += counter_lines(res)
     lines += ["", "Names: `pp` ping-pong, `co` cooperative; tile M × N (K 64 unless `_k128`); cluster M × N (TMA "
               "multicast across it); `sk` stream-K, else the persistent data-parallel scheduler; `_s3` a mainloop of "
               "3 stages, else as many as fit beside the epilogue's shared memory; `_e64` an epilogue sub-tile of 64 "
@@ -178,9 +239,13 @@ def main(argv=None):
     p.add_argument("--commit", required=True, help="the commit whose harness ran")
     p.add_argument("--out", default="docs/results")
     p.add_argument("--date", default=datetime.date.today().isoformat())
+    p.add_argument("--ncu", action="append", default=[],
+                   help="an ncu --csv --page details output of mainloop_search --profile (repeatable)")
     args = p.parse_args(argv)
     with open(args.json) as f:
         res = json.load(f)
+    if args.ncu:
+        res["counters"] = [parse_ncu(path) for path in args.ncu]
     resources = {}
     if args.resources:
         with open(args.resources) as f:

@@ -450,6 +450,41 @@ def test_mainloop_record_shows_stages_and_energy():
     assert "Energy and clock cycles" not in mainloop.markdown(res, {}, "abc1234", "2026-12-05")
 
 
+def test_mainloop_reads_an_ncu_profile(tmp_path):
+    """bench.mainloop --ncu: the counters of an ncu details CSV of `mainloop_search --profile`, the
+    harness's own lines mixed in, labelled by launch order (cuBLASLt's first algorithm, then each
+    named configuration's 3 launches; the last of each shown)."""
+    from bench import mainloop
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+            '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def row(i, kernel, metric, unit, value):
+        return (f'"{i}","1","mainloop_search","h","{kernel}","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0",'
+                f'"GPU Speed Of Light Throughput","{metric}","{unit}","{value}"')
+    lines = ["==PROF== Connected to process 1", head,
+             "gated_fc1 M 8192 N 22016 K 4096: cuBLASLt's first algorithm launched 3 times"]
+    for i in range(3):
+        lines.append(row(i, "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNN", "Duration", "ms", f"2.0{i}"))
+        lines.append(row(i, "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNN", "SM Frequency", "GHz", "1.76"))
+    for j, name in enumerate(["co_128x256_c2x1_sk/M/2", "pp_128x128_c1x1/M/8"]):
+        lines.append(f"{name}: launched 3 times, relative error 1.000e-03")
+        for i in range(3):
+            kid = 3 + 3 * j + i
+            lines.append(row(kid, f"void cutlass::device_kernel<K{j}>(K{j}::Params)", "Duration", "ms",
+                             f"2.{j + 1}{i}"))
+            lines.append(row(kid, f"void cutlass::device_kernel<K{j}>(K{j}::Params)", "SM Frequency", "GHz", "1.70"))
+    path = tmp_path / "ncu.csv"
+    path.write_text("\n".join(lines) + "\n")
+    got = mainloop.parse_ncu(str(path))
+    assert (got["role"], got["m"], got["n"], got["k"]) == ("gated_fc1", 8192, 22016, 4096)
+    assert [(k["label"], k["metrics"]["Duration"]) for k in got["kernels"]] == [
+        ("cuBLASLt first", "2.02 ms"), ("co_128x256_c2x1_sk/M/2", "2.12 ms"), ("pp_128x128_c1x1/M/8", "2.22 ms")]
+    md = "\n".join(mainloop.counter_lines({"counters": [got]}))
+    assert "| kernel | Duration | SM Frequency |" in md
+    assert "| co_128x256_c2x1_sk/M/2 | 2.12 ms | 1.70 GHz |" in md
+    assert mainloop.counter_lines({}) == []
+
+
 def test_bench_remeasures_a_disturbed_median(monkeypatch):
     """A CUDA figure whose p80 / p20 exceeds RETRY_SPREAD is taken again and the steadier kept, the
     other recorded (the timing itself is replaced: no GPU in CI)."""
