@@ -113,6 +113,21 @@ def counter_lines(res):
     return lines[:-1]
 
 
+def shortlist_lines(res):
+    """Per shape, the shortlist (our best 12 of the screening, re-timed in 3 interleaved rounds, which
+    ranks the finalists): screened and re-timed ms side by side; [] for records without it."""
+    listed = [(p, sorted((s for s in p["screen"] if s.get("shortlist_ms", 0) > 0), key=lambda s: s["shortlist_ms"]))
+              for p in res["problems"]]
+    if not any(sl for _, sl in listed):
+        return []
+    lines = ["", "## The shortlist: the screening's best 12, re-timed in 3 interleaved rounds of 5 launches", "",
+             "| role | M × N × K | first five by the rounds (ms, screened → rounds) |", "|---|---|---|"]
+    for p, sl in listed:
+        lines.append(f"| {p['role']} | {p['m']} × {p['n']} × {p['k']} | "
+                     + "; ".join(f"{s['name']} {s['ms']:.3f} → {s['shortlist_ms']:.3f}" for s in sl[:5]) + " |")
+    return lines
+
+
 def energy_lines(res):
     """The energy phase (the harness's --energy-s): per shape, cuBLASLt's fastest and our finalists back to
     back and hot, with NVML's energy counter and SM clock; [] when the run has none."""
@@ -188,6 +203,7 @@ def markdown(res, resources, commit, date):
               "", "| configuration | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for n, vals in mat.items():
         lines.append(f"| {n} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in vals) + " |")
+    lines += shortlist_lines(res)
     wrong = [(p["role"], s["name"], s["error"]) for p in res["problems"] for s in p["screen"]
              if s.get("config") is not None and not s["ok"] and s["error"] > 0]
     lines += ["", "Every configuration's output was checked against cuBLASLt's at each shape (relative Frobenius "

@@ -419,8 +419,9 @@ def test_runs_of_record_are_what_the_report_writes():
 
 
 def test_mainloop_record_shows_stages_and_energy():
-    """The mainloop search's newer fields (stage count, epilogue sub-tile, the energy phase) reach its
-    markdown, each finalist's energy and cycles against cuBLASLt's fastest."""
+    """The mainloop search's newer fields (stage count, epilogue sub-tile, the shortlist's re-timing,
+    the energy phase) reach its markdown, each finalist's energy and cycles against cuBLASLt's
+    fastest."""
     from bench import mainloop
 
     def fin(name, config, ms, mj, mhz):
@@ -435,7 +436,7 @@ def test_mainloop_record_shows_stages_and_energy():
            "problems": [{"role": "gated_fc1", "m": 8192, "n": 22016, "k": 4096,
                          "screen": [{"name": "cublaslt#0", "ms": 2.0},
                                     {"name": "co_128x256_c2x1_s3 M/2", "config": 0, "ms": 2.1, "ok": True,
-                                     "error": 1e-3}],
+                                     "error": 1e-3, "shortlist_ms": 2.15}],
                          "final": [fin("cublaslt_first", -1, 2.0, 1200.0, 1700.0),
                                    fin("cublaslt_fastest", -1, 2.0, 1200.0, 1700.0),
                                    fin("co_128x256_c2x1_s3 M/2", 0, 2.1, 1320.0, 1600.0)]}]}
@@ -446,6 +447,7 @@ def test_mainloop_record_shows_stages_and_energy():
     # ours: 1.1x the energy, 2.1 ms at 1600 MHz = 3.36 Mcycles against 2.0 ms at 1700 = 3.4
     assert "| gated_fc1 | 8192 × 22016 × 4096 | co_128x256_c2x1_s3 M/2 | 2.1000 | 1320.00 | 629 | 1600 | 3.360 | " \
            "1.100 | 0.988 |" in md
+    assert "| gated_fc1 | 8192 × 22016 × 4096 | co_128x256_c2x1_s3 M/2 2.100 → 2.150 |" in md
     del res["energy_s"]
     assert "Energy and clock cycles" not in mainloop.markdown(res, {}, "abc1234", "2026-12-05")
 
