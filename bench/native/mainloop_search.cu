@@ -182,6 +182,30 @@ struct Harness {
   int sm_count = 0;
   cudaEvent_t e0{}, e1{};
 
+  // The device's SM count, buffers for the largest of `probs` (A and B filled), the timing events.
+  void setup(const std::vector<Problem>& probs) {
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, 0));
+    sm_count = prop.multiProcessorCount;
+    size_t max_a = 0, max_b = 0, max_d = 0;
+    for (const Problem& p : probs) {
+      max_a = std::max(max_a, size_t(p.m) * p.k);
+      max_b = std::max(max_b, size_t(p.n) * p.k);
+      max_d = std::max(max_d, size_t(p.m) * p.n);
+    }
+    CK(cudaMalloc(&buf.a, max_a * 2));
+    CK(cudaMalloc(&buf.b, max_b * 2));
+    CK(cudaMalloc(&buf.d, max_d * 2));
+    CK(cudaMalloc(&buf.ref, max_d * 2));
+    CK(cudaMalloc(&buf.flush, buf.flush_bytes));
+    CK(cudaMalloc(&buf.ws, buf.ws_bytes));
+    CK(cudaMalloc(&buf.sums, 2 * sizeof(double)));
+    fill<<<1024, 256>>>(buf.a, max_a, 1);
+    fill<<<1024, 256>>>(buf.b, max_b, 2);
+    CK(cudaGetLastError());
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+  }
   bool launch(const Candidate& c, const Problem& p, void* d) {
     if (c.algo >= 0) return lt->run(c.algo, buf, d);
     return configs[c.config].run(p.b_k_major, c.order, sm_count, p.m, p.n, p.k, buf.a, buf.b, d, buf.ws,
@@ -289,20 +313,8 @@ int profile_run(Harness& hs, int index, const std::vector<std::string>& names) {
     return 2;
   }
   const Problem& p = probs[index];
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
-  hs.sm_count = prop.multiProcessorCount;
+  hs.setup({p});
   Buffers& buf = hs.buf;
-  CK(cudaMalloc(&buf.a, size_t(p.m) * p.k * 2));
-  CK(cudaMalloc(&buf.b, size_t(p.n) * p.k * 2));
-  CK(cudaMalloc(&buf.d, size_t(p.m) * p.n * 2));
-  CK(cudaMalloc(&buf.ref, size_t(p.m) * p.n * 2));
-  CK(cudaMalloc(&buf.flush, buf.flush_bytes));
-  CK(cudaMalloc(&buf.ws, buf.ws_bytes));
-  CK(cudaMalloc(&buf.sums, 2 * sizeof(double)));
-  fill<<<1024, 256>>>(buf.a, size_t(p.m) * p.k, 1);
-  fill<<<1024, 256>>>(buf.b, size_t(p.n) * p.k, 2);
-  CK(cudaGetLastError());
   cublasLtHandle_t handle;
   CKLT(cublasLtCreate(&handle));
   Lt lt(handle, p, buf.ws_bytes);
@@ -364,32 +376,14 @@ int main(int argc, char** argv) {
   Harness hs;
   hs.configs = all_configs();
   if (profile >= 0) return profile_run(hs, profile, profile_names);
-  cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
-  hs.sm_count = prop.multiProcessorCount;
   int driver = 0, runtime = 0;
   CK(cudaDriverGetVersion(&driver));
   CK(cudaRuntimeGetVersion(&runtime));
   const std::vector<Problem> probs = problems(quick);
-  size_t max_a = 0, max_b = 0, max_d = 0;
-  for (const Problem& p : probs) {
-    max_a = std::max(max_a, size_t(p.m) * p.k);
-    max_b = std::max(max_b, size_t(p.n) * p.k);
-    max_d = std::max(max_d, size_t(p.m) * p.n);
-  }
+  hs.setup(probs);
   Buffers& buf = hs.buf;
-  CK(cudaMalloc(&buf.a, max_a * 2));
-  CK(cudaMalloc(&buf.b, max_b * 2));
-  CK(cudaMalloc(&buf.d, max_d * 2));
-  CK(cudaMalloc(&buf.ref, max_d * 2));
-  CK(cudaMalloc(&buf.flush, buf.flush_bytes));
-  CK(cudaMalloc(&buf.ws, buf.ws_bytes));
-  CK(cudaMalloc(&buf.sums, 2 * sizeof(double)));
-  fill<<<1024, 256>>>(buf.a, max_a, 1);
-  fill<<<1024, 256>>>(buf.b, max_b, 2);
-  CK(cudaGetLastError());
-  CK(cudaEventCreate(&hs.e0));
-  CK(cudaEventCreate(&hs.e1));
+  cudaDeviceProp prop{};
+  CK(cudaGetDeviceProperties(&prop, 0));
   cublasLtHandle_t handle;
   CKLT(cublasLtCreate(&handle));
 
