@@ -207,8 +207,9 @@ def test_cpu_compiles_fullgraph():
 
 # CUDA: the FP8 GEMMs accumulate in fp32 (the logits' with Hopper's fast accumulation), so the
 # logits may differ from the reference's by a unit of the model's dtype, which the e5m2 gradient
-# can amplify as on the CPU; the tolerances are the FP8 MLP tests' (tests/test_fp8.py, FP8_TOL and
-# FP8_TOL_E5M2).
+# can amplify as on the CPU. Measured on the H200 (200 x 64 -> 256, chunks of 32, these 8 cases x 5
+# seeds, maxima): loss 3.2e-4, input gradient 3.2e-3, weight gradient 4.3e-3, bias gradient 2.8e-3;
+# allowed about 3x that.
 @cuda
 @fp8_gpu
 @pytest.mark.parametrize("feature", sorted(FEATURES))
@@ -216,7 +217,7 @@ def test_cpu_compiles_fullgraph():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_cuda_matches_the_quantized_reference(dtype, reduction, feature):
     loss, grads, (rl, rgx, rgw, rgb) = run("cuda", dtype, reduction, feature, chunk=32, n=200, d=64, vocab=256)
-    assert rel_err(loss.cpu(), rl) <= 4e-3, f"loss {rel_err(loss.cpu(), rl):.3e}"
-    assert rel_err(grads[0].cpu(), rgx) <= 6e-2, f"grad x {rel_err(grads[0].cpu(), rgx):.3e}"
-    assert rel_err(grads[1].cpu(), rgw) <= 4e-2, f"grad weight {rel_err(grads[1].cpu(), rgw):.3e}"
-    assert rel_err(grads[2].cpu(), rgb) <= 4e-2, f"grad bias {rel_err(grads[2].cpu(), rgb):.3e}"
+    assert rel_err(loss.cpu(), rl) <= 1e-3, f"loss {rel_err(loss.cpu(), rl):.3e}"
+    assert rel_err(grads[0].cpu(), rgx) <= 1e-2, f"grad x {rel_err(grads[0].cpu(), rgx):.3e}"
+    assert rel_err(grads[1].cpu(), rgw) <= 1.5e-2, f"grad weight {rel_err(grads[1].cpu(), rgw):.3e}"
+    assert rel_err(grads[2].cpu(), rgb) <= 1e-2, f"grad bias {rel_err(grads[2].cpu(), rgb):.3e}"
