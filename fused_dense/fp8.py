@@ -225,6 +225,10 @@ class Fp8State:
         return copies
 
 
+# Delayed scaling's state: float32 through every ``Module.to`` (Fp8Layer._apply).
+SCALING_BUFFERS = ("fp8_amax_history", "fp8_scales", "fp8_amax", "fp8_format_max")
+
+
 def ensure_delayed_buffers(module: torch.nn.Module, recipe: Float8Recipe, slots: Sequence[str],
                            device: torch.device) -> None:
     """Register the delayed-scaling buffers where missing (or of another history length or
@@ -322,6 +326,19 @@ class Fp8Layer:
         self._fp8_state = Fp8State(slots)
         prepare_layer(self)
         self.register_load_state_dict_pre_hook(functools.partial(_load_scaling_state, slots=tuple(slots)))
+
+    def _apply(self, fn, recurse=True):
+        """``Module.to`` / ``.cuda()`` / ``.bfloat16()`` move the scaling buffers but keep them
+        float32: the ops read them as float32, and a bf16 copy of a scale would also lose its value.
+        The moved buffer is the old float32 values on the new device (never a round trip through
+        the new dtype)."""
+        old = {name: self._buffers.get(name) for name in SCALING_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, before in old.items():
+            after = self._buffers.get(name)
+            if before is not None and after is not None and after.dtype != torch.float32:
+                self._buffers[name] = before.to(device=after.device)
+        return self
 
     def _fp8_recipe_for(self, widths: Sequence[int], torchao_layers: Sequence[torch.nn.Module] = ()):
         """The recipe the forward runs under, or None (model dtype): the layer's ``fp8`` (else

@@ -1000,6 +1000,31 @@ def test_mlp_delayed_scaling_state(device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("cast", ["to_dtype", "bfloat16", "half", "double", "to_device_dtype"])
+def test_delayed_scaling_buffers_stay_float32_through_module_casts(device, cast):
+    """Module.to(dtype) and friends convert the layers' parameters but keep the scaling buffers
+    float32, with their values (a scale of 1/3 does not round through bf16)."""
+    recipe = Float8Recipe(scaling="delayed", amax_history_len=4, min_features=0)
+    layers = [FusedMLP(64, 128, fp8=recipe), FusedGatedMLP(64, 128, fp8=recipe), FusedDense(64, 64, fp8=recipe)]
+    for m in layers:
+        with torch.no_grad():
+            m.fp8_scales.fill_(1.0 / 3.0)
+            m.fp8_amax_history.fill_(0.1)
+        want = {n: b.clone() for n, b in m.named_buffers()}
+        m = {"to_dtype": lambda: m.to(dtype=torch.bfloat16), "bfloat16": m.bfloat16, "half": m.half,
+             "double": m.double, "to_device_dtype": lambda: m.to(device, torch.bfloat16)}[cast]()
+        for n, b in m.named_buffers():
+            assert b.dtype == torch.float32, (type(m).__name__, n, b.dtype)
+            assert torch.equal(b.cpu(), want[n]), (type(m).__name__, n)
+        assert next(m.parameters()).dtype != torch.float32
+        if cast in ("bfloat16", "to_dtype", "to_device_dtype"):
+            m = m.to(device)
+            x = randn(32, 64, device=device)
+            out = m(x)  # the ops accept the buffers: no "scales must be a float32 vector"
+            assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("device", devices())
 def test_mlp_first_microbatch_keeps_weight_copies(device):
     m = make_mlp(device)
     x = randn(32, 64, device=device)
