@@ -293,19 +293,26 @@ def kernel_profile(r, ids_list, top=15):
     from torch.profiler over the given steps."""
     if r.device.type != "cuda":
         return None, None
+    steps = iter(ids_list)
+    return profile_calls(lambda: r.step(next(steps)), len(ids_list), top)
+
+
+def profile_calls(fn, calls, top=15):
+    """(kernel time a call by class, ms; the `top` kernels by time a call as [name, class, ms]):
+    torch.profiler over `calls` calls of fn on the GPU, classed by KERNEL_CLASSES."""
     from torch.profiler import ProfilerActivity, profile
-    r.sync()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for ids in ids_list:
-            r.step(ids)
-        r.sync()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
     out, kernels = {}, []
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if not us or ev.key.startswith(("ProfilerStep", "cudaLaunch")):
             continue
         cls = next((c for c, pat in KERNEL_CLASSES if pat.search(ev.key)), "other")
-        ms = us / 1e3 / len(ids_list)
+        ms = us / 1e3 / calls
         out[cls] = out.get(cls, 0.0) + ms
         kernels.append([ev.key[:160], cls, round(ms, 4)])
     out["total"] = sum(out.values())
@@ -431,7 +438,13 @@ def linears_isolated(cfg, base, device, rounds, reps=10):
     times = interleaved_ms({"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step},
                            device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"ms": med, "rounds_ms": times, "vs_floor": {k: med[k] / med["floor"] for k in ("fp8_eager", "fp8_compile")}}
+    res = {"ms": med, "rounds_ms": times, "vs_floor": {k: med[k] / med["floor"] for k in ("fp8_eager", "fp8_compile")}}
+    if device.type == "cuda":  # where the time above the floor goes: kernel time a call by class
+        fns = {"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step}
+        res["profile"], res["profile_top"] = {}, {}
+        for k, fn in fns.items():
+            res["profile"][k], res["profile_top"][k] = profile_calls(fn, 3)
+    return res
 
 
 def moving_gap(a, b, window=10):
@@ -608,6 +621,14 @@ def markdown(res):
                   f"tokens; FP8 current scaling): eager {lin['ms']['fp8_eager']:.3f} ms "
                   f"({lin['vs_floor']['fp8_eager']:.3f}x their GEMM floor), compiled {lin['ms']['fp8_compile']:.3f} "
                   f"ms ({lin['vs_floor']['fp8_compile']:.3f}x), floor {lin['ms']['floor']:.3f} ms (target: 1.20x)."]
+            prof = lin.get("profile")
+            if prof:
+                classes = [c for c, _ in KERNEL_CLASSES if any(p.get(c) for p in prof.values())]
+                classes += ["other"] * any(p.get("other") for p in prof.values())
+                L += ["", "Their kernel time a call (ms, torch.profiler over 3 calls):", "",
+                      "| | " + " | ".join(classes + ["total"]) + " |", "|---" * (len(classes) + 2) + "|"]
+                for k, p in prof.items():
+                    L.append(f"| {k} | " + " | ".join(f"{p.get(c, 0.0):.2f}" for c in classes + ["total"]) + " |")
         elif lin:
             L += ["", f"A decoder layer's linears alone: {lin.get('error')}"]
         L.append("")
