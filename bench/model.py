@@ -112,9 +112,16 @@ KERNEL_CLASSES = (  # (class, name pattern), first match wins
     ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|ampere_.*_tn|cublas|wgmma|matmul", re.I)),
-    ("fp8_cast", re.compile(r"quantiz|fp8|float8|amax|e4m3|e5m2", re.I)),
+    # the library's FP8 passes are fused_dense::core's cast_kernel (quantize, with the gating in the
+    # gated modes), cast_kernel_capped and transpose_kernel: no "fp8" in their names
+    ("fp8_cast", re.compile(r"quantiz|fp8|float8|amax|e4m3|e5m2|fused_dense::core::.*(cast|transpose)_kernel", re.I)),
     ("norm", re.compile(r"norm|rsqrt", re.I)),
 )
+
+
+def kernel_class(name):
+    """The KERNEL_CLASSES class of a kernel's name (first match), else "other"."""
+    return next((c for c, pat in KERNEL_CLASSES if pat.search(name)), "other")
 
 
 def log(msg):
@@ -311,7 +318,7 @@ def profile_calls(fn, calls, top=15):
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if not us or ev.key.startswith(("ProfilerStep", "cudaLaunch")):
             continue
-        cls = next((c for c, pat in KERNEL_CLASSES if pat.search(ev.key)), "other")
+        cls = kernel_class(ev.key)
         ms = us / 1e3 / calls
         out[cls] = out.get(cls, 0.0) + ms
         kernels.append([ev.key[:160], cls, round(ms, 4)])

@@ -776,6 +776,27 @@ def test_model_section_runs_on_cpu(tmp_path):
     assert "Measured in another call: commit 0123456789ab" in bench_model.markdown(merged)
 
 
+def test_model_profile_classes_the_library_fp8_passes_as_casts():
+    """The step profiles' fp8_cast class holds the library's quantize and transpose kernels (names
+    as the H200's profiler gives them), not only torch's and torchao's."""
+    from bench.model import kernel_class
+    names = {
+        "void fused_dense::core::(anonymous namespace)::cast_kernel<__nv_bfloat16, "
+        "(fused_dense::core::Activation)4, 3, false>(__nv_bfloat16 const*)": "fp8_cast",
+        "void fused_dense::core::(anonymous namespace)::cast_kernel_capped<__nv_bfloat16, "
+        "(fused_dense::core::Activation)0, 5, false>(int)": "fp8_cast",
+        "fused_dense::core::(anonymous namespace)::transpose_kernel(unsigned char const*, long, long)": "fp8_cast",
+        "void fused_dense::core::(anonymous namespace)::amax_kernel<__nv_bfloat16, "
+        "(fused_dense::core::Activation)0, 0, 1>(int)": "fp8_cast",
+        "void fused_dense::core::(anonymous namespace)::norm_backward_kernel<__nv_bfloat16, 8>(int)": "norm",
+        "nvjet_sm90_qrtst_128x160_128x5_2x1_v_bz_coopA_algo2_TNT": "gemm",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, "
+        "std::array<char*, 3ul> >(int)": "other",
+        "triton_per_fused__to_copy_add_div_expand_mul_pow_sum_1": "other",
+    }
+    assert {n: kernel_class(n) for n in names} == names
+
+
 def test_model_causal_sdpa_leaves_the_mask_to_is_causal_under_compile(monkeypatch):
     """bench.model --causal-sdpa: a compiled Llama's SDPA call gets is_causal and no mask (with
     torch < 2.14 transformers builds the mask under torch.compile), the same logits as eager."""
