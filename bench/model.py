@@ -353,6 +353,15 @@ def interleaved_ms(fns, device, rounds, reps):
     return times
 
 
+def drop_grads(module, x):
+    """The gradients of module's parameters and of x set to None, as a training step's
+    zero_grad(set_to_none=True) leaves them: a backward then writes them instead of adding to the
+    last call's (an add the GEMM floor does not pay: 0.35 ms a call at llama-4096's linears)."""
+    x.grad = None
+    for p in module.parameters():
+        p.grad = None
+
+
 def mlp_isolated(cfg, base, device, rounds, reps=20):
     """ms a forward + backward of one MLP at the config's token count: the model's own MLP
     compiled, and the fused one convert_model makes of it, interleaved."""
@@ -366,8 +375,10 @@ def mlp_isolated(cfg, base, device, rounds, reps=20):
     M = cfg["batch"] * cfg["seq"]
     x = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16)
-    times = interleaved_ms({k: (lambda m=m: m(x).backward(dy)) for k, m in (("hf_compile", hf), ("fd", fd))},
-                           device, rounds, reps)
+    def run(m):
+        drop_grads(m, x)
+        m(x).backward(dy)
+    times = interleaved_ms({k: (lambda m=m: run(m)) for k, m in (("hf_compile", hf), ("fd", fd))}, device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
 
@@ -436,6 +447,7 @@ def linears_isolated(cfg, base, device, rounds, reps=10):
 
     def step(m):
         def run():
+            drop_grads(m, x)
             torch.autograd.backward(list(m(x)), grads)
         return run
 
