@@ -797,6 +797,21 @@ def test_model_profile_classes_the_library_fp8_passes_as_casts():
     assert {n: kernel_class(n) for n in names} == names
 
 
+def test_model_fp8_loss_gaps_are_judged_by_the_main_jobs_rule():
+    """Each FP8 variant's loss gap to hf_eager against max(floor, factor x hf_compile's gap)."""
+    from bench.model import LOSS_GAP_FACTOR, LOSS_GAP_FLOOR, targets
+    ms = {"ms": 10.0, "round_ms": [10.0, 10.0]}
+    variants = {"hf_eager": dict(ms, loss_gap=0.0), "hf_compile": dict(ms, loss_gap=0.05),
+                "fd_fp8_current_compile": dict(ms, loss_gap=0.2), "torchao_compile": dict(ms, loss_gap=0.1),
+                "fd_compile": dict(ms, loss_gap=0.9)}
+    res = {"configs": {"llama-x": {"config": {"family": "llama", "layers": 2}, "variants": variants}}}
+    rows = {t: (q, met) for t, q, _, met in targets(res) if "loss gap" in t}
+    limit = max(LOSS_GAP_FLOOR, LOSS_GAP_FACTOR * 0.05)
+    assert limit == pytest.approx(0.15)
+    got = {t.split(": ")[1].split(" ")[0]: v for t, v in rows.items()}
+    assert got == {"fd_fp8_current_compile": (0.2, False), "torchao_compile": (0.1, True)}  # bf16 variants not judged
+
+
 def test_model_causal_sdpa_leaves_the_mask_to_is_causal_under_compile(monkeypatch):
     """bench.model --causal-sdpa: a compiled Llama's SDPA call gets is_causal and no mask (with
     torch < 2.14 transformers builds the mask under torch.compile), the same logits as eager."""
