@@ -428,12 +428,15 @@ def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, co
 def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None) -> List[Tensor]:
     """fp8_quantize(x2, e4m3, rowwise, ``columnwise``) written in PyTorch ops, the same bytes
     (tests/test_norm_handoff.py): [data, data_t, scale_inv, amax]; current scaling (the scale from
-    x2's amax), or delayed at ``scale`` (float32, one element)."""
+    x2's amax), or delayed at ``scale`` (float32, one element). The scale and its inverse are
+    the op fp8_scales's, fp8_quantize's own (not divisions here: under torch.compile Inductor's
+    Triton division is not correctly rounded, and ``448 / amax`` in PyTorch is a reciprocal and a
+    product, so a scale one ulp off would change the bits)."""
     fmax = ops.FP8_FORMAT_MAX["e4m3"]
     v = x2.float()
     amax = v.abs().amax()
-    if scale is None:
-        scale = fmax / torch.clamp(amax, min=ops.FP8_MIN_AMAX)
+    scale, scale_inv = torch.ops.fused_dense.fp8_scales(amax.detach() if scale is None else scale, scale is not None,
+                                                        ops.FP8_FORMATS["e4m3"])
     q = (v * scale).clamp(-fmax, fmax)
     data = q.to(torch.float8_e4m3fn)
     if columnwise:
@@ -441,7 +444,7 @@ def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None
         data_t = torch.nn.functional.pad(q.t(), (0, pad)).contiguous().to(torch.float8_e4m3fn)
     else:
         data_t = x2.new_empty((0,), dtype=torch.float8_e4m3fn)
-    return [data, data_t, torch.reciprocal(scale), amax]
+    return [data, data_t, scale_inv, amax]
 
 
 def _load_scaling_state(module, state_dict, prefix, *args, slots):

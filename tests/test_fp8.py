@@ -256,6 +256,56 @@ def test_quantize_errors():
         q(randn(16, 8).t(), None, 0, False, 0, None, True, False, False)
 
 
+def amaxes_to_sweep():
+    """float32 amaxes over many binades (and 3.421875, whose scale 448 / amax PyTorch's reciprocal
+    and product round one ulp below the division), zero, the smallest amax, inf and NaN."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.exp(torch.empty(300, dtype=torch.float64).uniform_(-14, 12, generator=g)).float()
+    return torch.cat([a, torch.tensor([3.421875, 0.0, 1e-12, 1e-30, float("inf"), float("nan")])])
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("fmt", [0, 1])
+def test_scales_are_fp8_quantizes_bits(device, fmt):
+    """fp8_scales(amax, False) is the scale and scale_inv fp8_quantize returns for a tensor of that
+    amax (current scaling), fp8_scales(s, True) those it returns at the delayed scale s: bit for bit
+    (a NaN amax gives NaN scales)."""
+    q, scales = torch.ops.fused_dense.fp8_quantize, torch.ops.fused_dense.fp8_scales
+    for a in amaxes_to_sweep().tolist():
+        x = torch.zeros(16, 16, dtype=torch.float32, device=device)
+        x[5, 9] = -a
+        want = q(x, None, 0, False, fmt, None, True, False, False)
+        got = scales(torch.tensor(a, device=device), False, fmt)
+        assert same_bits(got[0], want[2]) and same_bits(got[1], want[3]), (a, got, want[2:4])
+        if a == a and 0 < a < float("inf"):
+            s = torch.tensor([FMAX[fmt] / a * 0.7], device=device)
+            want = q(x, None, 0, False, fmt, s, True, False, False)
+            got = scales(s, True, fmt)
+            assert same_bits(got[0], want[2]) and same_bits(got[1], want[3]), (a, got, want[2:4])
+
+
+def same_bits(a, b):
+    """Two float32 tensors hold the same bits, or NaN where both are NaN (whatever its sign)."""
+    a, b = a.cpu(), b.cpu()
+    nan = torch.isnan(a) & torch.isnan(b)
+    return a.shape == b.shape and torch.equal(torch.where(nan, 0, a.view(torch.int32)), torch.where(nan, 0, b.view(torch.int32)))
+
+
+def test_scales_errors_and_meta():
+    scales = torch.ops.fused_dense.fp8_scales
+    one = torch.tensor(2.0)
+    with pytest.raises(ValueError, match="value \\(the amax, delayed=False\\) must be float32, got BFloat16"):
+        scales(one.bfloat16(), False, 0)
+    with pytest.raises(ValueError, match="value \\(the scale, delayed=True\\) must hold one element, got shape \\[2\\]"):
+        scales(torch.ones(2), True, 0)
+    with pytest.raises(ValueError, match="fp8_format must be 0 .* got 3"):
+        scales(one, False, 3)
+    s, si = scales(torch.empty((), device="meta"), False, 1)
+    assert s.device.type == "meta" and s.shape == () and si.dtype == torch.float32
+    torch.library.opcheck(scales.default, (torch.tensor(3.0), False, 0))
+    torch.library.opcheck(scales.default, (torch.tensor([130.0]), True, 1))
+
+
 def assert_same_outputs(got, want, what):
     """Two calls' outputs are the same bytes, output by output (FP8 ones compared as bytes)."""
     for i, (a, b) in enumerate(zip(got, want)):

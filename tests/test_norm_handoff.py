@@ -247,6 +247,26 @@ def test_traced_quantize_gives_fp8_quantizes_bytes(rows, columnwise, scale):
     assert tiny[2].item() == pytest.approx(ops_min_amax() / 448.0)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_traced_quantize_scales_are_the_ops_at_every_amax(compiled):
+    """The traced quantize's scale_inv (and bytes) are fp8_quantize's for tensors of many amaxes,
+    eager and under torch.compile: its scale comes from the op fp8_scales, not from a division
+    that PyTorch (448 / amax: a reciprocal and a product) or Inductor rounds otherwise (a scale
+    one ulp off changed the compiled layers' weight gradients at some seeds)."""
+    traced = fused_dense.fp8.traced_quantize
+    fn = torch.compile(traced, fullgraph=True, dynamic=False) if compiled else traced
+    g = torch.Generator().manual_seed(11)
+    amaxes = torch.exp(torch.empty(40 if compiled else 300, dtype=torch.float64).uniform_(-10, 10, generator=g))
+    for a in [3.421875] + amaxes.float().tolist():
+        x = torch.randn(32, C, generator=g).clamp(-1, 1) * a
+        x[7, 3] = a
+        want = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, True, False)
+        got = fn(x, True)
+        assert torch.equal(got[2], want[3]), (a, got[2].item(), want[3].item())
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)), a
+        assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), a
+
+
 def ops_min_amax():
     return fused_dense.ops.FP8_MIN_AMAX
 

@@ -29,6 +29,12 @@
 //     the byte transpose of FP8 data (e4m3 or e5m2, C a multiple of 16), the padding columns zeros:
 //     fp8_quantize's data_t of the values whose data is `data` (per-tensor scaling), made after the
 //     high-precision source is gone.
+//   fp8_scales(value [], delayed, fp8_format) -> (scale [], scale_inv [])
+//     the scale and scale_inv fp8_quantize returns for a tensor of amax `value` (current scaling)
+//     or, delayed, at the scale `value`, without the pass. For a
+//     quantization written in PyTorch ops (fused_dense.fp8's traced_quantize), whose own divisions
+//     would round otherwise under torch.compile (Inductor's Triton division is not correctly
+//     rounded; Python's 448 / amax is a reciprocal and a product).
 //   fp8_linear(input [B, K], weight [N, K], input_scale_inv [], weight_scale_inv [], bias [N]?,
 //              out_dtype, fast_accum, heuristic) -> out [B, N]
 //     out = (input . weight^T) * input_scale_inv * weight_scale_inv + bias, FP8 operands (not both
@@ -242,6 +248,14 @@ void check_fp8_transpose(const at::Tensor& data) {
                     data.size(1));
 }
 
+core::Fp8Format check_fp8_scales(const at::Tensor& value, bool delayed, int64_t fp8_format) {
+  constexpr const char* op = "fused_dense::fp8_scales";
+  const char* name = delayed ? "value (the scale, delayed=True)" : "value (the amax, delayed=False)";
+  TORCH_CHECK_VALUE(value.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", value.scalar_type());
+  TORCH_CHECK_VALUE(value.numel() == 1, op, ": ", name, " must hold one element, got shape ", value.sizes());
+  return fp8_format_of(fp8_format, op, "fp8_format");
+}
+
 Fp8QuantizeGradResult empty_fp8_quantize_grad(const at::Tensor& input, int64_t activation, bool column_sums) {
   const int64_t C = fp8_quantized_cols(input, activation, true);
   const auto f32 = input.options().dtype(at::kFloat);
@@ -279,6 +293,7 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   def_raw_op(m, "fp8_quantize_grad_(Tensor(a!) pre_act, Tensor input, int activation, int fp8_format, Tensor? scale, "
              "bool column_sums, Tensor pre_scale_inv) -> (Tensor, Tensor, Tensor, Tensor)");
   def_raw_op(m, "fp8_transpose(Tensor data) -> Tensor");
+  def_raw_op(m, "fp8_scales(Tensor value, bool delayed, int fp8_format) -> (Tensor, Tensor)");
   def_raw_op(m, "fp8_linear(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "
              "ScalarType out_dtype, bool fast_accum, int heuristic) -> Tensor");
   def_raw_op(m, "fp8_linear_act(Tensor input, Tensor weight, Tensor input_scale_inv, Tensor weight_scale_inv, Tensor? bias, "

@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "core/common/types.h"
 #include "torch/checks.h"
@@ -35,6 +36,8 @@ void check_fp8_quantize_grad_(const at::Tensor& pre_act, const at::Tensor& input
                               const at::Tensor& pre_scale_inv);
 // fp8_transpose: data [R, C] float8 (e4m3 or e5m2), contiguous, C a multiple of 16.
 void check_fp8_transpose(const at::Tensor& data);
+// fp8_scales: value (an amax, or with delayed a scale) float32 with one element; fp8_format 0 or 1.
+core::Fp8Format check_fp8_scales(const at::Tensor& value, bool delayed, int64_t fp8_format);
 
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,

@@ -256,6 +256,10 @@ __global__ void scales_kernel(const float* scale, float* scale_out, float* scale
   store_scales(*scale, scale_out, scale_inv_out);
 }
 
+__global__ void scales_of_amax_kernel(const float* amax, Fp8Format format, float* scale_out, float* scale_inv_out) {
+  store_scales(fp8_scale_from_amax(*amax, format), scale_out, scale_inv_out);
+}
+
 struct CastParams {
   int64_t rows, cols, ld_t, rows_per_block;
   Fp8Format format;
@@ -614,6 +618,12 @@ void fp8_transpose(const uint8_t* data, int64_t rows, int64_t cols, uint8_t* dat
 
 void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out, cudaStream_t stream) {
   scales_kernel<<<1, 1, 0, stream>>>(scale, scale_out, scale_inv_out);
+  FD_CHECK_LAUNCH();
+}
+
+void fp8_scales_of_amax(const float* amax, Fp8Format format, float* scale_out, float* scale_inv_out,
+                        cudaStream_t stream) {
+  scales_of_amax_kernel<<<1, 1, 0, stream>>>(amax, format, scale_out, scale_inv_out);
   FD_CHECK_LAUNCH();
 }
 

@@ -77,6 +77,12 @@ void fp8_transpose(const uint8_t* data, int64_t rows, int64_t cols, uint8_t* dat
 // The scale outputs the quantize pass writes with delayed scaling, without the pass: *scale_out =
 // *scale and *scale_inv_out = 1 / *scale, the same bits (for a GEMM that quantized in its epilogue).
 void fp8_write_scales(const float* scale, float* scale_out, float* scale_inv_out, cudaStream_t stream);
+// The scales of current scaling from a tensor's amax, without the pass: *scale_out =
+// fp8_scale_from_amax(*amax, format) and *scale_inv_out = 1 / that, the bits the quantize pass
+// writes for a tensor of that amax (for a quantization written in PyTorch ops: fused_dense.fp8's
+// traced_quantize under torch.compile, whose own divisions Inductor may round otherwise).
+void fp8_scales_of_amax(const float* amax, Fp8Format format, float* scale_out, float* scale_inv_out,
+                        cudaStream_t stream);
 void fp8_quantize(const Fp8QuantizeArgs& args, void* workspace, std::size_t workspace_bytes, int device,
                   cudaStream_t stream);
 

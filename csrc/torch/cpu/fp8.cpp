@@ -89,6 +89,14 @@ Fp8QuantizeGradResult fp8_quantize_grad_reference_(const at::Tensor& pre_act, co
   return {s, s_inv, amax, sums};
 }
 
+// fp8_quantize_reference's own scale and scale_inv expressions.
+std::tuple<at::Tensor, at::Tensor> fp8_scales_reference(const at::Tensor& value, bool delayed, int64_t fp8_format) {
+  const core::Fp8Format format = check_fp8_scales(value, delayed, fp8_format);
+  const at::Tensor s = delayed ? value.reshape({}).clone()
+                               : core::fp8_max(format) / at::clamp(value.reshape({}), core::kFp8MinAmax);
+  return {s, at::reciprocal(s)};
+}
+
 at::Tensor fp8_transpose_reference(const at::Tensor& data) {
   check_fp8_transpose(data);
   const int64_t R = data.size(0), C = data.size(1);
@@ -132,6 +140,7 @@ TORCH_LIBRARY_IMPL(fused_dense, CPU, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_reference);
   m.impl("fp8_quantize_grad_", &fused_dense::fp8_quantize_grad_reference_);
   m.impl("fp8_transpose", &fused_dense::fp8_transpose_reference);
+  m.impl("fp8_scales", &fused_dense::fp8_scales_reference);
   m.impl("fp8_linear", &fused_dense::fp8_linear_reference);
   m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_reference);
 }

@@ -124,6 +124,21 @@ at::Tensor fp8_transpose_cuda(const at::Tensor& data) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> fp8_scales_cuda(const at::Tensor& value, bool delayed, int64_t fp8_format) {
+  const core::Fp8Format format = check_fp8_scales(value, delayed, fp8_format);
+  c10::cuda::CUDAGuard guard(value.device());
+  const at::Tensor t = value.reshape({}).contiguous();
+  at::Tensor s = empty_output({}, t.options()), s_inv = empty_output({}, t.options());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(t.get_device()).stream();
+  run_core([&] {
+    if (delayed)
+      core::fp8_write_scales(t.data_ptr<float>(), s.data_ptr<float>(), s_inv.data_ptr<float>(), stream);
+    else
+      core::fp8_scales_of_amax(t.data_ptr<float>(), format, s.data_ptr<float>(), s_inv.data_ptr<float>(), stream);
+  });
+  return {s, s_inv};
+}
+
 at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                            const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                            at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
@@ -219,6 +234,7 @@ TORCH_LIBRARY_IMPL(fused_dense, CUDA, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_cuda);
   m.impl("fp8_quantize_grad_", &fused_dense::fp8_quantize_grad_cuda_);
   m.impl("fp8_transpose", &fused_dense::fp8_transpose_cuda);
+  m.impl("fp8_scales", &fused_dense::fp8_scales_cuda);
   m.impl("fp8_linear", &fused_dense::fp8_linear_cuda);
   m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_cuda);
 }

@@ -30,6 +30,11 @@ at::Tensor fp8_transpose_meta(const at::Tensor& data) {
   return at::empty({data.size(1), core::fp8_padded_rows(data.size(0))}, data.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> fp8_scales_meta(const at::Tensor& value, bool delayed, int64_t fp8_format) {
+  check_fp8_scales(value, delayed, fp8_format);
+  return {at::empty({}, value.options()), at::empty({}, value.options())};
+}
+
 at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                            const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                            at::ScalarType out_dtype, bool fast_accum, int64_t heuristic) {
@@ -57,6 +62,7 @@ TORCH_LIBRARY_IMPL(fused_dense, Meta, m) {
   m.impl("fp8_quantize", &fused_dense::fp8_quantize_meta);
   m.impl("fp8_quantize_grad_", &fused_dense::fp8_quantize_grad_meta_);
   m.impl("fp8_transpose", &fused_dense::fp8_transpose_meta);
+  m.impl("fp8_scales", &fused_dense::fp8_scales_meta);
   m.impl("fp8_linear", &fused_dense::fp8_linear_meta);
   m.impl("fp8_linear_act", &fused_dense::fp8_linear_act_meta);
 }
