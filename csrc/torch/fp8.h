@@ -6,7 +6,6 @@
 
 #include <optional>
 #include <tuple>
-#include <utility>
 
 #include "core/common/types.h"
 #include "torch/checks.h"
