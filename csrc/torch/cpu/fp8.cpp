@@ -36,6 +36,16 @@ at::Tensor quantized_value(const at::Tensor& input, const std::optional<at::Tens
   }
 }
 
+// The scale (the given one, else fp8_scale_from_amax's rule: fp8_max / max(amax, kFp8MinAmax), NaN
+// kept, as clamp propagates it) and its reciprocal: fp8_quantize_reference's and fp8_scales'.
+std::tuple<at::Tensor, at::Tensor> scales_of(const at::Tensor& amax, core::Fp8Format format,
+                                             const std::optional<at::Tensor>& scale) {
+  const at::Tensor s = (scale.has_value() && scale->defined())
+                           ? scale->reshape({}).clone()
+                           : core::fp8_max(format) / at::clamp(amax.reshape({}), core::kFp8MinAmax);
+  return {s, at::reciprocal(s)};
+}
+
 Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::optional<at::Tensor>& pre_act,
                                          int64_t activation, bool backward, int64_t fp8_format,
                                          const std::optional<at::Tensor>& scale, bool rowwise, bool columnwise,
@@ -56,13 +66,7 @@ Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::opt
   const at::Tensor v = quantized_value(input, pre_act, activation, backward, pre_scale_inv);
   const auto f32 = input.options().dtype(at::kFloat);
   const at::Tensor amax = v.numel() == 0 ? at::zeros({}, f32) : v.abs().max();
-  at::Tensor s;
-  if (scale.has_value() && scale->defined()) {
-    s = scale->reshape({}).clone();
-  } else {
-    // fp8_scale_from_amax: fp8_max / max(amax, kFp8MinAmax), NaN kept (clamp propagates it).
-    s = fmax / at::clamp(amax, core::kFp8MinAmax);
-  }
+  const auto [s, s_inv] = scales_of(amax, format, scale);
   const at::Tensor q = at::clamp(v * s, -fmax, fmax).to(fp8_scalar_type(format));
   const int64_t R = v.size(0), C = v.size(1);
   at::Tensor data = rowwise ? q : at::empty({0}, input.options().dtype(fp8_scalar_type(format)));
@@ -73,7 +77,7 @@ Fp8QuantizeResult fp8_quantize_reference(const at::Tensor& input, const std::opt
     data_t = t.to(fp8_scalar_type(format));
   }
   at::Tensor sums = column_sums ? v.sum(0).to(input.scalar_type()) : at::empty({0}, input.options());
-  return {data, data_t, s, at::reciprocal(s), amax.reshape({}), sums};
+  return {data, data_t, s, s_inv, amax.reshape({}), sums};
 }
 
 Fp8QuantizeGradResult fp8_quantize_grad_reference_(const at::Tensor& pre_act, const at::Tensor& input,
@@ -89,12 +93,10 @@ Fp8QuantizeGradResult fp8_quantize_grad_reference_(const at::Tensor& pre_act, co
   return {s, s_inv, amax, sums};
 }
 
-// fp8_quantize_reference's own scale and scale_inv expressions.
+// fp8_quantize_reference's scale and scale_inv (scales_of).
 std::tuple<at::Tensor, at::Tensor> fp8_scales_reference(const at::Tensor& value, bool delayed, int64_t fp8_format) {
   const core::Fp8Format format = check_fp8_scales(value, delayed, fp8_format);
-  const at::Tensor s = delayed ? value.reshape({}).clone()
-                               : core::fp8_max(format) / at::clamp(value.reshape({}), core::kFp8MinAmax);
-  return {s, at::reciprocal(s)};
+  return delayed ? scales_of(at::Tensor(), format, value) : scales_of(value, format, std::nullopt);
 }
 
 at::Tensor fp8_transpose_reference(const at::Tensor& data) {
