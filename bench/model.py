@@ -36,6 +36,11 @@ and, on request (--variants):
   fd_fp8_current_pre_lce_compile  the same compiled with save_pre_fp8=True
   fd_fp8_current_mf1024_compile as fd_fp8_current_compile with Float8Recipe(min_features=1024): the
                                 1024-wide k / v projections (8 KV heads) in FP8 too, as torchao's
+  fd_qkv_compile,
+  fd_fp8_current_qkv_compile,
+  fd_fp8_delayed_qkv_compile    as fd_compile and the FP8 variants with convert_model(fuse_qkv=True): each
+                                attention's q / k / v one GEMM (FusedQKV), whose stacked width puts the
+                                narrow k / v in FP8 with q under the default size rule
   fd_lce8_compile,
   fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
                                 GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
@@ -106,7 +111,8 @@ DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_fp8_
 VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre_compile", "fd_lce_compile",
                                "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
-                               "fd_fp8_current_lce8_compile"]
+                               "fd_fp8_current_lce8_compile", "fd_qkv_compile", "fd_fp8_current_qkv_compile",
+                               "fd_fp8_delayed_qkv_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -221,9 +227,10 @@ def make_variant(key, base, device):
                                            **({"min_features": 1024} if "_mf1024_" in key else {}))
         lce_fp8 = "_lce8_" in key
         lce = "_lce_" in key or lce_fp8
-        rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce)
-        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}): {len(rep.converted)} converted, "
-                f"{len(rep.left)} left")
+        qkv = "_qkv_" in key
+        rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce, fuse_qkv=qkv)
+        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}{', fuse_qkv=True' if qkv else ''}): "
+                f"{len(rep.converted)} converted, {len(rep.left)} left")
         if lce_fp8:
             note += "; " + fused_dense.use_fused_linear_cross_entropy(model, fp8=True)
     elif key.startswith("torchao"):
@@ -394,31 +401,35 @@ class DecoderLinears(torch.nn.Module):
     """A Llama decoder layer without its attention: input_layernorm -> q, k, v; o_proj(q) added to
     the input; post_attention_layernorm -> MLP added: the linears convert_model converts and the
     norms, casts and gating around them, with the layer's own names (so convert_model treats them
-    as in the model)."""
+    as in the model, fuse_qkv included)."""
 
     def __init__(self, layer):
         super().__init__()
         self.input_layernorm = copy.deepcopy(layer.input_layernorm)
+        self.self_attn = torch.nn.Module()
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(self, name, copy.deepcopy(getattr(layer.self_attn, name)))
+            setattr(self.self_attn, name, copy.deepcopy(getattr(layer.self_attn, name)))
         self.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
         self.mlp = copy.deepcopy(layer.mlp)
 
     def forward(self, x):
         h = self.input_layernorm(x)
-        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
-        x = x + self.o_proj(q)
+        attn = self.self_attn
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        x = x + attn.o_proj(q)
         return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
-def linear_floor_steps(cfg, recipe, device):
+def linear_floor_steps(cfg, recipe, device, fuse_qkv=False):
     """The GEMMs of the decoder layer's linears a training step (forward, input gradient, weight
     gradient each), as torch._scaled_mm e4m3 x e4m3 -> bf16 where the recipe's size rule puts the
-    layer in FP8, else torch.mm in bf16; operands made here, out of the timing. A list of calls."""
+    layer in FP8, else torch.mm in bf16; operands made here, out of the timing. A list of calls.
+    ``fuse_qkv``: q / k / v as one GEMM of their stacked width, as FusedQKV runs them."""
     from bench.fp8 import FAST_ACCUM, quantize
     M, d, h = cfg["batch"] * cfg["seq"], cfg["d"], cfg["h"]
     kv = d // cfg["heads"] * cfg["kv_heads"]
-    linears = [(d, d), (d, kv), (d, kv), (d, d), (d, 2 * h), (h, d)]  # (in, out): q, k, v, o, gate / up, down
+    qkv = [(d, d + 2 * kv)] if fuse_qkv else [(d, d), (d, kv), (d, kv)]
+    linears = qkv + [(d, d), (d, 2 * h), (h, d)]  # (in, out): q / k / v, o, gate / up, down
     calls = []
     for k_in, n_out in linears:
         fp8 = recipe.applies([k_in, n_out] if n_out != 2 * h else [d, h])
@@ -435,22 +446,31 @@ def linear_floor_steps(cfg, recipe, device):
     return calls
 
 
+# linears_isolated's timed calls: (key, q / k / v fused, compiled), and the floor each is measured against.
+LINEAR_CALLS = (("fp8_eager", False, False), ("fp8_compile", False, True), ("fp8_qkv_eager", True, False),
+                ("fp8_qkv_compile", True, True))
+LINEAR_FLOORS = {False: "floor", True: "floor_qkv"}
+
+
 def linears_isolated(cfg, base, device, rounds, reps=10):
     """ms a forward + backward of one decoder layer's linears with their norms (DecoderLinears) at
     the config's token count: converted in FP8 (current scaling, the model variants' recipe) eager
-    (the norms hand their FP8 output over) and compiled, against the floor of the same GEMMs
-    (linear_floor_steps), interleaved. #39's target: converted linears <= 1.20x their FP8 floor."""
+    (the norms hand their FP8 output over) and compiled, with q / k / v as three layers and as one
+    FusedQKV (fuse_qkv), each against the floor of its own GEMMs (linear_floor_steps),
+    interleaved. #39's target: converted linears <= 1.20x their FP8 floor."""
     import fused_dense
     recipe = fused_dense.Float8Recipe(scaling="current")
-    holder = DecoderLinears(base.model.layers[0])
-    fused_dense.convert_model(holder, fp8=recipe)
-    holder.train()
+    holders = {}
+    for fuse in (False, True):
+        holders[fuse] = DecoderLinears(base.model.layers[0])
+        fused_dense.convert_model(holders[fuse], fp8=recipe, fuse_qkv=fuse)
+        holders[fuse].train()
     M = cfg["batch"] * cfg["seq"]
     x = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16, requires_grad=True)
     grads = [torch.randn(M, n, device=device, dtype=torch.bfloat16) for n in
              (cfg["d"], cfg["d"] // cfg["heads"] * cfg["kv_heads"], cfg["d"] // cfg["heads"] * cfg["kv_heads"])]
-    compiled = torch.compile(holder)
-    floor = linear_floor_steps(cfg, recipe, device)
+    models = {key: torch.compile(holders[fuse]) if comp else holders[fuse] for key, fuse, comp in LINEAR_CALLS}
+    floors = {name: linear_floor_steps(cfg, recipe, device, fuse) for fuse, name in LINEAR_FLOORS.items()}
 
     def step(m):
         def run():
@@ -458,15 +478,19 @@ def linears_isolated(cfg, base, device, rounds, reps=10):
             torch.autograd.backward(list(m(x)), grads)
         return run
 
-    def floor_step():
-        for call in floor:
-            call()
-    times = interleaved_ms({"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step},
-                           device, rounds, reps)
+    def floor_step(calls):
+        def run():
+            for call in calls:
+                call()
+        return run
+
+    fns = {key: step(m) for key, m in models.items()}
+    fns.update({name: floor_step(calls) for name, calls in floors.items()})
+    times = interleaved_ms(fns, device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
-    res = {"ms": med, "rounds_ms": times, "vs_floor": {k: med[k] / med["floor"] for k in ("fp8_eager", "fp8_compile")}}
+    res = {"ms": med, "rounds_ms": times,
+           "vs_floor": {key: med[key] / med[LINEAR_FLOORS[fuse]] for key, fuse, _ in LINEAR_CALLS}}
     if device.type == "cuda":  # where the time above the floor goes: kernel time a call by class
-        fns = {"fp8_eager": step(holder), "fp8_compile": step(compiled), "floor": floor_step}
         res["profile"], res["profile_top"] = {}, {}
         for k, fn in fns.items():
             res["profile"][k], res["profile_top"][k] = profile_calls(fn, 3)
@@ -655,6 +679,11 @@ def markdown(res):
                   f"tokens; FP8 current scaling): eager {lin['ms']['fp8_eager']:.3f} ms "
                   f"({lin['vs_floor']['fp8_eager']:.3f}x their GEMM floor), compiled {lin['ms']['fp8_compile']:.3f} "
                   f"ms ({lin['vs_floor']['fp8_compile']:.3f}x), floor {lin['ms']['floor']:.3f} ms (target: 1.20x)."]
+            if "fp8_qkv_compile" in lin["ms"]:
+                L[-1] += (f" With q / k / v as one FusedQKV: eager {lin['ms']['fp8_qkv_eager']:.3f} ms "
+                          f"({lin['vs_floor']['fp8_qkv_eager']:.3f}x the floor of its GEMMs, "
+                          f"{lin['ms']['floor_qkv']:.3f} ms), compiled {lin['ms']['fp8_qkv_compile']:.3f} ms "
+                          f"({lin['vs_floor']['fp8_qkv_compile']:.3f}x).")
             prof = lin.get("profile")
             if prof:
                 classes = [c for c, _ in KERNEL_CLASSES if any(p.get(c) for p in prof.values())]

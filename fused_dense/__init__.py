@@ -12,7 +12,8 @@ from . import ops, tuning  # noqa: E402
 from .fp8 import Float8Recipe, convert_to_fp8, fp8_autocast  # noqa: E402
 from .functional import (FusedDenseFunc, FusedMLPFunc, fused_dense_func, fused_gated_mlp_func,  # noqa: E402
                          fused_mlp_func)
-from .modules import FusedDense, FusedGatedMLP, FusedMLP, replace_llama_mlps  # noqa: E402
+from .modules import (FusedDense, FusedGatedMLP, FusedMLP, FusedQKV, QKVPart, fuse_qkv_projections,  # noqa: E402
+                      replace_llama_mlps)
 from .convert import ConversionReport, convert_model  # noqa: E402
 from .loss import FusedLinearCrossEntropyLoss, linear_cross_entropy  # noqa: E402
 from .norm import FusedLayerNorm, FusedRMSNorm  # noqa: E402
@@ -37,6 +38,9 @@ __all__ = [
     "FusedDense",
     "FusedMLP",
     "FusedGatedMLP",
+    "FusedQKV",
+    "QKVPart",
+    "fuse_qkv_projections",
     "replace_llama_mlps",
     "convert_model",
     "ConversionReport",

@@ -17,6 +17,9 @@ tests/test_convert.py):
   :class:`~fused_dense.norm.FusedLayerNorm` (an ``nn.LayerNorm``) holding the same parameters,
   which quantizes its output as it writes it and hands the FP8 copy to q / k / v and the MLP (one
   copy for all: fused_dense/norm.py), where its width meets the recipe's ``min_features``;
+- with ``fuse_qkv=True``, a self-attention's ``q_proj``, ``k_proj``, ``v_proj`` (a module named
+  ``self_attn``: Llama, Mistral, Qwen2, Qwen3, Gemma) become one :class:`~fused_dense.FusedQKV`
+  GEMM, ``qkv_proj``, whose three parts stand in their places (:func:`~fused_dense.fuse_qkv_projections`);
 - GPT-2's other ``Conv1D`` layers (the attention's ``c_attn`` / ``c_proj``: ``x @ weight + bias``
   with the weight stored [in, out]) become a :class:`ConvertedConv1D`, a FusedDense that keeps the
   weight [out, in] for the GEMM and saves and loads it in Conv1D's layout (a new parameter).
@@ -52,7 +55,8 @@ from torch import nn
 
 from . import fp8 as _fp8
 from .causal_lm import causal_lm_family, use_fused_linear_cross_entropy
-from .modules import FusedDense, FusedGatedMLP, FusedMLP, fused_gated_mlp_from, gated_activation_of, is_llama_mlp
+from .modules import (QKV_NAMES, FusedDense, FusedGatedMLP, FusedMLP, fuse_qkv_projections, fused_gated_mlp_from,
+                      gated_activation_of, is_llama_mlp, qkv_fusion_problem)
 from .norm import FusedLayerNorm, FusedRMSNorm, fused_layer_norm_from, fused_rms_norm_from
 
 __all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "convert_model"]
@@ -300,7 +304,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
                   module_filter: Optional[Callable[[str, nn.Module], bool]] = None, lm_head: bool = False,
                   bias_free_linears: Optional[bool] = None, checkpoint_lvl: int = 0,
                   heuristic: Union[int, str] = "auto", linear_cross_entropy: bool = False,
-                  verbose: bool = False) -> ConversionReport:
+                  fuse_qkv: bool = False, verbose: bool = False) -> ConversionReport:
     """Replaces, in place, the dense layers of `model` that the library runs faster (module
     docstring) and returns a :class:`ConversionReport` of what it converted and what it left and
     why (printed with ``verbose=True``).
@@ -315,6 +319,12 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
     linear_cross_entropy: a supported Hugging Face causal LM computes its training loss with the LM
         head fused into the loss (:func:`fused_dense.use_fused_linear_cross_entropy`);
         any other model is reported as left alone there.
+    fuse_qkv: a self-attention (a module named ``self_attn``, as Hugging Face names them) whose
+        ``q_proj``, ``k_proj``, ``v_proj`` are ``nn.Linear`` layers of one input width runs them as
+        one GEMM (:func:`fused_dense.fuse_qkv_projections`: a :class:`fused_dense.FusedQKV`, new
+        parameters; the state-dict names stay). In FP8 the size rule then reads the stacked
+        width, so narrow k / v projections (GQA) run in FP8 with q. ``module_filter`` is asked
+        about the attention module; one it refuses keeps its projections as candidates.
 
     A model with nothing to convert, or a filter that refuses every candidate, is a ValueError.
     Call it before building the optimizer.
@@ -330,6 +340,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     report = ConversionReport()
     replacements = []  # (name, new module)
+    fusions = []  # attention modules whose q / k / v become one FusedQKV
     candidates = 0
     taken = set()  # names whose submodules are handled with them
 
@@ -350,6 +361,17 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             continue
         if isinstance(module, (FusedDense, FusedGatedMLP, FusedMLP, FusedRMSNorm, FusedLayerNorm)):  # converted already
             taken.add(name)
+            continue
+        if fuse_qkv and name.split(".")[-1] == "self_attn" and \
+                all(type(getattr(module, n, None)) is nn.Linear for n in QKV_NAMES):
+            why = qkv_fusion_problem(module)
+            if why:
+                report.left.append((name, _type_name(module), f"q / k / v not fused: {why}"))
+            elif wanted(name, module):
+                taken.update(f"{name}.{n}" for n in QKV_NAMES)
+                fusions.append(name)
+                report.converted.append((name, f"{_type_name(module)} q_proj, k_proj, v_proj",
+                                         "FusedQKV qkv_proj (one GEMM; q_proj, k_proj, v_proj its parts)"))
             continue
         norm, why, now = _handoff_norm(name, module, recipe)
         if norm is not None or why:
@@ -407,6 +429,9 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             replacements.append((name, _fused_dense_from(module, fp8)))
             report.converted.append((name, "Linear", "FusedDense"))
 
+    if fuse_qkv and not fusions and not any(why.startswith("q / k / v not fused") or why == "refused by module_filter"
+                                            for _, _, why in report.left):
+        report.left.append(("fuse_qkv", "q / k / v", "no module named self_attn with nn.Linear q_proj, k_proj, v_proj"))
     loss_patch = None
     if linear_cross_entropy:
         family, why = causal_lm_family(model)
@@ -415,13 +440,15 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
         else:
             loss_patch = ("lm_head", "lm_head + loss", "fused linear cross-entropy (training)")
 
-    if not replacements and loss_patch is None:
+    if not replacements and not fusions and loss_patch is None:
         if candidates:
             raise ValueError(f"convert_model: module_filter refused all {candidates} candidates:\n{report}")
         raise ValueError(f"convert_model: found nothing to convert in {_type_name(model)}:\n{report}")
     for name, new in replacements:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
+    for name in fusions:
+        fuse_qkv_projections(model.get_submodule(name), fp8)
     if loss_patch is not None:  # checked again: the replacements may have changed the LM head (FP8)
         family, why = causal_lm_family(model)
         if family is None:

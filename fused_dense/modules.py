@@ -23,7 +23,7 @@ from ._common import GatedStateDictNames, check_gated_bias
 from .fp8 import DENSE_SLOTS, MLP_SLOTS, Fp8Layer
 from .functional import fused_dense_func, fused_gated_mlp_func, fused_mlp_func
 
-__all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "replace_llama_mlps"]
+__all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "FusedQKV", "QKVPart", "fuse_qkv_projections", "replace_llama_mlps"]
 
 
 class FusedDense(Fp8Layer, nn.Linear):
@@ -57,6 +57,188 @@ class FusedDense(Fp8Layer, nn.Linear):
             return (out, x) if self.return_residual else out
         return fused_dense_func(x, self.weight, self.bias, return_residual=self.return_residual,
                                 process_group=process_group)
+
+
+class FusedQKV(FusedDense):
+    """The q, k and v projections of one input as one GEMM: a FusedDense whose ``weight`` is q's,
+    k's and v's weights stacked ``[sum(out_splits), in_features]`` (``bias`` likewise). The input
+    is read once (in FP8 quantized once, and the size rule reads the stacked width, so GQA's
+    narrow k / v run in FP8 with q), and backward runs one data-gradient GEMM, not three summed,
+    and one weight-gradient GEMM.
+
+    ``forward(x)`` returns the stacked output ``[..., sum(out_splits)]``. ``project(x, i)`` returns
+    part i (0 q, 1 k, 2 v) of x's projection: asked for the three parts of one input tensor in turn
+    (the same object, unmodified), it runs the GEMM once and hands out its three parts of one
+    ``torch.split`` (so backward joins their gradients in one copy); any other call (another input,
+    a part asked twice) runs the GEMM again, so a caller that projects different inputs (cross
+    attention) gets correct parts at the cost of the whole GEMM each. Between the first and the
+    last part the module holds the input and the output.
+
+    :func:`fuse_qkv_projections` (``convert_model(fuse_qkv=True)``) puts one in an attention
+    module as ``qkv_proj`` and its three :class:`QKVPart` as ``q_proj`` / ``k_proj`` / ``v_proj``,
+    whose state-dict names and shapes stay the attention's own.
+    """
+
+    def __init__(self, in_features: int, out_splits, bias: bool = True, device=None, dtype=None,
+                 fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> None:
+        splits = tuple(out_splits)
+        if len(splits) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in splits):
+            raise ValueError(f"FusedQKV: out_splits must be three widths >= 1 (q, k, v), got {out_splits!r}")
+        super().__init__(in_features, sum(splits), bias=bias, device=device, dtype=dtype, fp8=fp8)
+        self.out_splits = splits
+        self._pending = None  # (x, x's version, the three parts, which were handed out)
+
+    def project(self, x: Tensor, index: int) -> Tensor:
+        pending = self._pending
+        version = _version_of(x)
+        if pending is None or pending[0] is not x or pending[1] != version or pending[3][index]:
+            pending = (x, version, self(x).split(self.out_splits, dim=-1), (False, False, False))
+        served = tuple(done or i == index for i, done in enumerate(pending[3]))
+        self._pending = None if all(served) else pending[:3] + (served,)
+        return pending[2][index]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, out_splits={self.out_splits}"
+
+
+def _version_of(x: Tensor) -> int:
+    """x's version counter (in-place changes), where it has one: not traced under torch.compile
+    (a traced input is not changed between the parts' calls of one graph), none for inference
+    tensors (inference mode keeps no version counters)."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return 0
+    return x._version
+
+
+class QKVPart(nn.Module):
+    """Part ``index`` (0 q, 1 k, 2 v) of a :class:`FusedQKV`'s projection, standing where the
+    attention module's own projection stood: ``forward(x)`` is ``fused.project(x, index)``. It
+    refers to the FusedQKV without holding it as a submodule (the attention module holds it, as
+    ``qkv_proj``), so it has no parameters of its own; ``weight`` and ``bias`` are read-only views
+    of its rows of the stacked ones (for code that reads a projection's dtype or shape)."""
+
+    def __init__(self, fused: FusedQKV, index: int) -> None:
+        super().__init__()
+        if index not in (0, 1, 2):
+            raise ValueError(f"QKVPart: index must be 0 (q), 1 (k) or 2 (v), got {index!r}")
+        object.__setattr__(self, "_fused", fused)  # not registered: its parameters are the attention's qkv_proj's
+        self.index = index
+        self.in_features = fused.in_features
+        self.out_features = fused.out_splits[index]
+
+    def _rows(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        if t is None:
+            return None
+        lo = sum(self._fused.out_splits[:self.index])
+        return t.detach()[lo:lo + self.out_features]
+
+    @property
+    def weight(self) -> Tensor:
+        return self._rows(self._fused.weight)
+
+    @property
+    def bias(self) -> Optional[Tensor]:
+        return self._rows(self._fused.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._fused.project(x, self.index)
+
+    def extra_repr(self) -> str:
+        return f"{'qkv'[self.index]} of the attention's qkv_proj: in_features={self.in_features}, " \
+               f"out_features={self.out_features}"
+
+
+# An attention module's projections FusedQKV stands for, in its parts' order, and its own name there.
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+_QKV_FUSED = "qkv_proj"
+
+
+def qkv_fusion_problem(attn: nn.Module) -> str:
+    """'' when ``attn`` holds ``q_proj``, ``k_proj``, ``v_proj`` as ``nn.Linear`` layers of one
+    input width, dtype and device, all with a bias or none, and no ``qkv_proj`` yet; else why not."""
+    layers = [getattr(attn, n, None) for n in QKV_NAMES]
+    if not all(type(layer) is nn.Linear for layer in layers):
+        return "q_proj, k_proj, v_proj are not all nn.Linear"
+    if hasattr(attn, _QKV_FUSED):
+        return f"it has a {_QKV_FUSED} already"
+    w = [layer.weight for layer in layers]
+    if len({(t.shape[1], t.dtype, t.device) for t in w}) != 1:
+        return ("q_proj, k_proj, v_proj differ in input width, dtype or device: "
+                + ", ".join(f"{tuple(t.shape)} {t.dtype} {t.device}" for t in w))
+    if len({layer.bias is None for layer in layers}) != 1:
+        return "some of q_proj, k_proj, v_proj have a bias and some not"
+    return ""
+
+
+def fuse_qkv_projections(attn: nn.Module, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None) -> FusedQKV:
+    """Replaces, in place, an attention module's ``q_proj``, ``k_proj``, ``v_proj`` (``nn.Linear``
+    layers it calls on one input, as Hugging Face's self-attentions do) with one :class:`FusedQKV`
+    held as ``attn.qkv_proj`` (their weights and biases stacked: new parameters) and three
+    :class:`QKVPart` in their places, so the attention's forward runs unchanged. The attention's
+    state_dict keeps ``q_proj.weight`` / ``k_proj.weight`` / ``v_proj.weight`` (and biases): saving
+    writes the three parts, loading takes them (or ``qkv_proj.weight`` itself). ValueError naming
+    the reason (:func:`qkv_fusion_problem`) for a module that cannot be fused. Call it before
+    building the optimizer. Returns the FusedQKV."""
+    _fp8.check_fp8_argument(fp8)
+    why = qkv_fusion_problem(attn)
+    if why:
+        raise ValueError(f"fuse_qkv_projections: {type(attn).__name__}: {why}")
+    layers = [getattr(attn, n) for n in QKV_NAMES]
+    w = layers[0].weight
+    splits = tuple(layer.out_features for layer in layers)
+    fused = FusedQKV(layers[0].in_features, splits, bias=layers[0].bias is not None, device="meta", dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight = nn.Parameter(torch.cat([layer.weight.detach() for layer in layers]),
+                                    requires_grad=w.requires_grad)
+        if fused.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]),
+                                      requires_grad=layers[0].bias.requires_grad)
+    fused.fp8 = fp8
+    _fp8.prepare_layer(fused)
+    fused.train(attn.training)
+    setattr(attn, _QKV_FUSED, fused)
+    for i, name in enumerate(QKV_NAMES):
+        part = QKVPart(fused, i)
+        part.train(attn.training)
+        setattr(attn, name, part)
+    attn.register_state_dict_post_hook(_save_qkv_parts)
+    attn.register_load_state_dict_pre_hook(_load_qkv_parts)
+    return fused
+
+
+def _save_qkv_parts(module, state_dict, prefix, local_metadata):
+    fused = getattr(module, _QKV_FUSED, None)
+    if not isinstance(fused, FusedQKV):
+        return
+    for kind in ("weight", "bias"):
+        packed = state_dict.pop(f"{prefix}{_QKV_FUSED}.{kind}", None)
+        if packed is not None:
+            for name, piece in zip(QKV_NAMES, packed.split(fused.out_splits)):
+                state_dict[f"{prefix}{name}.{kind}"] = piece.clone()  # own storage: safetensors refuses shared ones
+
+
+def _load_qkv_parts(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    fused = getattr(module, _QKV_FUSED, None)
+    if not isinstance(fused, FusedQKV):
+        return
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{kind}" for name in QKV_NAMES]
+        pieces = [state_dict.get(key) for key in keys]
+        if all(p is None for p in pieces):
+            continue  # qkv_proj's own given, or missing (load_state_dict reports it)
+        if any(p is None for p in pieces):
+            error_msgs.append(f"{prefix}: {', '.join(QKV_NAMES)} {kind}s must be loaded together (they are one "
+                              f"{_QKV_FUSED}), got only {[k for k, p in zip(keys, pieces) if p is not None]}")
+            continue
+        for key, piece, rows in zip(keys, pieces, fused.out_splits):
+            want = (rows, fused.in_features) if kind == "weight" else (rows,)
+            if tuple(piece.shape) != want:
+                error_msgs.append(f"{key}: expected shape {want}, got {tuple(piece.shape)}")
+                break
+        else:
+            for key in keys:
+                del state_dict[key]
+            state_dict[f"{prefix}{_QKV_FUSED}.{kind}"] = torch.cat(pieces)
 
 
 class FusedMLP(Fp8Layer, nn.Module):

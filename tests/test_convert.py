@@ -321,12 +321,12 @@ def test_save_pretrained_and_generate(tmp_path, family):
     assert torch.equal(a, b), (a, b)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "llama_fuse_qkv"])
 def test_compiles_fullgraph_with_no_break(family):
     """torch.compile traces a converted model without a graph break where the unconverted one has
-    none (torch._dynamo.explain)."""
-    ref, model = prepared(llama_with_biases() if family == "llama" else gpt2())
-    convert_model(model)
+    none (torch._dynamo.explain); with fuse_qkv the parts' shared state included."""
+    ref, model = prepared(gpt2() if family == "gpt2" else llama_with_biases())
+    convert_model(model, fuse_qkv=family == "llama_fuse_qkv")
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(7))
     torch._dynamo.reset()
     plain = torch._dynamo.explain(ref)(input_ids=ids)
@@ -365,7 +365,7 @@ cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=
                                attention_bias=True)
 torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(cfg).double()
-convert_model(model)
+convert_model(model, fuse_qkv=sys.argv[1] == "fuse_qkv")
 plain = copy.deepcopy(model)
 for layer in model.model.layers:
     fully_shard(layer)
@@ -382,14 +382,16 @@ print("FSDP2 OK")
 """
 
 
-def test_fsdp2_world_1():
-    """FSDP2's fully_shard (gloo, world size 1) over a converted model: the gradients, gathered,
-    equal the unsharded converted model's bit for bit."""
+@pytest.mark.parametrize("fuse_qkv", ["plain", "fuse_qkv"])
+def test_fsdp2_world_1(fuse_qkv):
+    """FSDP2's fully_shard (gloo, world size 1) over a converted model (q / k / v as they are, and
+    as one FusedQKV whose parts reach its parameters through the attention): the gradients,
+    gathered, equal the unsharded converted model's bit for bit."""
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", FSDP2_STEP], cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", FSDP2_STEP, fuse_qkv], cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "FSDP2 OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
