@@ -67,7 +67,8 @@ class Float8Recipe:
 
     Args:
         scaling: ``'current'`` (each tensor scaled from its own amax) or ``'delayed'`` (from the
-            amax history of earlier steps).
+            amax history of earlier steps; a layer's first training step, with no history yet,
+            runs current scaling and records the amaxes the second step scales from).
         grad_format: FP8 format of the gradients, ``'e5m2'`` or ``'e4m3'``.
         amax_history_len: steps of amax history (delayed scaling).
         amax_compute: ``'max'`` (the history's max) or ``'most_recent'`` (delayed scaling).
@@ -252,8 +253,18 @@ def ensure_delayed_buffers(module: torch.nn.Module, recipe: Float8Recipe, slots:
         module.register_buffer("fp8_amax_history", torch.zeros(recipe.amax_history_len, n, **f32))
         module.register_buffer("fp8_scales", torch.ones(n, **f32))
         module.register_buffer("fp8_amax", torch.zeros(n, **f32))
+        scaling_started(module, False)
+    elif not hasattr(module, "_fp8_scaling_started"):
+        scaling_started(module, bool(hist.any()) or bool(module.fp8_amax.any()))
     module.register_buffer("fp8_format_max", fp8_max_of_slots(recipe, slots, device), persistent=False)
     module._fp8_buffer_key = key
+
+
+def scaling_started(module: torch.nn.Module, started: bool) -> None:
+    """Whether the layer's delayed scaling has amaxes to derive its scales from (_scaling): False
+    for fresh buffers, True once a training step has recorded them or a state_dict brought them."""
+    module._fp8_scaling_started = started
+    module._fp8_current_step = False
 
 
 def fp8_max_of_slots(recipe: Float8Recipe, slots: Sequence[str], device) -> Tensor:
@@ -415,7 +426,7 @@ def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, co
     if torch.compiler.is_compiling():
         if recipe.compiled_input_quantize != "traced":
             return []
-        return traced_quantize(x2, columnwise, None if recipe.scaling == "current" else scales[0])
+        return traced_quantize(x2, columnwise, None if scales is None else scales[0])
     if recipe.scaling != "current" or xc is not x:
         return []
     with _HANDOFF_LOCK:
@@ -456,6 +467,9 @@ def _load_scaling_state(module, state_dict, prefix, *args, slots):
         module.register_buffer("fp8_amax_history", torch.zeros(hist.shape[0], n, **f32))
         module.register_buffer("fp8_scales", torch.ones(n, **f32))
         module.register_buffer("fp8_amax", torch.zeros(n, **f32))
+    if hist is not None:
+        amax = state_dict.get(prefix + "fp8_amax")
+        scaling_started(module, bool(hist.any()) or (amax is not None and bool(amax.any())))
 
 
 # The FP8 ops' derivatives are C++ autograd Functions (csrc/torch/autograd/mlp_fp8.cpp).
@@ -484,15 +498,28 @@ def recomputing() -> bool:
 
 
 def _scaling(module, recipe: Float8Recipe, slots: Sequence[str], device):
-    """(scales, amax output) of the op: both None under current scaling. A forward recomputed in
-    backward (activation checkpointing) takes the scales of the forward it recomputes and does not
-    advance the amax history: the step's history moves once, and the recomputation quantizes as
-    the forward did."""
+    """(scales, amax output) of the op: both None under current scaling.
+
+    Delayed scaling: until the layer's first training step (grad enabled) has run, its scales
+    have no amax to come from, so that step (and any forward before it) runs current scaling and
+    records its tensors' amaxes (scales None, amax output given): the next step's scales derive
+    from them. (With scale 1 instead, the first step's e5m2 gradients below 2^-16 would flush to
+    zero.) With an ``amax_reduction_group`` the first step keeps scale 1: current scaling would
+    scale each rank from its own amaxes, and the group's ranks quantize alike. A forward recomputed in backward (activation checkpointing) scales as the forward it
+    recomputes did and does not advance the amax history: the step's history moves once."""
     if recipe.scaling != "delayed":
         return None, None
     ensure_delayed_buffers(module, recipe, slots, device)
     if recomputing():
+        if module._fp8_current_step:
+            return None, module.fp8_amax
         return module.fp8_scales.clone(), module.fp8_amax
+    if not module._fp8_scaling_started and recipe.amax_reduction_group is None:
+        if torch.is_grad_enabled():
+            module._fp8_scaling_started = True
+            module._fp8_current_step = True
+        return None, module.fp8_amax
+    module._fp8_current_step = False
     return delayed_scales(module, recipe, slots), module.fp8_amax
 
 

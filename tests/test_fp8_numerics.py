@@ -212,18 +212,19 @@ def make_layer(kind, recipe):
     return make_gated("cpu", "swiglu", recipe) if kind == "gated" else make_mlp("cpu", "gelu_approx", recipe)
 
 
-def delayed_step(kind, m, x, g):
-    """One step: (out, grads, reference with the scales the step derived)."""
+def delayed_step(kind, m, x, g, current=False):
+    """One step: (out, grads, reference with the scales the step derived, or with current scaling
+    where ``current``: the first step, before any amax was recorded)."""
     step = {"dense": run_step_dense, "gated": run_gated_step, "mlp": run_step}[kind]
     out, grads = step(m, x, g)
     scales = dict(zip(SLOTS[kind], m.fp8_scales.clone()))
     if kind == "dense":
-        q = StepQuantizer(scales)
+        q = StepQuantizer(None if current else scales)
         xq, wq, gq = q("x", x.double(), 0), q("w1", m.weight.double(), 0), q("grad_out", g.double(), 1)
         ref = {"out": xq @ wq.T + m.bias.double(), "x": gq @ wq, "w1": gq.T @ xq, "b1": g.double().sum(0),
                "amax": torch.stack([q.amax["x"], q.amax["grad_out"]])}
         return out, grads, ref
-    s = torch.stack([scales[k] for k in QUANTIZED[:4]])
+    s = None if current else torch.stack([scales[k] for k in QUANTIZED[:4]])
     if kind == "gated":
         return out, grads, ref_gated_mlp(x, m.gate_up_proj.weight, m.down_proj.weight, g, "swiglu", 1,
                                          torch.bfloat16, scales=s)
@@ -243,8 +244,9 @@ def run_step_dense(m, x, g):
 @pytest.mark.parametrize("kind", ["mlp", "gated", "dense"])
 def test_delayed_scaling_history_and_scales(kind, amax_compute):
     """Each step pushes the amaxes the previous step recorded into a history of HISTORY steps and
-    scales every tensor by fmax / (the history's max, or the most recent amax); before any amax the
-    scale is 1. The recorded amaxes are the step's own (x and the output gradient exactly); the
+    scales every tensor by fmax / (the history's max, or the most recent amax); the first step,
+    before any amax, runs current scaling (each tensor scaled from its own amax) and records its
+    amaxes, leaving the scales at 1 and the history empty. The recorded amaxes are the step's own (x and the output gradient exactly); the
     step computes with the scales it derived; a state_dict taken mid-history gives a fresh layer
     the same next scales and the same results, bit for bit."""
     recipe = Float8Recipe(scaling="delayed", amax_history_len=HISTORY, amax_compute=amax_compute, min_features=0)
@@ -258,7 +260,7 @@ def test_delayed_scaling_history_and_scales(kind, amax_compute):
         if step == 4:  # mid-history: a fresh layer loads the state and runs this step alongside
             fresh = make_layer(kind, recipe)
             fresh.load_state_dict(m.state_dict())
-        out, grads, ref = delayed_step(kind, m, x, g)
+        out, grads, ref = delayed_step(kind, m, x, g, current=step == 0)
         past = recorded[::-1][:HISTORY]  # most recent first, as the history's rows
         want_hist = torch.stack(past + [torch.zeros(len(slots))] * (HISTORY - len(past)))
         assert torch.equal(m.fp8_amax_history, want_hist), f"step {step}: history"
@@ -282,3 +284,32 @@ def test_delayed_scaling_history_and_scales(kind, amax_compute):
             assert torch.equal(fresh_out, out) and all(torch.equal(fresh_grads[k], v) for k, v in grads.items())
         recorded.append(amax)
     assert chose_differently  # the sizes made the two rules disagree
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gated", "dense"])
+def test_delayed_first_step_is_current_scaling(kind):
+    """A delayed-scaling layer's first training step computes what the current-scaling layer's
+    step computes, bit for bit, with gradients small enough that scale 1 would flush e5m2 to zero;
+    forwards before it (no_grad) run current scaling without starting the history; the step
+    after it scales from the first step's amaxes."""
+    delayed = make_layer(kind, Float8Recipe(scaling="delayed", amax_history_len=HISTORY, min_features=0))
+    current = make_layer(kind, Float8Recipe(scaling="current", min_features=0))
+    current.load_state_dict({k: v for k, v in delayed.state_dict().items() if not k.startswith("fp8_")})
+    x = randn(96, 64)
+    g = randn(96, 48 if kind == "dense" else 64, scale=1e-6)  # e5m2 at scale 1 flushes below 1.5e-5
+    with torch.no_grad():
+        assert torch.equal(delayed(x), current(x))
+    assert not delayed.fp8_amax_history.any() and torch.equal(delayed.fp8_scales, torch.ones(len(SLOTS[kind])))
+    step = {"dense": run_step_dense, "gated": run_gated_step, "mlp": run_step}[kind]
+    out_d, grads_d = step(delayed, x, g)
+    out_c, grads_c = step(current, x, g)
+    assert torch.equal(out_d, out_c)
+    for k in grads_c:
+        assert torch.equal(grads_d[k], grads_c[k]), k
+        assert grads_d[k].abs().max() > 0, k
+    amax1 = delayed.fp8_amax.clone()
+    assert amax1[SLOTS[kind].index("grad_out")] == g.abs().max().float()
+    assert not delayed.fp8_amax_history.any() and torch.equal(delayed.fp8_scales, torch.ones(len(SLOTS[kind])))
+    _, _, ref = delayed_step(kind, delayed, x, g)
+    fmax = torch.tensor([448.0 if s in ("x", "act") else 57344.0 for s in SLOTS[kind]])
+    assert torch.equal(delayed.fp8_scales, fmax / amax1) and torch.equal(delayed.fp8_amax_history[0], amax1)

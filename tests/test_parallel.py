@@ -1185,6 +1185,7 @@ def _w_fp8_amax_group():
     the ranks (without it, each rank's own), so the ranks derive the same scales; a NaN amax on one
     rank enters every rank's history as inf and keeps the scale."""
     from fused_dense import Float8Recipe, FusedDense, FusedMLP
+    from fused_dense.fp8 import scaling_started
 
     grouped = Float8Recipe(scaling="delayed", min_features=0, amax_reduction_group=dist.group.WORLD)
     local = Float8Recipe(scaling="delayed", min_features=0)
@@ -1193,6 +1194,7 @@ def _w_fp8_amax_group():
         g = make(grouped).to(_DEVICE)
         torch.manual_seed(0)
         u = make(local).to(_DEVICE)
+        scaling_started(u, True)  # its first step at scale 1, as a group's (without: current scaling)
         width = 48 if isinstance(g, FusedDense) else 32
         for step in range(3):
             x = _rank_tensor((16, 32), 10 * step + _RANK, torch.float32, scale=1.0 + _RANK + step)
@@ -1240,8 +1242,12 @@ def _w_fsdp2_fp8_delayed(steps=3):
 
     mesh = init_device_mesh(_DEVICE.type, (_WORLD,))
     recipe = Float8Recipe(scaling="delayed", min_features=0, amax_reduction_group=dist.group.WORLD)
+    from fused_dense.fp8 import scaling_started
+
     torch.manual_seed(0)
     ref = _FP8Net(Float8Recipe(scaling="delayed", min_features=0)).to(_DEVICE)
+    for sub in (ref.mlp1, ref.mlp2):  # a group's first step runs at scale 1: so does the reference's
+        scaling_started(sub, True)
     torch.manual_seed(0)
     model = _FP8Net(recipe).to(_DEVICE)
     fully_shard(model.mlp1, mesh=mesh)
