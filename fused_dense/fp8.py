@@ -286,9 +286,13 @@ def delayed_scales(module: torch.nn.Module, recipe: Float8Recipe, slots: Sequenc
         hist.copy_(torch.roll(hist, 1, 0))
         hist[0].copy_(amax)
         ref = hist.amax(0) if recipe.amax_compute == "max" else hist[0]
-        fmax = module.fp8_format_max
         ok = torch.isfinite(ref) & (ref > 0)
-        scales.copy_(torch.where(ok, fmax / torch.where(ok, ref, torch.ones_like(ref)), scales))
+        # The scaling rule's fp8_max / max(amax, FP8_MIN_AMAX) (the op fp8_scales', docs/contract.md),
+        # divided in float64 and rounded once to float32: that is the correctly rounded float32
+        # quotient (53 >= 2 * 24 + 2 bits), in eager and under torch.compile alike, where a float32
+        # division by Inductor on the GPU is not correctly rounded.
+        quotient = module.fp8_format_max.double() / ref.clamp_min(ops.FP8_MIN_AMAX).double()
+        scales.copy_(torch.where(ok, quotient.float(), scales))
     return scales.clone()
 
 

@@ -267,6 +267,37 @@ def test_traced_quantize_scales_are_the_ops_at_every_amax(compiled):
         assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8)), a
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_delayed_scales_follow_the_scaling_rule_at_every_amax(device, compiled):
+    """Delayed scaling's scales (fused_dense.fp8.delayed_scales) are the scaling rule's for the
+    history's amaxes, bit for bit the op fp8_scales's (what fp8_quantize takes from an amax, the
+    rule's clamp at FP8_MIN_AMAX included), eager and under torch.compile: a float32 division
+    there is Inductor's, which on the GPU is not correctly rounded."""
+    recipe = Float8Recipe(scaling="delayed", min_features=0, amax_history_len=1)
+    layer = FusedMLP(C, 2 * C, device=device, dtype=torch.bfloat16, fp8=recipe)
+    slots = fused_dense.fp8.MLP_SLOTS
+    formats = [fused_dense.ops.FP8_FORMATS["e4m3" if s in ("x", "act") else recipe.grad_format] for s in slots]
+    derive = functools.partial(fused_dense.fp8.delayed_scales, layer, recipe, slots)
+    fn = torch.compile(derive, fullgraph=True, dynamic=False) if compiled else derive
+    g = torch.Generator().manual_seed(12)
+    amaxes = torch.exp(torch.empty(4 * (30 if compiled else 200), dtype=torch.float64).uniform_(-40, 40, generator=g))
+    amaxes = torch.cat([torch.tensor([3.421875, 1e-13, 1e-12, 448.0]), amaxes.float()]).view(-1, 4)
+    for row in amaxes:
+        with torch.no_grad():
+            layer.fp8_amax.copy_(row)
+        got = fn()
+        want = torch.stack([torch.ops.fused_dense.fp8_scales(a.reshape(()).to(device), False, f)[0]
+                            for a, f in zip(row, formats)])
+        assert torch.equal(got, want), (row.tolist(), got.tolist(), want.tolist())
+    # where no finite positive amax is recorded the scale is kept
+    with torch.no_grad():
+        layer.fp8_amax.copy_(torch.tensor([0.0, float("nan"), float("inf"), 2.0]))
+    kept = layer.fp8_scales.clone()
+    got = fn()
+    assert torch.equal(got[:3], kept[:3]) and not torch.equal(got[3], kept[3])
+
+
 def ops_min_amax():
     return fused_dense.ops.FP8_MIN_AMAX
 
@@ -284,6 +315,7 @@ def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
     if scaling == "delayed":  # a history whose scales are not 1: x's copy then differs from current scaling's
         for layer in layers:
             layer.fp8_amax.copy_(torch.rand_like(layer.fp8_amax) * 4 + 1)
+            fused_dense.fp8.scaling_started(layer, True)  # amaxes recorded: not a first step
     twins = copy.deepcopy(layers)  # the compiled step starts from the same scaling state
 
     def step(mods, x):
