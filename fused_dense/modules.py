@@ -76,7 +76,9 @@ class FusedQKV(FusedDense):
 
     :func:`fuse_qkv_projections` (``convert_model(fuse_qkv=True)``) puts one in an attention
     module as ``qkv_proj`` and its three :class:`QKVPart` as ``q_proj`` / ``k_proj`` / ``v_proj``,
-    whose state-dict names and shapes stay the attention's own.
+    whose state-dict names and shapes stay the attention's own. The parts are no ``nn.Linear``
+    layers: what wraps or replaces the projections themselves (an adapter such as PEFT's LoRA on
+    ``q_proj``) needs them unfused.
     """
 
     def __init__(self, in_features: int, out_splits, bias: bool = True, device=None, dtype=None,
