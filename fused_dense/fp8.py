@@ -509,8 +509,9 @@ def _scaling(module, recipe: Float8Recipe, slots: Sequence[str], device):
     records its tensors' amaxes (scales None, amax output given): the next step's scales derive
     from them. (With scale 1 instead, the first step's e5m2 gradients below 2^-16 would flush to
     zero.) With an ``amax_reduction_group`` the first step keeps scale 1: current scaling would
-    scale each rank from its own amaxes, and the group's ranks quantize alike. A forward recomputed in backward (activation checkpointing) scales as the forward it
-    recomputes did and does not advance the amax history: the step's history moves once."""
+    scale each rank from its own amaxes, and the group's ranks quantize alike. A forward
+    recomputed in backward (activation checkpointing) scales as the forward it recomputes did and
+    does not advance the amax history: the step's history moves once."""
     if recipe.scaling != "delayed":
         return None, None
     ensure_delayed_buffers(module, recipe, slots, device)

@@ -1,4 +1,5 @@
-"""nn.Modules over the fused autograd functions: ``FusedDense`` and ``FusedMLP``.
+"""nn.Modules over the fused autograd functions: ``FusedDense``, ``FusedMLP``, ``FusedGatedMLP``
+and ``FusedQKV`` (an attention's q / k / v as one FusedDense, with ``fuse_qkv_projections``).
 
 Drop-in replacements for ``flash_attn.ops.fused_dense.FusedDense`` / ``FusedMLP`` (same
 constructor and ``forward(x, process_group=None)`` signatures). Parameters are ordinary
@@ -23,7 +24,8 @@ from ._common import GatedStateDictNames, check_gated_bias
 from .fp8 import DENSE_SLOTS, MLP_SLOTS, Fp8Layer
 from .functional import fused_dense_func, fused_gated_mlp_func, fused_mlp_func
 
-__all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "FusedQKV", "QKVPart", "fuse_qkv_projections", "replace_llama_mlps"]
+__all__ = ["FusedDense", "FusedMLP", "FusedGatedMLP", "FusedQKV", "QKVPart", "fuse_qkv_projections",
+           "replace_llama_mlps"]
 
 
 class FusedDense(Fp8Layer, nn.Linear):

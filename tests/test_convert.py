@@ -391,7 +391,8 @@ def test_fsdp2_world_1(fuse_qkv):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", FSDP2_STEP, fuse_qkv], cwd=root, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", FSDP2_STEP, fuse_qkv], cwd=root, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0 and "FSDP2 OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

@@ -246,9 +246,9 @@ def test_delayed_scaling_history_and_scales(kind, amax_compute):
     """Each step pushes the amaxes the previous step recorded into a history of HISTORY steps and
     scales every tensor by fmax / (the history's max, or the most recent amax); the first step,
     before any amax, runs current scaling (each tensor scaled from its own amax) and records its
-    amaxes, leaving the scales at 1 and the history empty. The recorded amaxes are the step's own (x and the output gradient exactly); the
-    step computes with the scales it derived; a state_dict taken mid-history gives a fresh layer
-    the same next scales and the same results, bit for bit."""
+    amaxes, leaving the scales at 1 and the history empty. The recorded amaxes are the step's own
+    (x and the output gradient exactly); the step computes with the scales it derived; a state_dict
+    taken mid-history gives a fresh layer the same next scales and the same results, bit for bit."""
     recipe = Float8Recipe(scaling="delayed", amax_history_len=HISTORY, amax_compute=amax_compute, min_features=0)
     m = make_layer(kind, recipe)
     slots = SLOTS[kind]
