@@ -649,7 +649,8 @@ def _ops_and_host(res):
     if hl and hl.get("layers"):
         L += [f"## Host CPU time per forward + backward of each layer (M={hl['M']}, {hl['dtype']})\n",
               f"{hl['method']}; {hl['rounds']} rounds of {hl['iters']} steps. Unfused: nn.Linear; the nn.Linear "
-              "GELU MLP (hidden 4d); the LlamaMLP-shaped SwiGLU MLP (hidden 8/3·d rounded down to 64).\n",
+              "GELU MLP (hidden 4d); the LlamaMLP-shaped SwiGLU MLP (hidden 8/3·d rounded down to 64); "
+              "three q / k / v nn.Linear (k, v d/4 wide) against one FusedQKV.\n",
               "| layer | d | unfused µs | fused µs | fused / unfused (rounds) | allocations a step unfused / fused |",
               "|---|---|---|---|---|---|"]
         for r in hl["layers"]:

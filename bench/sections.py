@@ -2,6 +2,7 @@
 and the run's state: results, time budget, what crashed the process.
 """
 import contextlib
+import copy
 import ctypes
 import gc
 import json
@@ -653,10 +654,24 @@ def run_host(ctx, item_id):
 HOST_LAYER_WIDTHS = (768, 4096)  # a small and a large width; M = args.host_layers_m tokens (host-bound)
 
 
+class Projections(nn.Module):
+    """An attention's q / k / v projections of one input (GQA: k and v a quarter of q's width),
+    bias-free as Llama's: what fuse_qkv_projections turns into one FusedQKV."""
+
+    def __init__(self, d, device, dtype):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d, bias=False, device=device, dtype=dtype)
+        self.k_proj = nn.Linear(d, d // 4, bias=False, device=device, dtype=dtype)
+        self.v_proj = nn.Linear(d, d // 4, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
 def _host_layer_pairs(d, device, dtype):
     """[(name, unfused module, fused module)] of the same weights, for one width d."""
     from bench.gated import EagerGatedMLP  # noqa: PLC0415  (bench.gated imports this module)
-    from fused_dense import FusedDense, FusedGatedMLP  # noqa: PLC0415
+    from fused_dense import FusedDense, FusedGatedMLP, fuse_qkv_projections  # noqa: PLC0415
     lin = nn.Linear(d, d, device=device, dtype=dtype)
     fd = FusedDense(d, d, device=device, dtype=dtype)
     fd.load_state_dict(lin.state_dict())
@@ -666,7 +681,10 @@ def _host_layer_pairs(d, device, dtype):
     gated = EagerGatedMLP(d, hg, "swiglu", device, dtype)
     fgated = FusedGatedMLP(d, hg, activation="swiglu", device=device, dtype=dtype)
     fgated.load_state_dict(gated.state_dict())
-    return [("linear", lin, fd), ("mlp", mlp, fmlp), ("gated", gated, fgated)]
+    qkv = Projections(d, device, dtype)
+    fqkv = copy.deepcopy(qkv)
+    fuse_qkv_projections(fqkv)
+    return [("linear", lin, fd), ("mlp", mlp, fmlp), ("gated", gated, fgated), ("qkv", qkv, fqkv)]
 
 
 def run_host_layers(ctx, item_id):
@@ -689,7 +707,8 @@ def run_host_layers(ctx, item_id):
         ctx.begin(item_id, f"host_layers d={d}", "fused layers")
         try:
             for name, plain, fused in _host_layer_pairs(d, ctx.device, dtype):
-                steps = {"unfused": _stepper(plain, x, dy), "fused": _stepper(fused, x, dy)}
+                grads = [ctx.randn(M, n, dtype=dtype) for n in (d, d // 4, d // 4)] if name == "qkv" else dy
+                steps = {"unfused": _stepper(plain, x, grads), "fused": _stepper(fused, x, grads)}
                 allocs = {}
                 for k, step in steps.items():
                     for _ in range(20):
@@ -719,13 +738,18 @@ def run_host_layers(ctx, item_id):
 
 
 def _stepper(mod, x, dy, forward=None):
-    """A forward + backward step of mod: mod(x), or forward(mod, x) where given."""
+    """A forward + backward step of mod: mod(x), or forward(mod, x) where given; dy a list: the
+    gradients of the outputs mod returns (q / k / v), else of its first."""
     params = list(mod.parameters())
 
     def step():
         for t in params + [x]:
             t.grad = None
-        first(mod(x) if forward is None else forward(mod, x)).backward(dy)
+        out = mod(x) if forward is None else forward(mod, x)
+        if isinstance(dy, list):
+            torch.autograd.backward(list(out), dy)
+        else:
+            first(out).backward(dy)
     return step
 
 
