@@ -341,6 +341,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
     report = ConversionReport()
     replacements = []  # (name, new module)
     fusions = []  # attention modules whose q / k / v become one FusedQKV
+    qkv_attentions = 0  # self_attn modules with nn.Linear q / k / v seen (fused, refused or left)
     candidates = 0
     taken = set()  # names whose submodules are handled with them
 
@@ -364,6 +365,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             continue
         if fuse_qkv and name.split(".")[-1] == "self_attn" and \
                 all(type(getattr(module, n, None)) is nn.Linear for n in QKV_NAMES):
+            qkv_attentions += 1
             why = qkv_fusion_problem(module)
             if why:
                 report.left.append((name, _type_name(module), f"q / k / v not fused: {why}"))
@@ -429,8 +431,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             replacements.append((name, _fused_dense_from(module, fp8)))
             report.converted.append((name, "Linear", "FusedDense"))
 
-    if fuse_qkv and not fusions and not any(why.startswith("q / k / v not fused") or why == "refused by module_filter"
-                                            for _, _, why in report.left):
+    if fuse_qkv and not qkv_attentions:
         report.left.append(("fuse_qkv", "q / k / v", "no module named self_attn with nn.Linear q_proj, k_proj, v_proj"))
     loss_patch = None
     if linear_cross_entropy:
