@@ -58,7 +58,8 @@ round's first steps, which compile and tune, are left out), tokens/s, step memor
 (peak during one step, measured alone, minus what is allocated before it), the loss curve and
 its largest gap to hf_eager's (10-step moving averages), and where a step's kernel time goes
 (torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other; the JSON
-also lists each variant's 15 largest kernels, `profile_top`). Beside the
+also lists each variant's 40 largest kernels, `profile_top`, and its kernel launches a step,
+`launches`). Beside the
 steps, the MLP alone (forward + backward at the config's token count; Hugging Face's MLP compiled
 against the fused one) gives the isolated lead the step should carry; with an FP8 variant, a Llama
 decoder layer's linears and norms alone (DecoderLinears: no attention), converted to FP8 with
@@ -312,7 +313,7 @@ def step_memory(r, ids):
     return mem["before_bytes"], mem["peak_bytes"]
 
 
-def kernel_profile(r, ids_list, top=15):
+def kernel_profile(r, ids_list, top=40):
     """(kernel time a step by class, ms; the `top` kernels by time a step as [name, class, ms]),
     from torch.profiler over the given steps."""
     if r.device.type != "cuda":
@@ -321,16 +322,17 @@ def kernel_profile(r, ids_list, top=15):
     return profile_calls(lambda: r.step(next(steps)), len(ids_list), top)
 
 
-def profile_calls(fn, calls, top=15):
-    """(kernel time a call by class, ms; the `top` kernels by time a call as [name, class, ms]):
-    torch.profiler over `calls` calls of fn on the GPU, classed by KERNEL_CLASSES."""
+def profile_calls(fn, calls, top=40):
+    """(kernel time a call by class, ms, and `launches`, the kernels launched a call; the `top`
+    kernels by time a call as [name, class, ms, launches a call]): torch.profiler over `calls` calls
+    of fn on the GPU, classed by KERNEL_CLASSES."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    out, kernels = {}, []
+    out, kernels, launches = {}, [], 0
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
         if not us or ev.key.startswith(("ProfilerStep", "cudaLaunch")):
@@ -338,8 +340,10 @@ def profile_calls(fn, calls, top=15):
         cls = kernel_class(ev.key)
         ms = us / 1e3 / calls
         out[cls] = out.get(cls, 0.0) + ms
-        kernels.append([ev.key[:160], cls, round(ms, 4)])
+        kernels.append([ev.key[:160], cls, round(ms, 4), ev.count / calls])
+        launches += ev.count
     out["total"] = sum(out.values())
+    out["launches"] = launches / calls
     return out, sorted(kernels, key=lambda k: -k[2])[:top]
 
 
@@ -676,7 +680,12 @@ def markdown(res):
             cols = ["gemm", "attention", "fp8_cast", "norm", "optimizer", "other", "total"]
             L += ["", "Kernel time a step (ms, torch.profiler over 3 steps):", "",
                   "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-            L += [f"| {k} | " + " | ".join(f"{p.get(col, 0.0):.2f}" for col in cols) + " |" for k, p in profs.items()]
+            launches = any("launches" in p for p in profs.values())
+            if launches:
+                L[-2:] = [L[-2] + " kernels a step |", L[-1] + "---|"]
+            L += [f"| {k} | " + " | ".join(f"{p.get(col, 0.0):.2f}" for col in cols) + " |" +
+                  (f" {p['launches']:,.0f} |" if "launches" in p else " – |" if launches else "")
+                  for k, p in profs.items()]
         mlp = c.get("mlp", {})
         if "ms" in mlp:
             L += ["", f"MLP alone (forward + backward, {cfg['batch'] * cfg['seq']} tokens): model's own MLP compiled "
