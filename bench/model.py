@@ -678,12 +678,14 @@ def markdown(res):
         profs = {k: v["profile_ms"] for k, v in c["variants"].items() if v.get("profile_ms")}
         if profs:
             cols = ["gemm", "attention", "fp8_cast", "norm", "optimizer", "other", "total"]
-            L += ["", "Kernel time a step (ms, torch.profiler over 3 steps):", "",
-                  "| variant | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+            L += ["", "Kernel time a step (ms, torch.profiler over 3 steps; idle: the step's median ms less its "
+                  "kernel time, the GPU waiting on the host or between kernels):", "",
+                  "| variant | " + " | ".join(cols + ["idle"]) + " |", "|---" * (len(cols) + 2) + "|"]
             launches = any("launches" in p for p in profs.values())
             if launches:
                 L[-2:] = [L[-2] + " kernels a step |", L[-1] + "---|"]
-            L += [f"| {k} | " + " | ".join(f"{p.get(col, 0.0):.2f}" for col in cols) + " |" +
+            L += [f"| {k} | " + " | ".join(f"{p.get(col, 0.0):.2f}" for col in cols) +
+                  f" | {c['variants'][k]['ms'] - p['total']:.2f} |" +
                   (f" {p['launches']:,.0f} |" if "launches" in p else " – |" if launches else "")
                   for k, p in profs.items()]
         mlp = c.get("mlp", {})
