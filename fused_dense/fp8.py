@@ -287,13 +287,23 @@ def delayed_scales(module: torch.nn.Module, recipe: Float8Recipe, slots: Sequenc
         hist[0].copy_(amax)
         ref = hist.amax(0) if recipe.amax_compute == "max" else hist[0]
         ok = torch.isfinite(ref) & (ref > 0)
-        # The scaling rule's fp8_max / max(amax, FP8_MIN_AMAX) (the op fp8_scales', docs/contract.md),
-        # divided in float64 and rounded once to float32: that is the correctly rounded float32
-        # quotient (53 >= 2 * 24 + 2 bits), in eager and under torch.compile alike, where a float32
-        # division by Inductor on the GPU is not correctly rounded.
-        quotient = module.fp8_format_max.double() / ref.clamp_min(ops.FP8_MIN_AMAX).double()
-        scales.copy_(torch.where(ok, quotient.float(), scales))
+        scales.copy_(torch.where(ok, scale_from_amax(ref, module.fp8_format_max), scales))
     return scales.clone()
+
+
+def scale_from_amax(amax: Tensor, fp8_max) -> Tensor:
+    """The scaling rule, fp8_max / max(amax, FP8_MIN_AMAX) (the op fp8_scales', docs/contract.md),
+    in PyTorch ops that give the op's bits in eager and under torch.compile: divided in float64 and
+    rounded once to float32, which is the correctly rounded float32 quotient (53 >= 2 * 24 + 2
+    bits). A float32 division would not do: Inductor's on the GPU is not correctly rounded, and
+    ``448 / amax`` in PyTorch is a reciprocal and a product. NaN stays NaN, inf gives 0."""
+    num = fp8_max.double() if isinstance(fp8_max, Tensor) else amax.new_full((), fp8_max, dtype=torch.float64)
+    return (num / amax.clamp_min(ops.FP8_MIN_AMAX).double()).float()
+
+
+def inverse_scale(scale: Tensor) -> Tensor:
+    """1 / scale correctly rounded to float32, eager and compiled (as scale_from_amax divides)."""
+    return torch.reciprocal(scale.double()).float()
 
 
 MLP_SLOTS = ("x", "act", "grad_out", "grad_pre")
@@ -443,15 +453,14 @@ def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, co
 def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None) -> List[Tensor]:
     """fp8_quantize(x2, e4m3, rowwise, ``columnwise``) written in PyTorch ops, the same bytes
     (tests/test_norm_handoff.py): [data, data_t, scale_inv, amax]; current scaling (the scale from
-    x2's amax), or delayed at ``scale`` (float32, one element). The scale and its inverse are
-    the op fp8_scales's, fp8_quantize's own (not divisions here: under torch.compile Inductor's
-    Triton division is not correctly rounded, and ``448 / amax`` in PyTorch is a reciprocal and a
-    product, so a scale one ulp off would change the bits)."""
+    x2's amax), or delayed at ``scale`` (float32, one element). The scale and its inverse carry
+    fp8_quantize's bits (scale_from_amax, inverse_scale: a scale one ulp off would change the
+    bytes) in ops Inductor fuses into the cast, not in an opaque op call and kernel of their own."""
     fmax = ops.FP8_FORMAT_MAX["e4m3"]
     v = x2.float()
     amax = v.abs().amax()
-    scale, scale_inv = torch.ops.fused_dense.fp8_scales(amax.detach() if scale is None else scale, scale is not None,
-                                                        ops.FP8_FORMATS["e4m3"])
+    scale = scale_from_amax(amax.detach(), fmax) if scale is None else scale.reshape(())
+    scale_inv = inverse_scale(scale)
     q = (v * scale).clamp(-fmax, fmax)
     data = q.to(torch.float8_e4m3fn)
     if columnwise:

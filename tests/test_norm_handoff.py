@@ -250,14 +250,15 @@ def test_traced_quantize_gives_fp8_quantizes_bytes(rows, columnwise, scale):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_traced_quantize_scales_are_the_ops_at_every_amax(compiled):
     """The traced quantize's scale_inv (and bytes) are fp8_quantize's for tensors of many amaxes,
-    eager and under torch.compile: its scale comes from the op fp8_scales, not from a division
+    eager and under torch.compile, amaxes at and below the rule's clamp included: its scale is the
+    scaling rule divided in float64 (fused_dense.fp8.scale_from_amax), not a float32 division
     that PyTorch (448 / amax: a reciprocal and a product) or Inductor rounds otherwise (a scale
     one ulp off changed the compiled layers' weight gradients at some seeds)."""
     traced = fused_dense.fp8.traced_quantize
     fn = torch.compile(traced, fullgraph=True, dynamic=False) if compiled else traced
     g = torch.Generator().manual_seed(11)
     amaxes = torch.exp(torch.empty(40 if compiled else 300, dtype=torch.float64).uniform_(-10, 10, generator=g))
-    for a in [3.421875] + amaxes.float().tolist():
+    for a in [3.421875, 0.0, 1e-30, 1e-12, 448.0] + amaxes.float().tolist():
         x = torch.randn(32, C, generator=g).clamp(-1, 1) * a
         x[7, 3] = a
         want = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, None, True, True, False)
