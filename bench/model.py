@@ -313,7 +313,10 @@ def step_memory(r, ids):
     return mem["before_bytes"], mem["peak_bytes"]
 
 
-def kernel_profile(r, ids_list, top=40):
+PROFILE_TOP = 40  # kernels kept per profile (profile_top)
+
+
+def kernel_profile(r, ids_list, top=PROFILE_TOP):
     """(kernel time a step by class, ms; the `top` kernels by time a step as [name, class, ms]),
     from torch.profiler over the given steps."""
     if r.device.type != "cuda":
@@ -322,7 +325,7 @@ def kernel_profile(r, ids_list, top=40):
     return profile_calls(lambda: r.step(next(steps)), len(ids_list), top)
 
 
-def profile_calls(fn, calls, top=40):
+def profile_calls(fn, calls, top=PROFILE_TOP):
     """(kernel time a call by class, ms, and `launches`, the kernels launched a call; the `top`
     kernels by time a call as [name, class, ms, launches a call]): torch.profiler over `calls` calls
     of fn on the GPU, classed by KERNEL_CLASSES."""
