@@ -463,14 +463,10 @@ def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None
     scale_inv = inverse_scale(scale)
     q = (v * scale).clamp(-fmax, fmax)
     data = q.to(torch.float8_e4m3fn)
-    if columnwise and x2.shape[1] % 16 == 0:
-        # The transposed copy from ``data`` by the op, not from ``q``: AOTAutograd's partitioner
-        # would recompute a traced transpose in backward from the norm's input, and Inductor fuses
-        # it into the norm's backward kernel with a transposed write (measured on the H200 at
-        # llama-4096: that kernel 0.59 ms against 0.16 without it). The op is not recomputed; its
-        # output is kept for the weight gradient (M x K bytes an input).
-        data_t = torch.ops.fused_dense.fp8_transpose(data.detach())
-    elif columnwise:
+    if columnwise:
+        # Traced, not fp8_transpose(data): the op (kept for backward, never recomputed) made the
+        # linears alone 4% faster compiled but the llama-4096 step no faster and 192 MiB heavier
+        # (H100, bench.model); in the model Inductor writes this copy in a forward kernel.
         pad = (-x2.shape[0]) % 16  # the transposed copy's rows padded with zeros to a multiple of 16
         data_t = torch.nn.functional.pad(q.t(), (0, pad)).contiguous().to(torch.float8_e4m3fn)
     else:

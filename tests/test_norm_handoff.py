@@ -300,55 +300,6 @@ def test_delayed_scales_follow_the_scaling_rule_at_every_amax(device, compiled):
     assert torch.equal(got[:3], kept[:3]) and not torch.equal(got[3], kept[3])
 
 
-@pytest.mark.parametrize("fuse_qkv", [False, True])
-def test_compiled_backward_does_not_rebuild_the_transposed_copy(fuse_qkv):
-    """Under torch.compile the inputs' transposed FP8 copies (the weight gradients' operands) are
-    made in forward by fp8_transpose and kept: Inductor's backward graph holds no e4m3 cast. A
-    transposed copy traced in PyTorch ops is rebuilt there from the norm's input by AOTAutograd's
-    partitioner, in a kernel with a transposed write (fp8.py, traced_quantize)."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-    graphs = []  # Inductor's graphs after its passes, forward then backward
-
-    class Keep(CustomGraphPass):
-        def __call__(self, graph):
-            graphs.append(graph)
-
-        def uuid(self):
-            return None
-
-    class Block(torch.nn.Module):  # norm -> q / k / v and norm -> MLP, as a decoder layer
-        def __init__(self):
-            super().__init__()
-            self.norm1, self.norm2 = FusedRMSNorm(C), FusedRMSNorm(C)
-            self.self_attn = torch.nn.Module()
-            for name in ("q_proj", "k_proj", "v_proj"):
-                setattr(self.self_attn, name, torch.nn.Linear(C, 32, bias=False))
-            self.mlp = FusedMLP(C, 2 * C, fp8=RECIPE)
-
-        def forward(self, x):
-            h = self.norm1(x)
-            a = self.self_attn
-            y = x + torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], -1)[:, :C]
-            return y + self.mlp(self.norm2(y))
-
-    torch.manual_seed(0)
-    block = Block().to(torch.bfloat16)
-    convert_model(block, fp8=RECIPE, fuse_qkv=fuse_qkv)
-    torch._dynamo.reset()
-    x = torch.randn(48, C, dtype=torch.bfloat16, requires_grad=True)
-    with torch._inductor.config.patch(post_grad_custom_post_pass=Keep(), force_disable_caches=True):
-        torch.compile(block, fullgraph=True)(x).float().sum().backward()
-    assert len(graphs) == 2
-
-    def calls(graph, targets):
-        return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
-
-    casts = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
-    forward, backward = ([n for n in calls(g, casts) if n.meta["val"].dtype == torch.float8_e4m3fn] for g in graphs)
-    assert len(forward) == 2 and not backward  # x's copy for q / k / v (one: CSE when not fused) and the MLP's
-    assert len(calls(graphs[0], (torch.ops.fused_dense.fp8_transpose.default,))) == 2
-
-
 def ops_min_amax():
     return fused_dense.ops.FP8_MIN_AMAX
 
