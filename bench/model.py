@@ -22,7 +22,9 @@ stepped in interleaved rounds on the same batches (so their loss curves compare 
                                 each attention's q / k / v one GEMM (FusedQKV), whose stacked width puts
                                 the narrow k / v in FP8 with q under the default size rule
   fd_fp8_current_compile,
-  fd_fp8_delayed_compile        convert_model(fp8=Float8Recipe(scaling=...)), its default size rule, compiled
+  fd_fp8_delayed_compile        convert_model(fp8=Float8Recipe(scaling=...), fuse_qkv=False), the recipe's
+                                default size rule, compiled (the converter's FP8 default fuses q / k / v:
+                                the _qkv_ variants are the default conversion)
   torchao_compile               torchao convert_to_float8_training (tensorwise, every nn.Linear but the
                                 LM head), compiled; where torchao is installed
   fd_fp8_current_eager          convert_model(fp8=current) uncompiled: the decoder norms hand their FP8
@@ -233,7 +235,8 @@ def make_variant(key, base, device):
         lce = "_lce_" in key or lce_fp8
         qkv = "_qkv_" in key
         rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce, fuse_qkv=qkv)
-        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}{', fuse_qkv=True' if qkv else ''}): "
+        # fuse_qkv passed explicitly (the converter's default is on with fp8); the note names it in FP8
+        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}{f', fuse_qkv={qkv}' if qkv or fp8 else ''}): "
                 f"{len(rep.converted)} converted, {len(rep.left)} left")
         if lce_fp8:
             note += "; " + fused_dense.use_fused_linear_cross_entropy(model, fp8=True)

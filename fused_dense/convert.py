@@ -17,7 +17,7 @@ tests/test_convert.py):
   :class:`~fused_dense.norm.FusedLayerNorm` (an ``nn.LayerNorm``) holding the same parameters,
   which quantizes its output as it writes it and hands the FP8 copy to q / k / v and the MLP (one
   copy for all: fused_dense/norm.py), where its width meets the recipe's ``min_features``;
-- with ``fuse_qkv=True``, a self-attention's ``q_proj``, ``k_proj``, ``v_proj`` (a module named
+- with ``fuse_qkv`` (on by default with ``fp8``), a self-attention's ``q_proj``, ``k_proj``, ``v_proj`` (a module named
   ``self_attn``: Llama, Mistral, Qwen2, Qwen3, Gemma) become one :class:`~fused_dense.FusedQKV`
   GEMM, ``qkv_proj``, whose three parts stand in their places (:func:`~fused_dense.fuse_qkv_projections`);
 - GPT-2's other ``Conv1D`` layers (the attention's ``c_attn`` / ``c_proj``: ``x @ weight + bias``
@@ -304,7 +304,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
                   module_filter: Optional[Callable[[str, nn.Module], bool]] = None, lm_head: bool = False,
                   bias_free_linears: Optional[bool] = None, checkpoint_lvl: int = 0,
                   heuristic: Union[int, str] = "auto", linear_cross_entropy: bool = False,
-                  fuse_qkv: bool = False, verbose: bool = False) -> ConversionReport:
+                  fuse_qkv: Optional[bool] = None, verbose: bool = False) -> ConversionReport:
     """Replaces, in place, the dense layers of `model` that the library runs faster (module
     docstring) and returns a :class:`ConversionReport` of what it converted and what it left and
     why (printed with ``verbose=True``).
@@ -325,6 +325,8 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
         parameters; the state-dict names stay). In FP8 the size rule then reads the stacked
         width, so narrow k / v projections (GQA) run in FP8 with q. ``module_filter`` is asked
         about the attention module; one it refuses keeps its projections as candidates.
+        Default: on with ``fp8``, off in bf16 (docs/performance.md, "q / k / v as one GEMM", has
+        the measurements); only ``True`` reports a model without such an attention.
 
     A model with nothing to convert, or a filter that refuses every candidate, is a ValueError.
     Call it before building the optimizer.
@@ -337,6 +339,11 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
                         f"{type(module_filter).__name__}")
     if bias_free_linears is None:
         bias_free_linears = bool(fp8)
+    if fuse_qkv is not None and not isinstance(fuse_qkv, bool):
+        raise TypeError(f"convert_model: fuse_qkv must be None, True or False, got {fuse_qkv!r}")
+    qkv_asked = fuse_qkv is True
+    if fuse_qkv is None:
+        fuse_qkv = bool(fp8)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     report = ConversionReport()
     replacements = []  # (name, new module)
@@ -431,7 +438,7 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             replacements.append((name, _fused_dense_from(module, fp8)))
             report.converted.append((name, "Linear", "FusedDense"))
 
-    if fuse_qkv and not qkv_attentions:
+    if qkv_asked and not qkv_attentions:
         report.left.append(("fuse_qkv", "q / k / v", "no module named self_attn with nn.Linear q_proj, k_proj, v_proj"))
     loss_patch = None
     if linear_cross_entropy:

@@ -230,12 +230,38 @@ def test_fp8_recipe_reaches_the_new_layers():
     import fused_dense
     _, model = prepared(llama_family("llama"))
     recipe = fused_dense.Float8Recipe(scaling="current")
-    report = convert_model(model, fp8=recipe)
+    report = convert_model(model, fp8=recipe, fuse_qkv=False)
     assert model.model.layers[0].mlp.fp8 is recipe
     # in FP8 bias-free linears are converted by default (the LM head still left)
     assert ("model.layers.0.self_attn.q_proj", "Linear", "FusedDense") in report.converted
     assert model.model.layers[0].self_attn.q_proj.fp8 is recipe
     assert "lm_head" in {n for n, _, _ in report.left}
+
+
+def test_fuse_qkv_default_is_on_with_fp8_only():
+    """fuse_qkv=None (the default): each self_attn's q / k / v become one FusedQKV with fp8, stay
+    apart in bf16; only fuse_qkv=True reports a model without such an attention; anything but
+    None / True / False is a TypeError."""
+    import fused_dense
+    recipe = fused_dense.Float8Recipe(scaling="current")
+    _, model = prepared(llama_family("llama"))
+    report = convert_model(model, fp8=recipe)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, fused_dense.FusedQKV) and attn.qkv_proj.fp8 is recipe
+    assert all(isinstance(getattr(attn, n), fused_dense.QKVPart) for n in ("q_proj", "k_proj", "v_proj"))
+    assert ("model.layers.1.self_attn", "LlamaAttention q_proj, k_proj, v_proj",
+            "FusedQKV qkv_proj (one GEMM; q_proj, k_proj, v_proj its parts)") in report.converted
+    _, plain = prepared(llama_family("llama"))
+    convert_model(plain)
+    assert not hasattr(plain.model.layers[0].self_attn, "qkv_proj")
+    assert type(plain.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # bias-free: left in bf16
+    for fuse in (None, False):
+        report = convert_model(gpt2(), fp8=recipe, fuse_qkv=fuse)
+        assert not any(n == "fuse_qkv" for n, _, _ in report.left)
+    report = convert_model(gpt2(), fp8=recipe, fuse_qkv=True)
+    assert any(n == "fuse_qkv" for n, _, _ in report.left)
+    with pytest.raises(TypeError, match=r"fuse_qkv must be None, True or False, got 'yes'"):
+        convert_model(llama_family("llama"), fuse_qkv="yes")
 
 
 def llama_with_biases():

@@ -198,9 +198,10 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).train()
 
 
-def test_convert_model_hands_the_decoder_norms_over(hits):
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_convert_model_hands_the_decoder_norms_over(hits, fuse_qkv):
     model = tiny_llama()
-    report = convert_model(model, fp8=RECIPE)
+    report = convert_model(model, fp8=RECIPE, fuse_qkv=fuse_qkv)
     converted = {n for n, _, what in report.converted if what.startswith("FusedRMSNorm")}
     assert converted == {f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm",
                                                                               "post_attention_layernorm")}
@@ -208,8 +209,8 @@ def test_convert_model_hands_the_decoder_norms_over(hits):
     assert "model.layers.0.input_layernorm.weight" in model.state_dict()
     ids = torch.randint(0, 97, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
-    # per layer: q, k, v from the first norm, the MLP from the second
-    assert hits["n"] == 2 * 4
+    # per layer: q, k, v (or the one FusedQKV) from the first norm, the MLP from the second
+    assert hits["n"] == 2 * (2 if fuse_qkv else 4)
 
 
 def test_convert_model_keeps_the_norms_without_current_scaling():
