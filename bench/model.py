@@ -63,7 +63,8 @@ its largest gap to hf_eager's (10-step moving averages), and where a step's kern
 also lists each variant's 40 largest kernels, `profile_top`, and its kernel launches a step,
 `launches`). Beside the
 steps, the MLP alone (forward + backward at the config's token count; Hugging Face's MLP compiled
-against the fused one) gives the isolated lead the step should carry; with an FP8 variant, a Llama
+against the fused one, each with its kernel profile on the GPU) gives the isolated lead the step
+should carry; with an FP8 variant, a Llama
 decoder layer's linears and norms alone (DecoderLinears: no attention), converted to FP8 with
 current scaling, eager and compiled, against the floor of their GEMMs (FP8 where the size rule
 converts the layer, bf16 where it does not): #39's kernel-time target.
@@ -405,9 +406,15 @@ def mlp_isolated(cfg, base, device, rounds, reps=20):
     def run(m):
         drop_grads(m, x)
         m(x).backward(dy)
-    times = interleaved_ms({k: (lambda m=m: run(m)) for k, m in (("hf_compile", hf), ("fd", fd))}, device, rounds, reps)
+    fns = {k: (lambda m=m: run(m)) for k, m in (("hf_compile", hf), ("fd", fd))}
+    times = interleaved_ms(fns, device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
+    res = {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
+    if device.type == "cuda":  # where a lead or a loss comes from: kernel time a call by class
+        res["profile"], res["profile_top"] = {}, {}
+        for k, fn in fns.items():
+            res["profile"][k], res["profile_top"][k] = profile_calls(fn, 3)
+    return res
 
 
 class DecoderLinears(torch.nn.Module):
@@ -709,6 +716,7 @@ def markdown(res):
         if "ms" in mlp:
             L += ["", f"MLP alone (forward + backward, {cfg['batch'] * cfg['seq']} tokens): model's own MLP compiled "
                   f"{mlp['ms']['hf_compile']:.3f} ms, converted {mlp['ms']['fd']:.3f} ms (lead {mlp['lead']:+.3f})."]
+            L += profile_table(mlp.get("profile"))
         elif mlp:
             L += ["", f"MLP alone: {mlp.get('error')}"]
         lin = c.get("linears", {})
@@ -722,18 +730,24 @@ def markdown(res):
                           f"({lin['vs_floor']['fp8_qkv_eager']:.3f}x the floor of its GEMMs, "
                           f"{lin['ms']['floor_qkv']:.3f} ms), compiled {lin['ms']['fp8_qkv_compile']:.3f} ms "
                           f"({lin['vs_floor']['fp8_qkv_compile']:.3f}x).")
-            prof = lin.get("profile")
-            if prof:
-                classes = [c for c, _ in KERNEL_CLASSES if any(p.get(c) for p in prof.values())]
-                classes += ["other"] * any(p.get("other") for p in prof.values())
-                L += ["", "Their kernel time a call (ms, torch.profiler over 3 calls):", "",
-                      "| | " + " | ".join(classes + ["total"]) + " |", "|---" * (len(classes) + 2) + "|"]
-                for k, p in prof.items():
-                    L.append(f"| {k} | " + " | ".join(f"{p.get(c, 0.0):.2f}" for c in classes + ["total"]) + " |")
+            L += profile_table(lin.get("profile"))
         elif lin:
             L += ["", f"A decoder layer's linears alone: {lin.get('error')}"]
         L.append("")
     return "\n".join(L)
+
+
+def profile_table(prof):
+    """Markdown lines of a profile_calls result per variant ({name: by class}): the classes any of
+    them has, and the total; none for no profile (a CPU run)."""
+    if not prof:
+        return []
+    classes = [c for c, _ in KERNEL_CLASSES if any(p.get(c) for p in prof.values())]
+    classes += ["other"] * any(p.get("other") for p in prof.values())
+    L = ["", "Their kernel time a call (ms, torch.profiler over 3 calls):", "",
+         "| | " + " | ".join(classes + ["total"]) + " |", "|---" * (len(classes) + 2) + "|"]
+    return L + [f"| {k} | " + " | ".join(f"{p.get(c, 0.0):.2f}" for c in classes + ["total"]) + " |"
+                for k, p in prof.items()]
 
 
 def make_png(res, path):

@@ -776,6 +776,18 @@ def test_model_section_runs_on_cpu(tmp_path):
     assert "Measured in another call: commit 0123456789ab" in bench_model.markdown(merged)
 
 
+def test_model_profile_table_lists_the_classes_any_variant_has():
+    """bench.model.profile_table: one row per variant, the classes any of them has in
+    KERNEL_CLASSES order then other, absent classes as 0.00, the total last; no lines without a
+    profile (CPU runs)."""
+    from bench.model import profile_table
+    assert profile_table(None) == [] and profile_table({}) == []
+    lines = profile_table({"hf_compile": {"other": 2.5, "gemm": 10.0, "total": 12.5, "launches": 20},
+                           "fd": {"gemm": 10.25, "fp8_cast": 1.0, "total": 11.25, "launches": 12}})
+    assert lines[3:] == ["| | gemm | fp8_cast | other | total |", "|---|---|---|---|---|",
+                         "| hf_compile | 10.00 | 0.00 | 2.50 | 12.50 |", "| fd | 10.25 | 1.00 | 0.00 | 11.25 |"]
+
+
 def test_model_profile_classes_the_library_fp8_passes_as_casts():
     """The step profiles' fp8_cast class holds the library's quantize and transpose kernels (names
     as the H200's profiler gives them), not only torch's and torchao's."""
