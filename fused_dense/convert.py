@@ -17,9 +17,10 @@ tests/test_convert.py):
   :class:`~fused_dense.norm.FusedLayerNorm` (an ``nn.LayerNorm``) holding the same parameters,
   which quantizes its output as it writes it and hands the FP8 copy to q / k / v and the MLP (one
   copy for all: fused_dense/norm.py), where its width meets the recipe's ``min_features``;
-- with ``fuse_qkv`` (on by default with ``fp8``), a self-attention's ``q_proj``, ``k_proj``, ``v_proj`` (a module named
-  ``self_attn``: Llama, Mistral, Qwen2, Qwen3, Gemma) become one :class:`~fused_dense.FusedQKV`
-  GEMM, ``qkv_proj``, whose three parts stand in their places (:func:`~fused_dense.fuse_qkv_projections`);
+- with ``fuse_qkv`` (on by default with ``fp8``), a self-attention's ``q_proj``, ``k_proj``,
+  ``v_proj`` (a module named ``self_attn``: Llama, Mistral, Qwen2, Qwen3, Gemma) become one
+  :class:`~fused_dense.FusedQKV` GEMM, ``qkv_proj``, whose three parts stand in their places
+  (:func:`~fused_dense.fuse_qkv_projections`);
 - GPT-2's other ``Conv1D`` layers (the attention's ``c_attn`` / ``c_proj``: ``x @ weight + bias``
   with the weight stored [in, out]) become a :class:`ConvertedConv1D`, a FusedDense that keeps the
   weight [out, in] for the GEMM and saves and loads it in Conv1D's layout (a new parameter).
