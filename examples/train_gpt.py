@@ -22,9 +22,13 @@ is validation. Nothing is downloaded.
 Per run: tokens/s (synchronised, over the steps after the untimed warm-up, which holds compilation
 and the fused layers' first-call tuning), peak memory, final train / validation loss. The two
 variants of a mode train at once, alternating in rounds of 10 steps (the order reversed every other
-round), so a change in the GPU's clocks (its power cap) or the host's speed reaches both alike; the
-speed ratio is the median of the rounds' ratios, and each run's peak memory is its own (the peak of
-its steps over what was allocated before them, plus what the run holds). The MLPs
+round), so a change in the GPU's clocks (its power cap) or the host's speed reaches both alike. Each
+step is timed on the GPU (CUDA events between steps, no synchronisation added); per round, the
+ratio of the two variants' median step times, and the speed ratio is the median of those over the
+rounds (a stall of one step, such as a garbage collection, does not decide its round); the
+rounds' whole-time ratios, the whole run's and the garbage collector's pauses are printed beside
+it. Each run's peak memory is its own (the peak of its steps over what was allocated before them,
+plus what the run holds). The MLPs
 agree when the last-20-step mean losses differ by at most --tol (relative; 2e-2 in bf16, where
 rounding makes any two runs drift apart slowly, 1e-3 in float32, 5e-3 for the --model hf-* runs in
 float32) and, in float32, every one of the first 10 steps' losses by at most 1e-4. Results: --out/train_gpt.json
@@ -277,6 +281,57 @@ class Progress:
 # ---- training
 
 
+class StepClock:
+    """Each step's time within a timed chunk: on the GPU, CUDA events recorded between the steps
+    (the GPU's timeline, no synchronisation added; read after the chunk's closing synchronise); on
+    the CPU, the host clock. Events made once and reused, so every step of every variant pays the
+    same small cost."""
+
+    def __init__(self, device, steps):
+        self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if self.cuda else []
+        self.times, self.n = [], 0
+
+    def start(self):
+        self.n, self.times = 0, [time.perf_counter()]
+        if self.cuda:
+            self.events[0].record()
+
+    def mark(self):
+        self.n += 1
+        if self.cuda:
+            if self.n == len(self.events):  # a run timed in one piece (train_run)
+                self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[self.n].record()
+        else:
+            self.times.append(time.perf_counter())
+
+    def step_ms(self):
+        """The chunk's step times, ms (after the synchronise that ends the chunk)."""
+        if self.cuda:
+            return [a.elapsed_time(b) for a, b in zip(self.events[:self.n], self.events[1:self.n + 1])]
+        return [1e3 * (b - a) for a, b in zip(self.times, self.times[1:])]
+
+
+class GcPauses:
+    """The garbage collector's pauses in this process, summed (gc.callbacks), so a run can say how
+    much of its time a collection took: a pause of tens of ms in a 10-step round moves that
+    round's tokens/s by tens of percent."""
+
+    def __init__(self):
+        self.ms, self._t0 = 0.0, None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+            self._t0 = None
+
+
+GC_PAUSES = GcPauses()  # registered by main()
+
+
 def fp8_coverage(model):
     """How many of the model's dense layers run in FP8: those whose recipe's size rule admits them."""
     mlps = [m for m in model.modules() if isinstance(m, fused_dense.FusedMLP)]
@@ -331,6 +386,9 @@ class Run:
         self.elapsed = 0.0
         self.timed_tokens = 0
         self.chunk_tokens_per_s = []  # per timed chunk
+        self.chunk_step_ms = []  # per timed chunk, each step's time (StepClock)
+        self.gc_ms = 0.0  # the garbage collector's pauses during the timed steps
+        self.clock = StepClock(device, CHUNK_STEPS)
         self.cumulative = []  # --variable-length: tokens/s over steps 1..s, after each step s
         self.tokens = 0
 
@@ -347,7 +405,10 @@ class Run:
             torch.cuda.reset_peak_memory_stats(device)
             at_start = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
+        gc0 = GC_PAUSES.ms
         tokens = 0
+        if timed:
+            self.clock.start()
         for step in range(first, last):
             # linear warm-up, then cosine decay to a tenth of --lr
             frac = max(0.0, (step - self.warmup_lr) / max(1, args.steps - self.warmup_lr))
@@ -362,6 +423,8 @@ class Run:
             self.opt.zero_grad(set_to_none=True)
             self.losses[step] = loss.detach()
             tokens += inp.numel()
+            if timed:
+                self.clock.mark()
             if args.variable_length:
                 self.sync()
                 self.tokens += inp.numel()
@@ -380,6 +443,8 @@ class Run:
             self.elapsed += took
             self.timed_tokens += tokens
             self.chunk_tokens_per_s.append(tokens / took)
+            self.chunk_step_ms.append(self.clock.step_ms())
+            self.gc_ms += GC_PAUSES.ms - gc0
         return took
 
     def finish(self):
@@ -393,6 +458,10 @@ class Run:
         return {
             "tokens_per_s": self.timed_tokens / self.elapsed,
             "chunk_tokens_per_s": self.chunk_tokens_per_s,
+            "chunk_step_ms": self.chunk_step_ms,
+            "median_step_ms": statistics.median(ms for chunk in self.chunk_step_ms for ms in chunk)
+            if self.chunk_step_ms else None,
+            "gc_pause_ms": self.gc_ms,
             "cumulative_tokens_per_s": self.cumulative or None,
             "peak_memory_gib": self.peak / 2**30 if self.device.type == "cuda" else None,
             "final_train_loss": curve[-1],
@@ -521,17 +590,30 @@ def compare_mlps(runs, curves, modes, args, tol, device):
     plain_name, fused_name = variants_of(args)
     for mode in modes:
         fused, plain = runs[f"{mode} {fused_name}"], runs[f"{mode} {plain_name}"]
-        # interleaved runs: the median of the rounds' ratios (each round times both variants)
+        # interleaved runs: per round, the ratio of the two variants' median step times; the figure
+        # is the median of those over the rounds. A round's median step leaves out a stall of one
+        # step (a garbage collection, the host preempted), which in the round's total would decide
+        # that round's ratio; the rounds' whole-time ratios are reported beside it.
         per_round = [f_ / p_ for f_, p_ in zip(fused.get("chunk_tokens_per_s") or [], plain.get("chunk_tokens_per_s") or [])]
-        ratios[mode] = statistics.median(per_round) if per_round else fused["tokens_per_s"] / plain["tokens_per_s"]
+        step_rounds = [statistics.median(p_) / statistics.median(f_) for f_, p_ in
+                       zip(fused.get("chunk_step_ms") or [], plain.get("chunk_step_ms") or [])
+                       if f_ and p_ and not args.variable_length]
+        ratios[mode] = (statistics.median(step_rounds) if step_rounds else statistics.median(per_round) if per_round
+                        else fused["tokens_per_s"] / plain["tokens_per_s"])
         gap = abs(fused["train_loss_last20"] - plain["train_loss_last20"]) / plain["train_loss_last20"]
         steps = [abs(a - b) / b for a, b in zip(curves[f"{mode} {fused_name}"], curves[f"{mode} {plain_name}"])]
         early = max(steps[:EARLY_STEPS])
         early_ok = args.precision != "fp32" or early <= EARLY_FP32_TOL
         a = agreement[mode] = {"relative_gap_last20": gap, "tol": tol, "agree": gap <= tol and early_ok,
                                "max_relative_step_gap": max(steps), "max_relative_gap_first_steps": early}
-        rounds = (f" (median of {len(per_round)} interleaved rounds, {min(per_round):.3f}-{max(per_round):.3f}; "
-                  f"over the whole run {fused['tokens_per_s'] / plain['tokens_per_s']:.3f}x)") if per_round else ""
+        a["ratio_median_steps"] = statistics.median(step_rounds) if step_rounds else None
+        a["ratio_round_times"] = statistics.median(per_round) if per_round else None
+        a["ratio_whole_run"] = fused["tokens_per_s"] / plain["tokens_per_s"]
+        rounds = (f" (median of {len(step_rounds)} interleaved rounds' median-step ratios, "
+                  f"{min(step_rounds):.3f}-{max(step_rounds):.3f}; of their whole-round ratios "
+                  f"{a['ratio_round_times']:.3f}x, {min(per_round):.3f}-{max(per_round):.3f}; over the whole run "
+                  f"{a['ratio_whole_run']:.3f}x; garbage collection {fused['gc_pause_ms']:.0f} / "
+                  f"{plain['gc_pause_ms']:.0f} ms)") if step_rounds else ""
         if args.variable_length:
             cf, cp = fused["cumulative_tokens_per_s"], plain["cumulative_tokens_per_s"]
             behind = [i + 1 for i, (f_, p_) in enumerate(zip(cf, cp)) if f_ < p_]
@@ -636,6 +718,8 @@ def main(argv=None):
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
 
+    if GC_PAUSES not in gc.callbacks:
+        gc.callbacks.append(GC_PAUSES)
     train, val = stdlib_text()
     gen = torch.Generator().manual_seed(args.seed)
     offsets = torch.randint(0, len(train) - args.seq - 1, (args.steps, args.batch), generator=gen)

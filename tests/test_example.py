@@ -7,6 +7,7 @@ gap, a NaN) decides the exit status."""
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import types
@@ -49,10 +50,17 @@ def test_cpu_run_trains_both_variants_alike(tmp_path, capsys):
         # the loss falls well below log(256) = 5.55 within 16 steps
         assert sum(curve[-4:]) / 4 < curve[0] - 0.5, (name, curve)
         assert len(run["chunk_tokens_per_s"]) == 2, name  # 12 timed steps: rounds of 10 and 2
+        assert [len(c) for c in run["chunk_step_ms"]] == [10, 2], name  # each step's time
+        assert all(ms > 0 for c in run["chunk_step_ms"] for ms in c), name
+        assert run["gc_pause_ms"] >= 0, name
     fused, plain = report["loss_curves"]["eager FusedMLP"], report["loss_curves"]["eager nn.Linear"]
     # float32 on the CPU: the same math up to summation order, step by step
     assert max(abs(a - b) / b for a, b in zip(fused, plain)) < 1e-4
     assert report["agreement"]["eager"]["agree"] and report["config"]["precision"] == "fp32"
+    # the speed ratio: per round, nn.Linear's median step time over FusedMLP's; the median of those
+    f_ms, p_ms = (report["runs"][n]["chunk_step_ms"] for n in ("eager FusedMLP", "eager nn.Linear"))
+    per_round = [statistics.median(p) / statistics.median(f) for f, p in zip(f_ms, p_ms)]
+    assert report["ratio_fused_over_linear"]["eager"] == statistics.median(per_round)
     assert (tmp_path / "train_gpt.png").stat().st_size > 0  # matplotlib is in the test environment
     captured = capsys.readouterr()
     assert "16/16" in captured.err and "tok/s" in captured.err  # the progress bar
