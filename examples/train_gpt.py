@@ -22,13 +22,13 @@ is validation. Nothing is downloaded.
 Per run: tokens/s (synchronised, over the steps after the untimed warm-up, which holds compilation
 and the fused layers' first-call tuning), peak memory, final train / validation loss. The two
 variants of a mode train at once, alternating in rounds of 10 steps (the order reversed every other
-round), so a change in the GPU's clocks (its power cap) or the host's speed reaches both alike. Each
-step is timed on the GPU (CUDA events between steps, no synchronisation added); per round, the
-ratio of the two variants' median step times, and the speed ratio is the median of those over the
-rounds (a stall of one step, such as a garbage collection, does not decide its round); the
-rounds' whole-time ratios, the whole run's and the garbage collector's pauses are printed beside
-it. Each run's peak memory is its own (the peak of its steps over what was allocated before them,
-plus what the run holds). The MLPs
+round), so a change in the GPU's clocks (its power cap) or the host's speed reaches both alike; the
+speed ratio is the median of the rounds' ratios. Each step is also timed on the GPU (CUDA events
+between steps, no synchronisation added): printed beside the ratio are the rounds' median-step
+ratio (the steps where the GPU is the bottleneck), how many steps of each variant took over 1.15x
+their median (where the step waited on the host) and the garbage collector's pauses. Each run's
+peak memory is its own (the peak of its steps over what was allocated before them, plus what the
+run holds). The MLPs
 agree when the last-20-step mean losses differ by at most --tol (relative; 2e-2 in bf16, where
 rounding makes any two runs drift apart slowly, 1e-3 in float32, 5e-3 for the --model hf-* runs in
 float32) and, in float32, every one of the first 10 steps' losses by at most 1e-4. Results: --out/train_gpt.json
@@ -480,6 +480,18 @@ def train_run(kind, compiled, init, data, args, device, label, precision=None, f
 
 
 CHUNK_STEPS = 10  # steps per variant and round of the interleaved runs
+# A step this many times its run's median step time counts as slow (compare_mlps): on the H200 the
+# main job's eager steps take 14.4-15.3 ms on the GPU and 17-20 ms where they wait on the host.
+SLOW_STEP = 1.15
+
+
+def slow_steps(chunks):
+    """How many of the steps (chunks of step times, ms) took over SLOW_STEP x their median."""
+    steps = [ms for chunk in chunks for ms in chunk]
+    if not steps:
+        return 0
+    median = statistics.median(steps)
+    return sum(ms > SLOW_STEP * median for ms in steps)
 
 
 def train_interleaved(kinds, compiled, init, data, args, device, mode):
@@ -590,30 +602,33 @@ def compare_mlps(runs, curves, modes, args, tol, device):
     plain_name, fused_name = variants_of(args)
     for mode in modes:
         fused, plain = runs[f"{mode} {fused_name}"], runs[f"{mode} {plain_name}"]
-        # interleaved runs: per round, the ratio of the two variants' median step times; the figure
-        # is the median of those over the rounds. A round's median step leaves out a stall of one
-        # step (a garbage collection, the host preempted), which in the round's total would decide
-        # that round's ratio; the rounds' whole-time ratios are reported beside it.
+        # interleaved runs: the median of the rounds' ratios (each round times both variants, all
+        # its steps). Beside it, from each step's time: per round the ratio of the two variants'
+        # median steps (the GPU-bound steps' ratio), and how many steps each variant took over
+        # SLOW_STEP x its median (the host-bound ones: the step waited on the host's issue).
         per_round = [f_ / p_ for f_, p_ in zip(fused.get("chunk_tokens_per_s") or [], plain.get("chunk_tokens_per_s") or [])]
+        ratios[mode] = statistics.median(per_round) if per_round else fused["tokens_per_s"] / plain["tokens_per_s"]
         step_rounds = [statistics.median(p_) / statistics.median(f_) for f_, p_ in
                        zip(fused.get("chunk_step_ms") or [], plain.get("chunk_step_ms") or [])
                        if f_ and p_ and not args.variable_length]
-        ratios[mode] = (statistics.median(step_rounds) if step_rounds else statistics.median(per_round) if per_round
-                        else fused["tokens_per_s"] / plain["tokens_per_s"])
         gap = abs(fused["train_loss_last20"] - plain["train_loss_last20"]) / plain["train_loss_last20"]
         steps = [abs(a - b) / b for a, b in zip(curves[f"{mode} {fused_name}"], curves[f"{mode} {plain_name}"])]
         early = max(steps[:EARLY_STEPS])
         early_ok = args.precision != "fp32" or early <= EARLY_FP32_TOL
         a = agreement[mode] = {"relative_gap_last20": gap, "tol": tol, "agree": gap <= tol and early_ok,
                                "max_relative_step_gap": max(steps), "max_relative_gap_first_steps": early}
-        a["ratio_median_steps"] = statistics.median(step_rounds) if step_rounds else None
-        a["ratio_round_times"] = statistics.median(per_round) if per_round else None
         a["ratio_whole_run"] = fused["tokens_per_s"] / plain["tokens_per_s"]
-        rounds = (f" (median of {len(step_rounds)} interleaved rounds' median-step ratios, "
-                  f"{min(step_rounds):.3f}-{max(step_rounds):.3f}; of their whole-round ratios "
-                  f"{a['ratio_round_times']:.3f}x, {min(per_round):.3f}-{max(per_round):.3f}; over the whole run "
-                  f"{a['ratio_whole_run']:.3f}x; garbage collection {fused['gc_pause_ms']:.0f} / "
-                  f"{plain['gc_pause_ms']:.0f} ms)") if step_rounds else ""
+        a["ratio_median_steps"] = statistics.median(step_rounds) if step_rounds else None
+        a["slow_steps"] = {name: slow_steps(run.get("chunk_step_ms") or []) for name, run in ((fused_name, fused),
+                                                                                   (plain_name, plain))}
+        rounds = (f" (median of {len(per_round)} interleaved rounds, {min(per_round):.3f}-{max(per_round):.3f}; "
+                  f"over the whole run {a['ratio_whole_run']:.3f}x") if per_round else ""
+        if rounds and step_rounds:
+            rounds += (f"; the rounds' median steps {a['ratio_median_steps']:.3f}x; steps over {SLOW_STEP}x their "
+                       f"run's median {a['slow_steps'][fused_name]} / {a['slow_steps'][plain_name]} of "
+                       f"{sum(map(len, fused['chunk_step_ms']))}; garbage collection {fused['gc_pause_ms']:.0f} / "
+                       f"{plain['gc_pause_ms']:.0f} ms")
+        rounds += ")" if rounds else ""
         if args.variable_length:
             cf, cp = fused["cumulative_tokens_per_s"], plain["cumulative_tokens_per_s"]
             behind = [i + 1 for i, (f_, p_) in enumerate(zip(cf, cp)) if f_ < p_]

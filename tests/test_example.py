@@ -57,10 +57,13 @@ def test_cpu_run_trains_both_variants_alike(tmp_path, capsys):
     # float32 on the CPU: the same math up to summation order, step by step
     assert max(abs(a - b) / b for a, b in zip(fused, plain)) < 1e-4
     assert report["agreement"]["eager"]["agree"] and report["config"]["precision"] == "fp32"
-    # the speed ratio: per round, nn.Linear's median step time over FusedMLP's; the median of those
-    f_ms, p_ms = (report["runs"][n]["chunk_step_ms"] for n in ("eager FusedMLP", "eager nn.Linear"))
-    per_round = [statistics.median(p) / statistics.median(f) for f, p in zip(f_ms, p_ms)]
+    # the speed ratio: the median of the rounds' tokens/s ratios; beside it the rounds' median steps'
+    f_run, p_run = (report["runs"][n] for n in ("eager FusedMLP", "eager nn.Linear"))
+    per_round = [f / p for f, p in zip(f_run["chunk_tokens_per_s"], p_run["chunk_tokens_per_s"])]
     assert report["ratio_fused_over_linear"]["eager"] == statistics.median(per_round)
+    steps = [statistics.median(p) / statistics.median(f) for f, p in zip(f_run["chunk_step_ms"], p_run["chunk_step_ms"])]
+    assert report["agreement"]["eager"]["ratio_median_steps"] == statistics.median(steps)
+    assert set(report["agreement"]["eager"]["slow_steps"]) == {"FusedMLP", "nn.Linear"}
     assert (tmp_path / "train_gpt.png").stat().st_size > 0  # matplotlib is in the test environment
     captured = capsys.readouterr()
     assert "16/16" in captured.err and "tok/s" in captured.err  # the progress bar
@@ -356,3 +359,11 @@ def test_cpu_hf_llama_wrong_converted_mlp_fails(tmp_path, monkeypatch, capsys):
     assert train_gpt.main([*TINY, "--model", "hf-llama", "--out", str(tmp_path)]) == 1
     agreement = _report(tmp_path)["agreement"]["eager"]
     assert not agreement["agree"] and agreement["max_relative_gap_first_steps"] > 1e-4, agreement
+
+
+def test_slow_steps_counts_steps_over_the_limit_of_their_median():
+    """slow_steps: steps over SLOW_STEP x the median of all the run's steps, across its rounds."""
+    assert train_gpt.slow_steps([[10.0, 10.0, 11.4], [11.6, 20.0]]) == 1  # median 11.4: limit 13.11
+    assert train_gpt.slow_steps([[10.0, 10.0, 10.0], [11.6, 20.0]]) == 2  # median 10.0: limit 11.5
+    assert train_gpt.slow_steps([[10.0] * 5]) == 0
+    assert train_gpt.slow_steps([]) == 0
