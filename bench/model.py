@@ -61,10 +61,11 @@ round's first steps, which compile and tune, are left out), tokens/s, step memor
 its largest gap to hf_eager's (10-step moving averages), and where a step's kernel time goes
 (torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other; the JSON
 also lists each variant's 40 largest kernels, `profile_top`, and its kernel launches a step,
-`launches`). Beside the
-steps, the MLP alone (forward + backward at the config's token count; Hugging Face's MLP compiled
-against the fused one, each with its kernel profile on the GPU) gives the isolated lead the step
-should carry; with an FP8 variant, a Llama
+`launches`; and, `ops`, the device time of each op that launched kernels, by its operands'
+shapes: which GEMM of the step takes how long, the markdown showing hf_compile's and
+fd_compile's). Beside the steps, the MLP alone (forward + backward at the config's token count;
+Hugging Face's MLP compiled against the fused one, each with its kernel profile and device time
+by op on the GPU) gives the isolated lead the step should carry; with an FP8 variant, a Llama
 decoder layer's linears and norms alone (DecoderLinears: no attention), converted to FP8 with
 current scaling, eager and compiled, against the floor of their GEMMs (FP8 where the size rule
 converts the layer, bf16 where it does not): #39's kernel-time target.
@@ -354,6 +355,45 @@ def profile_calls(fn, calls, top=PROFILE_TOP):
     return out, sorted(kernels, key=lambda k: -k[2])[:top]
 
 
+OP_TOP = 30  # ops kept per op_device_time
+
+
+def op_device_time(fn, calls, device, top=OP_TOP):
+    """The ops that launch a call's device time, by op and input shapes: [[op, shapes, ms a call,
+    calls a call]] for the `top` by time, from torch.profiler (CPU and CUDA activities, input
+    shapes recorded) over `calls` calls of fn. An op's time is the kernels it launched itself
+    (self device time: aten::mm's GEMM, a fused_dense op's kernels, an Inductor kernel's), so a
+    GEMM's time is told apart by the shapes of its operands: the MLP's from the attention's, and
+    in a model the same GEMM measured alone. On the CPU, self CPU time (a functional check)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    rows = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU or ev.name.startswith("ProfilerStep"):
+            continue
+        if cuda:
+            us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        else:
+            us = ev.self_cpu_time_total
+        if not us:
+            continue
+        key = (ev.name, str([list(s) for s in ev.input_shapes if s]))
+        row = rows.setdefault(key, [ev.name[:120], key[1][:200], 0.0, 0])
+        row[2] += us / 1e3 / calls
+        row[3] += 1
+    for row in rows.values():
+        row[2], row[3] = round(row[2], 4), row[3] / calls
+    return sorted(rows.values(), key=lambda r: -r[2])[:top]
+
+
 def interleaved_ms(fns, device, rounds, reps):
     """{name: [ms a call, one per round]}: each fn called 3 times first (compile, tune), then
     rounds of reps calls each, the order reversed every other round; CUDA events on the GPU, the
@@ -410,10 +450,11 @@ def mlp_isolated(cfg, base, device, rounds, reps=20):
     times = interleaved_ms(fns, device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"ms": med, "rounds_ms": times, "lead": med["hf_compile"] / med["fd"] - 1}
-    if device.type == "cuda":  # where a lead or a loss comes from: kernel time a call by class
-        res["profile"], res["profile_top"] = {}, {}
+    if device.type == "cuda":  # where a lead or a loss comes from: kernel time a call by class, by op
+        res["profile"], res["profile_top"], res["ops"] = {}, {}, {}
         for k, fn in fns.items():
             res["profile"][k], res["profile_top"][k] = profile_calls(fn, 3)
+            res["ops"][k] = op_device_time(fn, 3, device)
     return res
 
 
@@ -585,6 +626,9 @@ def run_config(name, cfg, args, device, data):
             v["loss_gap"] = moving_gap(v["losses"], ref)
         v["resident_bytes"], v["step_bytes"] = step_memory(r, ids_list[steps])
         v["profile_ms"], v["profile_top"] = kernel_profile(r, ids_list[steps + 1:steps + 4])
+        if device.type == "cuda":
+            ids = iter(ids_list[steps + 1:steps + 4])
+            v["ops"] = op_device_time(lambda: r.step(next(ids)), 3, device)
         log(f"  {key}: {v['ms']:.2f} ms, {v['tokens_per_s']:,.0f} tok/s, loss gap {v.get('loss_gap')}, "
             f"step memory {v['step_bytes']}, profile {v['profile_ms']}")
     for key in list(runners):
@@ -712,11 +756,13 @@ def markdown(res):
                   f" | {c['variants'][k]['ms'] - p['total']:.2f} |" +
                   (f" {p['launches']:,.0f} |" if "launches" in p else " – |" if launches else "")
                   for k, p in profs.items()]
+        L += ops_table("a step", {k: c["variants"][k].get("ops") for k in OPS_SHOWN if k in c["variants"]})
         mlp = c.get("mlp", {})
         if "ms" in mlp:
             L += ["", f"MLP alone (forward + backward, {cfg['batch'] * cfg['seq']} tokens): model's own MLP compiled "
                   f"{mlp['ms']['hf_compile']:.3f} ms, converted {mlp['ms']['fd']:.3f} ms (lead {mlp['lead']:+.3f})."]
             L += profile_table(mlp.get("profile"))
+            L += ops_table("a call", mlp.get("ops") or {})
         elif mlp:
             L += ["", f"MLP alone: {mlp.get('error')}"]
         lin = c.get("linears", {})
@@ -735,6 +781,24 @@ def markdown(res):
             L += ["", f"A decoder layer's linears alone: {lin.get('error')}"]
         L.append("")
     return "\n".join(L)
+
+
+OPS_SHOWN = ("hf_compile", "fd_compile")  # the variants whose device time by op the markdown lists
+OPS_ROWS = 12  # ops listed per variant (the JSON keeps OP_TOP)
+
+
+def ops_table(per, ops):
+    """Markdown lines of op_device_time results ({variant: rows}): the OPS_ROWS ops of each variant
+    by device time; none where no variant has them (a CPU run, a record from before they were kept)."""
+    ops = {k: v for k, v in ops.items() if v}
+    if not ops:
+        return []
+    L = ["", f"Device time by the op that launched it and its operands' shapes (ms {per}, torch.profiler over "
+         f"3; the {OPS_ROWS} largest of each):"]
+    for k, rows in ops.items():
+        L += ["", f"| {k}: op | operand shapes | ms | calls |", "|---|---|---|---|"]
+        L += [f"| {op} | {shapes} | {ms:.3f} | {n:g} |" for op, shapes, ms, n in rows[:OPS_ROWS]]
+    return L
 
 
 def profile_table(prof):

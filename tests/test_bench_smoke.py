@@ -788,6 +788,35 @@ def test_model_profile_table_lists_the_classes_any_variant_has():
                          "| hf_compile | 10.00 | 0.00 | 2.50 | 12.50 |", "| fd | 10.25 | 1.00 | 0.00 | 11.25 |"]
 
 
+def test_model_op_device_time_tells_gemms_apart_by_their_shapes():
+    """bench.model.op_device_time on the CPU (self CPU time in place of device time): each op
+    that did work, keyed by its operands' shapes, sorted by time, counted per call."""
+    from bench.model import op_device_time
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(32, 64, bias=False), torch.nn.Linear(64, 16, bias=False)
+    x = torch.randn(8, 32)
+
+    def fn():
+        b(a(x)).sum()
+
+    rows = op_device_time(fn, 2, torch.device("cpu"))
+    mms = {shapes: n for op, shapes, ms, n in rows if op == "aten::mm"}
+    assert mms == {"[[8, 32], [32, 64]]": 1.0, "[[8, 64], [64, 16]]": 1.0}, rows
+    assert [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
+    assert all(ms > 0 for _, _, ms, _ in rows)
+
+
+def test_model_ops_table_lists_each_variants_largest_ops():
+    """bench.model.ops_table: a table per variant that has ops, at most OPS_ROWS rows each."""
+    from bench.model import OPS_ROWS, ops_table
+    assert ops_table("a step", {}) == [] and ops_table("a step", {"hf_compile": None}) == []
+    rows = [["aten::mm", "[[8, 32], [32, 64]]", 1.5 - 0.01 * i, 2] for i in range(OPS_ROWS + 3)]
+    lines = ops_table("a step", {"hf_compile": rows, "fd_compile": rows[:2]})
+    assert lines.count("|---|---|---|---|") == 2
+    assert sum(line.startswith("| aten::mm |") for line in lines) == OPS_ROWS + 2
+    assert "| aten::mm | [[8, 32], [32, 64]] | 1.500 | 2 |" in lines
+
+
 def test_model_profile_classes_the_library_fp8_passes_as_casts():
     """The step profiles' fp8_cast class holds the library's quantize and transpose kernels (names
     as the H200's profiler gives them), not only torch's and torchao's."""
