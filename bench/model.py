@@ -43,6 +43,9 @@ and, on request (--variants):
   fd_fp8_current_mf1024_compile as fd_fp8_current_compile with Float8Recipe(min_features=1024): the
                                 1024-wide k / v projections (8 KV heads) in FP8 too, as torchao's
   fd_fp8_delayed_qkv_compile    as fd_fp8_delayed_compile with convert_model(fuse_qkv=True)
+  fd_fp8_current_qkv_rw_compile as fd_fp8_current_qkv_compile with Float8Recipe(compiled_input_quantize=
+                                'traced_rowwise'): Inductor writes the inputs' row-major FP8 copies only,
+                                the ops transpose them in backward (fp8_transpose) for the weight gradients
   fd_lce8_compile,
   fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
                                 GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
@@ -81,6 +84,7 @@ Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<da
 """
 import contextlib
 import copy
+import dataclasses
 import gc
 import inspect
 import json
@@ -118,7 +122,8 @@ DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_qkv_
 VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre_compile", "fd_lce_compile",
                                "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
-                               "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile"]
+                               "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile",
+                               "fd_fp8_current_qkv_rw_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -230,7 +235,8 @@ def make_variant(key, base, device):
             if device.type != "cuda":
                 raise Unavailable("FP8 variants run on the GPU")
             fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed",
-                                           compiled_input_quantize="op" if "_opq_" in key else "traced",
+                                           compiled_input_quantize=("op" if "_opq_" in key else "traced_rowwise"
+                                                                    if "_rw_" in key else "traced"),
                                            save_pre_fp8="_pre_" in key,
                                            **({"min_features": 1024} if "_mf1024_" in key else {}))
         lce_fp8 = "_lce8_" in key
@@ -507,9 +513,11 @@ def linear_floor_steps(cfg, recipe, device, fuse_qkv=False):
     return calls
 
 
-# linears_isolated's timed calls: (key, q / k / v fused, compiled), and the floor each is measured against.
-LINEAR_CALLS = (("fp8_eager", False, False), ("fp8_compile", False, True), ("fp8_qkv_eager", True, False),
-                ("fp8_qkv_compile", True, True))
+# linears_isolated's timed calls: (key, q / k / v fused, compiled, Float8Recipe.compiled_input_quantize),
+# and the floor each is measured against.
+LINEAR_CALLS = (("fp8_eager", False, False, "traced"), ("fp8_compile", False, True, "traced"),
+                ("fp8_qkv_eager", True, False, "traced"), ("fp8_qkv_compile", True, True, "traced"),
+                ("fp8_qkv_rw_compile", True, True, "traced_rowwise"))
 LINEAR_FLOORS = {False: "floor", True: "floor_qkv"}
 
 
@@ -517,20 +525,23 @@ def linears_isolated(cfg, base, device, rounds, reps=10):
     """ms a forward + backward of one decoder layer's linears with their norms (DecoderLinears) at
     the config's token count: converted in FP8 (current scaling, the model variants' recipe) eager
     (the norms hand their FP8 output over) and compiled, with q / k / v as three layers and as one
-    FusedQKV (fuse_qkv), each against the floor of its own GEMMs (linear_floor_steps),
-    interleaved. #39's target: converted linears <= 1.20x their FP8 floor."""
+    FusedQKV (fuse_qkv), and that compiled with the inputs' row-major copies traced only
+    (compiled_input_quantize='traced_rowwise'), each against the floor of its own GEMMs
+    (linear_floor_steps), interleaved. #39's target: converted linears <= 1.20x their FP8 floor."""
     import fused_dense
     recipe = fused_dense.Float8Recipe(scaling="current")
     holders = {}
-    for fuse in (False, True):
-        holders[fuse] = DecoderLinears(base.model.layers[0])
-        fused_dense.convert_model(holders[fuse], fp8=recipe, fuse_qkv=fuse)
-        holders[fuse].train()
+    for fuse, quantize in dict.fromkeys((fuse, quantize) for _, fuse, _, quantize in LINEAR_CALLS):
+        holders[fuse, quantize] = DecoderLinears(base.model.layers[0])
+        fused_dense.convert_model(holders[fuse, quantize], fuse_qkv=fuse,
+                                  fp8=dataclasses.replace(recipe, compiled_input_quantize=quantize))
+        holders[fuse, quantize].train()
     M = cfg["batch"] * cfg["seq"]
     x = torch.randn(M, cfg["d"], device=device, dtype=torch.bfloat16, requires_grad=True)
     grads = [torch.randn(M, n, device=device, dtype=torch.bfloat16) for n in
              (cfg["d"], cfg["d"] // cfg["heads"] * cfg["kv_heads"], cfg["d"] // cfg["heads"] * cfg["kv_heads"])]
-    models = {key: torch.compile(holders[fuse]) if comp else holders[fuse] for key, fuse, comp in LINEAR_CALLS}
+    models = {key: torch.compile(holders[fuse, q]) if comp else holders[fuse, q]
+              for key, fuse, comp, q in LINEAR_CALLS}
     floors = {name: linear_floor_steps(cfg, recipe, device, fuse) for fuse, name in LINEAR_FLOORS.items()}
 
     def step(m):
@@ -550,7 +561,7 @@ def linears_isolated(cfg, base, device, rounds, reps=10):
     times = interleaved_ms(fns, device, rounds, reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"ms": med, "rounds_ms": times,
-           "vs_floor": {key: med[key] / med[LINEAR_FLOORS[fuse]] for key, fuse, _ in LINEAR_CALLS}}
+           "vs_floor": {key: med[key] / med[LINEAR_FLOORS[fuse]] for key, fuse, _, _ in LINEAR_CALLS}}
     if device.type == "cuda":  # where the time above the floor goes: kernel time a call by class
         res["profile"], res["profile_top"] = {}, {}
         for k, fn in fns.items():
@@ -776,6 +787,9 @@ def markdown(res):
                           f"({lin['vs_floor']['fp8_qkv_eager']:.3f}x the floor of its GEMMs, "
                           f"{lin['ms']['floor_qkv']:.3f} ms), compiled {lin['ms']['fp8_qkv_compile']:.3f} ms "
                           f"({lin['vs_floor']['fp8_qkv_compile']:.3f}x).")
+            if "fp8_qkv_rw_compile" in lin["ms"]:
+                L[-1] += (f" The same compiled with the inputs' row-major copies only (traced_rowwise): "
+                          f"{lin['ms']['fp8_qkv_rw_compile']:.3f} ms ({lin['vs_floor']['fp8_qkv_rw_compile']:.3f}x).")
             L += profile_table(lin.get("profile"))
         elif lin:
             L += ["", f"A decoder layer's linears alone: {lin.get('error')}"]

@@ -58,7 +58,8 @@ __all__ = ["Float8Recipe", "fp8_autocast", "convert_to_fp8", "DEFAULT_MIN_FEATUR
 # The size rule's default: layers narrower than this stay in the model's dtype (bench/fp8.py's
 # run of record, docs/results/fp8-*.md, shows where FP8 wins on the H200).
 DEFAULT_MIN_FEATURES = 2048
-
+# Float8Recipe.compiled_input_quantize's values (its docstring says what each does).
+COMPILED_INPUT_QUANTIZE = ("traced", "traced_rowwise", "op")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +80,10 @@ class Float8Recipe:
             the group must run the same FP8 layers in the same order. A NaN amax enters the
             history as inf (the scale is then kept, as for a NaN).
         compiled_input_quantize: under torch.compile, ``'traced'`` (a layer's input quantized in
-            PyTorch ops Inductor fuses with what makes it; delayed scaling: at the layer's x scale)
-            or ``'op'`` (the op's kernels). The same bytes either way.
+            PyTorch ops Inductor fuses with what makes it; delayed scaling: at the layer's x scale),
+            ``'traced_rowwise'`` (the same, the row-major copy only: the op makes the transposed
+            copy the weight gradient reads in backward, ``fp8_transpose``, instead of a traced
+            transpose) or ``'op'`` (the op's kernels). The same bytes every way.
         save_pre_fp8: an MLP at checkpoint level 0 keeps its pre-activation (gated: gu) for
             backward as an e4m3 copy scaled from its own amax instead of in the model's dtype, and
             evaluates the activation's derivative at that copy dequantized: saved bytes 0.5x the
@@ -106,8 +109,8 @@ class Float8Recipe:
             raise ValueError(f"Float8Recipe: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         if self.amax_compute not in ("max", "most_recent"):
             raise ValueError(f"Float8Recipe: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
-        if self.compiled_input_quantize not in ("traced", "op"):
-            raise ValueError("Float8Recipe: compiled_input_quantize must be 'traced' or 'op', got "
+        if self.compiled_input_quantize not in COMPILED_INPUT_QUANTIZE:
+            raise ValueError(f"Float8Recipe: compiled_input_quantize must be one of {COMPILED_INPUT_QUANTIZE}, got "
                              f"{self.compiled_input_quantize!r}")
         if not isinstance(self.save_pre_fp8, bool):
             raise ValueError(f"Float8Recipe: save_pre_fp8 must be True or False, got {self.save_pre_fp8!r}")
@@ -438,9 +441,10 @@ def quantized_copies(x: Tensor, xc: Tensor, recipe: Float8Recipe, x2: Tensor, co
     copies handed over for x, if x is unchanged since and read as it is (``xc`` is x: no cast, no
     gather); delayed scaling: none (each layer quantizes x at its own scale in the op)."""
     if torch.compiler.is_compiling():
-        if recipe.compiled_input_quantize != "traced":
+        if recipe.compiled_input_quantize == "op":
             return []
-        return traced_quantize(x2, columnwise, None if scales is None else scales[0])
+        rows_only = recipe.compiled_input_quantize == "traced_rowwise"
+        return traced_quantize(x2, columnwise and not rows_only, None if scales is None else scales[0])
     if recipe.scaling != "current" or xc is not x:
         return []
     with _HANDOFF_LOCK:

@@ -776,6 +776,23 @@ def test_model_section_runs_on_cpu(tmp_path):
     assert "Measured in another call: commit 0123456789ab" in bench_model.markdown(merged)
 
 
+def test_model_linears_alone_runs_every_call_on_cpu(monkeypatch):
+    """bench.model.linears_isolated on a tiny Llama on the CPU (the FP8 ops' reference kernels,
+    torch.compile included; the floor's torch._scaled_mm replaced, it needs a GPU): every call of
+    LINEAR_CALLS timed, each against the floor of its q / k / v layout."""
+    pytest.importorskip("transformers")
+    from bench import model as bench_model
+    monkeypatch.setattr(bench_model, "linear_floor_steps", lambda *a: [lambda: None])
+    cfg = dict(family="llama", d=64, h=64, layers=1, heads=4, kv_heads=2, vocab=64, batch=1, seq=16)
+    base = bench_model.build_hf(cfg, torch.device("cpu"), torch.bfloat16)
+    res = bench_model.linears_isolated(cfg, base, torch.device("cpu"), rounds=1, reps=1)
+    keys = [key for key, _, _, _ in bench_model.LINEAR_CALLS]
+    assert "fp8_qkv_rw_compile" in keys and set(res["ms"]) == set(keys) | {"floor", "floor_qkv"}
+    for key, fuse, _, _ in bench_model.LINEAR_CALLS:
+        floor = res["ms"]["floor_qkv" if fuse else "floor"]
+        assert res["ms"][key] > 0 and res["vs_floor"][key] == res["ms"][key] / floor
+
+
 def test_model_profile_table_lists_the_classes_any_variant_has():
     """bench.model.profile_table: one row per variant, the classes any of them has in
     KERNEL_CLASSES order then other, absent classes as 0.00, the total last; no lines without a

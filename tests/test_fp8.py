@@ -1148,6 +1148,10 @@ def test_recipe_errors():
         Float8Recipe(amax_history_len=0)
     with pytest.raises(ValueError, match="save_pre_fp8 must be True or False, got 1"):
         Float8Recipe(save_pre_fp8=1)
+    with pytest.raises(ValueError, match=r"compiled_input_quantize must be one of \('traced', 'traced_rowwise', "
+                                         r"'op'\), got 'rows'"):
+        Float8Recipe(compiled_input_quantize="rows")
+    assert Float8Recipe(compiled_input_quantize="traced_rowwise").compiled_input_quantize == "traced_rowwise"
     with pytest.raises(TypeError, match="fp8 must be None, a bool or a fused_dense.Float8Recipe"):
         FusedMLP(64, 128, fp8="yes")
     m = FusedMLP(64, 128, fp8=Float8Recipe(min_features=0))

@@ -306,11 +306,12 @@ def ops_min_amax():
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
-@pytest.mark.parametrize("mode", ["traced", "op"])
+@pytest.mark.parametrize("mode", ["traced", "traced_rowwise", "op"])
 def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
     """Under torch.compile (fullgraph) the layers' inputs are quantized in traced PyTorch ops (or by
     the op): the same bits as eager, forward and backward; delayed scaling's traced quantize at each
-    layer's x scale, with the history and amaxes the op leaves in eager."""
+    layer's x scale, with the history and amaxes the op leaves in eager. 'traced_rowwise' traces the
+    row-major copy only: the ops transpose it in backward for the weight gradients."""
     recipe = Float8Recipe(scaling=scaling, min_features=0, compiled_input_quantize=mode)
     torch.manual_seed(0)
     layers = [FusedDense(C, 32, bias=False, dtype=torch.bfloat16, fp8=recipe),
@@ -332,13 +333,56 @@ def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
     eager_grads = torch.autograd.grad(eager, [p for m in layers for p in m.parameters()], grad_outs)
     traced = []
     real = fused_dense.fp8.traced_quantize
-    monkeypatch.setattr(fused_dense.fp8, "traced_quantize", lambda *a: traced.append(1) or real(*a))
+    monkeypatch.setattr(fused_dense.fp8, "traced_quantize", lambda *a: traced.append(a[1]) or real(*a))
     torch._dynamo.reset()
     compiled = torch.compile(functools.partial(step, twins), fullgraph=True)(x)
     compiled_grads = torch.autograd.grad(compiled, [p for m in twins for p in m.parameters()], grad_outs)
-    assert len(traced) == (3 if mode == "traced" else 0)  # one per layer, traced once
+    # one per layer, traced once; the transposed copy traced only in 'traced' (the weights need grads)
+    assert traced == {"traced": [True] * 3, "traced_rowwise": [False] * 3, "op": []}[mode]
     for a, b in zip(eager + eager_grads, compiled + compiled_grads):
         assert torch.equal(a, b)
     for mod, twin in zip(layers, twins):
         for name, buf in mod.named_buffers():
             assert torch.equal(buf, dict(twin.named_buffers())[name]), name
+
+
+@pytest.mark.parametrize("rows", [40, 37])  # 37: the transposed copy's tokens padded to 48
+@pytest.mark.parametrize("op,lvl", [("dense", 0), ("gelu_approx", 0), ("gelu_approx", 1), ("gelu_approx", 2),
+                                    ("swiglu", 0), ("swiglu", 2)])
+def test_ops_transpose_x_in_backward_when_handed_its_rows_only(op, lvl, rows):
+    """x_fp8 without its transposed copy (compiled_input_quantize='traced_rowwise'): the op keeps
+    x's row-major copy and transposes it in backward for the weight gradient. The same bits as with
+    the transposed copy handed over, output and every gradient."""
+    from fused_dense.fp8 import quantize_weight, traced_quantize
+    torch.manual_seed(1)
+    x = torch.randn(rows, C, dtype=torch.bfloat16)
+    hidden = 48
+    if op == "dense":
+        params = [torch.randn(32, C, dtype=torch.bfloat16) / 8, torch.randn(32, dtype=torch.bfloat16)]
+    else:
+        width = 2 * hidden if op == "swiglu" else hidden
+        params = [torch.randn(width, C, dtype=torch.bfloat16) / 8, torch.randn(width, dtype=torch.bfloat16),
+                  torch.randn(C, hidden, dtype=torch.bfloat16) / 8, torch.randn(C, dtype=torch.bfloat16)]
+        if op == "swiglu":
+            params[1] = None  # the gated GEMM takes no bias
+    weights = [t for w in params[::2] for t in quantize_weight(w)]
+    act = fused_dense.ops.mlp_activation_code(op, "any") if op != "dense" else None
+
+    def run(x_fp8):
+        xs = x.clone().requires_grad_()
+        ps = [None if p is None else p.clone().requires_grad_() for p in params]
+        if op == "dense":
+            out = torch.ops.fused_dense.fp8_dense(xs, ps[0], ps[1], weights, 1, None, None, x_fp8)
+        else:
+            out = torch.ops.fused_dense.fused_mlp_fp8(xs, ps[0], ps[1], ps[2], ps[3], act, lvl, weights, 1, None,
+                                                      None, x_fp8, False)
+        grads = torch.autograd.grad(out, [xs] + [p for p in ps if p is not None], torch.ones_like(out) / 16)
+        return [out, *grads]
+
+    full, rows_only = traced_quantize(x, True), traced_quantize(x, False)
+    assert rows_only[1].numel() == 0 and torch.equal(rows_only[0].view(torch.uint8), full[0].view(torch.uint8))
+    want, got = run(full), run(rows_only)
+    assert len(want) == len(got) == {"dense": 4, "gelu_approx": 6, "swiglu": 5}[op]  # out, x's grad, params' grads
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert all(torch.isfinite(a).all() and a.abs().sum() > 0 for a in want)

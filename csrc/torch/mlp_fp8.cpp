@@ -118,7 +118,8 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3);
   // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
   // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward);
-  // x_fp8: x quantized before the op (mlp_fp8.h, check_x_fp8), used in place of quantizing x;
+  // x_fp8: x quantized before the op (mlp_fp8.h, check_x_fp8), used in place of quantizing x; with
+  // its transposed copy empty, backward makes that copy from the row-major one (fp8_transpose);
   // save_pre_fp8: at checkpoint level 0 the pre-activation is kept for backward as its e4m3 copy
   // (current scaling, its own amax) instead of in the model's dtype, and dequantized there.
   m.def("fused_mlp_fp8(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "

@@ -7,6 +7,7 @@
 // gated activations (swiglu, geglu) pre is the packed gu [B, 2h] (core/common/types.h), act(pre) is
 // act(g) * u [B, h] and d_act * act'(pre) the packed (d_h * u * act'(g), d_h * act(g)) [B, 2h]:
 //   forward   xq = Q(x) (e4m3; + x^T when weight1 needs a gradient), or the caller's x_fp8
+//             (given without x^T, x's row-major copy is kept and transposed in backward)
 //             pre = fp8_linear(xq, W1q) + b1                       (model dtype)
 //             aq = Q(act(pre)) (e4m3; + its transpose for fc2's weight gradient)
 //             (plain activations: these two as one op, fp8_linear_act)
@@ -66,13 +67,20 @@ Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool
   return Q{d, t, s, si, a, c};
 }
 
-// x's quantized copy: x_fp8 when the caller made it (check_x_fp8), else fp8_quantize of x (e4m3;
+// x's quantized copy: x_fp8 when the caller made it (check_x_fp8; with its transposed copy x_fp8[1]
+// empty, the op makes that copy in backward from x_fp8[0]: x_t_from_rows), else fp8_quantize of x (e4m3;
 // the transposed copy when a weight gradient reads it).
 Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool columnwise, const char* op) {
   if (x_fp8.empty()) return quantize(x, std::nullopt, 0, false, kE4M3Code, scale, true, columnwise, false);
-  TORCH_CHECK_VALUE(!columnwise || x_fp8[1].numel() > 0, op, ": x_fp8[1] (x's transposed copy) is empty, but the "
-                    "weight needs a gradient, which reads it");
   return Q{x_fp8[0], x_fp8[1], at::Tensor(), x_fp8[2], x_fp8[3], at::Tensor()};
+}
+
+// Whether the weight gradient's operand x^T is left to backward: the caller's x_fp8 came without
+// its transposed copy (under torch.compile, Recipe compiled_input_quantize='traced_rowwise'), so
+// the row-major copy is kept in its place and backward transposes it (fp8_transpose, the same
+// bytes as the quantize pass's transposed copy) right before the weight-gradient GEMM.
+bool x_t_from_rows(at::TensorList x_fp8, bool weight_grad) {
+  return weight_grad && !x_fp8.empty() && x_fp8[1].numel() == 0 && x_fp8[0].numel() > 0;
 }
 
 // The slot of a delayed-scaling scale, or none (current scaling).
@@ -110,10 +118,11 @@ struct Fp8MlpConfig {
 
 // What the forward keeps (beyond weights and biases).
 struct Fp8MlpSaved {
-  at::Tensor x_data, x_t, x_scale_inv;  // x_data: level 2 only
+  at::Tensor x_data, x_t, x_scale_inv;  // x_data: level 2 only; x_t: x's row-major copy with x_t_rows
   at::Tensor pre;                       // keep_pre (its e4m3 copy with pre_in_fp8)
   at::Tensor pre_scale_inv;             // pre_in_fp8
   at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
+  bool x_t_rows = false;                 // x_t holds x's row-major copy (x_t_from_rows)
 };
 
 // fc1 and the quantize of its activation as one op (fp8_linear_act, one GEMM's epilogue writing
@@ -133,6 +142,8 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   const bool x_t_after_pre = pre_copy && p.keep_act_out && p.need.w1 && x_fp8.empty();
   Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1 && !x_t_after_pre, kMlpOp);
   record_amax(amax_out, 0, xq.amax);
+  const bool x_t_rows = s != nullptr && x_t_from_rows(x_fp8, p.need.w1);
+  const at::Tensor x_rows = x_t_rows ? xq.data : at::Tensor();
   const int64_t pre_cols = w1.data.size(0);
   const Opt pre8 = pre_copy ? Opt(at::empty({x.size(0), pre_cols}, x.options().dtype(at::kFloat8_e4m3fn)))
                             : std::nullopt;
@@ -158,7 +169,8 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   record_amax(amax_out, 1, aq.amax);
   if (s != nullptr) {
     s->x_data = p.recompute_fc1 ? xq.data : at::Tensor();
-    s->x_t = p.need.w1 ? xq.data_t : at::Tensor();
+    s->x_t = !p.need.w1 ? at::Tensor() : x_t_rows ? x_rows : xq.data_t;
+    s->x_t_rows = x_t_rows;
     s->x_scale_inv = xq.scale_inv;
     s->pre = p.keep_pre ? pre : at::Tensor();
     if (pre_copy) {
@@ -246,9 +258,10 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
     if (p.need.x)
       r.x = op_calls::fp8_linear(dq.data, w1.data_t, dq.scale_inv, w1.scale_inv, std::nullopt, dtype, false, -2);
     drop_saved(dq.data, in_place);
-    if (p.need.w1)
-      r.w1 = op_calls::fp8_linear(dq.data_t, s.x_t, dq.scale_inv, s.x_scale_inv, std::nullopt, weight_dtype, false,
-                                  -2);
+    if (p.need.w1) {
+      const at::Tensor x_t = s.x_t_rows ? op_calls::fp8_transpose(s.x_t.contiguous()) : s.x_t;
+      r.w1 = op_calls::fp8_linear(dq.data_t, x_t, dq.scale_inv, s.x_scale_inv, std::nullopt, weight_dtype, false, -2);
+    }
   }
   return r;
 }
@@ -276,6 +289,7 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     ctx->saved_data["x_fp8_count"] = static_cast<int64_t>(x_fp8.size());
     ctx->saved_data["needs"] = c10::List<bool>({need.x, need.w1, need.b1, need.w2, need.b2});
     ctx->saved_data["config"] = c10::List<int64_t>({activation, checkpoint_lvl, grad_format, save_pre_fp8 ? 1 : 0});
+    ctx->saved_data["x_t_rows"] = s.x_t_rows;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight1.scalar_type());
     // The FP8 weight copies and the scaling state are not differentiable inputs: kept as values.
     ctx->saved_data["w1"] = c10::List<at::Tensor>({w1.data, w1.data_t, w1.scale_inv});
@@ -302,6 +316,7 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     const auto [scales, amax_out] = saved_scaling(ctx);
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[8], v[5], v[6], v[7]};
+    s.x_t_rows = ctx->saved_data["x_t_rows"].toBool();
     at::Tensor g = grad_outputs[0].contiguous();
     grad_outputs[0].reset();  // g's one reference is handed to mlp_backward, which releases it when quantized
     Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out,
@@ -362,13 +377,15 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     const Q xq = input_q(x, x_fp8, slot(scales, 0), need_w, kDenseOp);
     record_amax(amax_out, 0, xq.amax);
     at::Tensor out = op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
+    const bool x_t_rows = x_t_from_rows(x_fp8, need_w);
+    ctx->saved_data["x_t_rows"] = x_t_rows;
     ctx->saved_data["needs"] = c10::List<bool>({need_x, need_w, need_b});
     ctx->saved_data["x_fp8_count"] = static_cast<int64_t>(x_fp8.size());
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["w"] = c10::List<at::Tensor>({w.data, w.data_t, w.scale_inv});
     save_scaling(ctx, scales, amax_out);
-    ctx->save_for_backward({need_w ? xq.data_t : at::Tensor(), xq.scale_inv});
+    ctx->save_for_backward({!need_w ? at::Tensor() : x_t_rows ? xq.data : xq.data_t, xq.scale_inv});
     return out;
   }
 
@@ -390,7 +407,10 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     at::Tensor gx, gw, gb;
     if (need_x)
       gx = op_calls::fp8_linear(gq.data, wl.get(1), gq.scale_inv, wl.get(2), std::nullopt, g.scalar_type(), false, -2);
-    if (need_w) gw = op_calls::fp8_linear(gq.data_t, v[0], gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
+    if (need_w) {
+      const at::Tensor x_t = ctx->saved_data["x_t_rows"].toBool() ? op_calls::fp8_transpose(v[0].contiguous()) : v[0];
+      gw = op_calls::fp8_linear(gq.data_t, x_t, gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
+    }
     if (need_b) gb = gq.sums;
     // x, weight, bias, then the 3 FP8 weight tensors, grad_format, scales, amax_out and the x_fp8
     // tensors (no gradients)
