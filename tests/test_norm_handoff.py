@@ -305,17 +305,28 @@ def ops_min_amax():
     return fused_dense.ops.FP8_MIN_AMAX
 
 
+def fp8_device(device):
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs a GPU of compute capability 8.9+")
+    return torch.device(device)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("mode", ["traced", "traced_rowwise", "op"])
-def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
+def test_compiled_fp8_layers_match_eager(mode, scaling, device, monkeypatch):
     """Under torch.compile (fullgraph) the layers' inputs are quantized in traced PyTorch ops (or by
     the op): the same bits as eager, forward and backward; delayed scaling's traced quantize at each
     layer's x scale, with the history and amaxes the op leaves in eager. 'traced_rowwise' traces the
     row-major copy only: the ops transpose it in backward for the weight gradients."""
+    device = fp8_device(device)
     recipe = Float8Recipe(scaling=scaling, min_features=0, compiled_input_quantize=mode)
     torch.manual_seed(0)
-    layers = [FusedDense(C, 32, bias=False, dtype=torch.bfloat16, fp8=recipe),
-              FusedDense(C, 48, dtype=torch.bfloat16, fp8=recipe), FusedGatedMLP(C, 48, dtype=torch.bfloat16, fp8=recipe)]
+    kw = dict(dtype=torch.bfloat16, device=device, fp8=recipe)
+    layers = [FusedDense(C, 32, bias=False, **kw), FusedDense(C, 48, **kw), FusedGatedMLP(C, 48, **kw)]
     if scaling == "delayed":  # a history whose scales are not 1: x's copy then differs from current scaling's
         for layer in layers:
             layer.fp8_amax.copy_(torch.rand_like(layer.fp8_amax) * 4 + 1)
@@ -326,7 +337,7 @@ def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
         h = x * 2  # exact: a producer Inductor fuses the quantization into, the same bits as eager
         return tuple(layer(h) for layer in mods)
 
-    x = torch.randn(40, C, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(40, C, dtype=torch.bfloat16, device=device, requires_grad=True)
     # the parameters' gradients (x's sums three layers' in an order Inductor picks: not compared)
     eager = step(layers, x)
     grad_outs = [torch.randn_like(y) for y in eager]
@@ -346,23 +357,26 @@ def test_compiled_fp8_layers_match_eager(mode, scaling, monkeypatch):
             assert torch.equal(buf, dict(twin.named_buffers())[name]), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [40, 37])  # 37: the transposed copy's tokens padded to 48
 @pytest.mark.parametrize("op,lvl", [("dense", 0), ("gelu_approx", 0), ("gelu_approx", 1), ("gelu_approx", 2),
                                     ("swiglu", 0), ("swiglu", 2)])
-def test_ops_transpose_x_in_backward_when_handed_its_rows_only(op, lvl, rows):
+def test_ops_transpose_x_in_backward_when_handed_its_rows_only(op, lvl, rows, device):
     """x_fp8 without its transposed copy (compiled_input_quantize='traced_rowwise'): the op keeps
     x's row-major copy and transposes it in backward for the weight gradient. The same bits as with
     the transposed copy handed over, output and every gradient."""
     from fused_dense.fp8 import quantize_weight, traced_quantize
+    device = fp8_device(device)
     torch.manual_seed(1)
-    x = torch.randn(rows, C, dtype=torch.bfloat16)
+    kw = dict(dtype=torch.bfloat16, device=device)
+    x = torch.randn(rows, C, **kw)
     hidden = 48
     if op == "dense":
-        params = [torch.randn(32, C, dtype=torch.bfloat16) / 8, torch.randn(32, dtype=torch.bfloat16)]
+        params = [torch.randn(32, C, **kw) / 8, torch.randn(32, **kw)]
     else:
         width = 2 * hidden if op == "swiglu" else hidden
-        params = [torch.randn(width, C, dtype=torch.bfloat16) / 8, torch.randn(width, dtype=torch.bfloat16),
-                  torch.randn(C, hidden, dtype=torch.bfloat16) / 8, torch.randn(C, dtype=torch.bfloat16)]
+        params = [torch.randn(width, C, **kw) / 8, torch.randn(width, **kw), torch.randn(C, hidden, **kw) / 8,
+                  torch.randn(C, **kw)]
         if op == "swiglu":
             params[1] = None  # the gated GEMM takes no bias
     weights = [t for w in params[::2] for t in quantize_weight(w)]
