@@ -70,7 +70,7 @@ Q quantize(const at::Tensor& input, const Opt& pre_act, int64_t activation, bool
 // x's quantized copy: x_fp8 when the caller made it (check_x_fp8; with its transposed copy x_fp8[1]
 // empty, the op makes that copy in backward from x_fp8[0]: x_t_from_rows), else fp8_quantize of x (e4m3;
 // the transposed copy when a weight gradient reads it).
-Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool columnwise, const char* op) {
+Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool columnwise) {
   if (x_fp8.empty()) return quantize(x, std::nullopt, 0, false, kE4M3Code, scale, true, columnwise, false);
   return Q{x_fp8[0], x_fp8[1], at::Tensor(), x_fp8[2], x_fp8[3], at::Tensor()};
 }
@@ -80,7 +80,7 @@ Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool colu
 // the row-major copy is kept in its place and backward transposes it (fp8_transpose, the same
 // bytes as the quantize pass's transposed copy) right before the weight-gradient GEMM.
 bool x_t_from_rows(at::TensorList x_fp8, bool weight_grad) {
-  return weight_grad && !x_fp8.empty() && x_fp8[1].numel() == 0 && x_fp8[0].numel() > 0;
+  return weight_grad && !x_fp8.empty() && x_fp8[1].numel() == 0;
 }
 
 // The slot of a delayed-scaling scale, or none (current scaling).
@@ -140,7 +140,7 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   // fc1's weight gradient) is made after it, from x with x's own scale (the same bytes), unless
   // the caller handed x's copies over.
   const bool x_t_after_pre = pre_copy && p.keep_act_out && p.need.w1 && x_fp8.empty();
-  Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1 && !x_t_after_pre, kMlpOp);
+  Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1 && !x_t_after_pre);
   record_amax(amax_out, 0, xq.amax);
   const bool x_t_rows = s != nullptr && x_t_from_rows(x_fp8, p.need.w1);
   const at::Tensor x_rows = x_t_rows ? xq.data : at::Tensor();
@@ -374,7 +374,7 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     const bool need_b = has_b && ctx->needs_input_grad(2);
     const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
-    const Q xq = input_q(x, x_fp8, slot(scales, 0), need_w, kDenseOp);
+    const Q xq = input_q(x, x_fp8, slot(scales, 0), need_w);
     record_amax(amax_out, 0, xq.amax);
     at::Tensor out = op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
     const bool x_t_rows = x_t_from_rows(x_fp8, need_w);
@@ -425,7 +425,7 @@ at::Tensor fp8_dense_forward(const at::Tensor& x, const at::Tensor& weight, cons
   check_fp8_dense(x, weight, grad_format, scales, amax_out, weights_fp8);
   check_x_fp8(x, x_fp8, kDenseOp);
   const Fp8Weight w = fp8_weight_at(weights_fp8, 0, weight, kDenseOp);
-  const Q xq = input_q(x, x_fp8, slot(scales, 0), false, kDenseOp);
+  const Q xq = input_q(x, x_fp8, slot(scales, 0), false);
   record_amax(amax_out, 0, xq.amax);
   return op_calls::fp8_linear(xq.data, w.data, xq.scale_inv, w.scale_inv, bias, x.scalar_type(), true, -2);
 }
