@@ -462,7 +462,9 @@ def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None
     bytes) in ops Inductor fuses into the cast, not in an opaque op call and kernel of their own."""
     fmax = ops.FP8_FORMAT_MAX["e4m3"]
     v = x2.float()
-    amax = v.abs().amax()
+    # an empty batch's amax is 0, as the op's (amax() of no elements raises); the size test is a
+    # static guard under torch.compile, which specialises sizes 0 and 1
+    amax = v.abs().amax() if x2.numel() else v.new_zeros(())
     scale = scale_from_amax(amax.detach(), fmax) if scale is None else scale.reshape(())
     scale_inv = inverse_scale(scale)
     q = (v * scale).clamp(-fmax, fmax)

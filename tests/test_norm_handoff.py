@@ -233,11 +233,12 @@ def test_converted_model_close_to_unconverted():
 
 @pytest.mark.parametrize("scale", [None, 3.7, 200.0], ids=["current", "delayed", "delayed_saturating"])
 @pytest.mark.parametrize("columnwise", [True, False])
-@pytest.mark.parametrize("rows", [40, 37])
+@pytest.mark.parametrize("rows", [40, 37, 0])  # 0: an empty batch, amax 0 as the op's
 @pytest.mark.parametrize("cols", [C, 24])  # 24: not a multiple of 16, the transposed copy traced
 def test_traced_quantize_gives_fp8_quantizes_bytes(rows, cols, columnwise, scale):
     x = torch.randn(rows, cols, dtype=torch.bfloat16) * 5
-    x[3, 4] = 0.0
+    if rows:
+        x[3, 4] = 0.0
     s = None if scale is None else torch.tensor([scale], dtype=torch.float32)
     want = torch.ops.fused_dense.fp8_quantize(x, None, 0, False, 0, s, True, columnwise, False)
     got = fused_dense.fp8.traced_quantize(x, columnwise, None if s is None else s[0])
@@ -352,6 +353,38 @@ def test_compiled_fp8_layers_match_eager(mode, scaling, device, monkeypatch):
     assert traced == {"traced": [True] * 3, "traced_rowwise": [False] * 3, "op": []}[mode]
     for a, b in zip(eager + eager_grads, compiled + compiled_grads):
         assert torch.equal(a, b)
+    for mod, twin in zip(layers, twins):
+        for name, buf in mod.named_buffers():
+            assert torch.equal(buf, dict(twin.named_buffers())[name]), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("mode", ["traced", "traced_rowwise"])
+def test_compiled_fp8_layers_take_an_empty_batch(mode, scaling, device):
+    """An empty batch under torch.compile: the traced quantize's amax is 0, as the op's (amax() of
+    no elements raises), and the compiled layers give eager's outputs, gradients and scaling state."""
+    device = fp8_device(device)
+    recipe = Float8Recipe(scaling=scaling, min_features=0, compiled_input_quantize=mode)
+    torch.manual_seed(0)
+    kw = dict(dtype=torch.bfloat16, device=device, fp8=recipe)
+    layers = [FusedDense(C, 32, **kw), FusedGatedMLP(C, 48, **kw)]
+    twins = copy.deepcopy(layers)
+
+    def step(mods, x):
+        h = x * 2
+        return tuple(layer(h) for layer in mods)
+
+    x = torch.randn(0, C, dtype=torch.bfloat16, device=device, requires_grad=True)
+    eager = step(layers, x)
+    grad_outs = [torch.randn_like(y) for y in eager]
+    eager_grads = torch.autograd.grad(eager, [p for m in layers for p in m.parameters()], grad_outs)
+    torch._dynamo.reset()
+    compiled = torch.compile(functools.partial(step, twins), fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, [p for m in twins for p in m.parameters()], grad_outs)
+    assert [y.shape for y in compiled] == [(0, 32), (0, C)]
+    for a, b in zip(eager + eager_grads, compiled + compiled_grads):
+        assert a.shape == b.shape and torch.equal(a, b)
     for mod, twin in zip(layers, twins):
         for name, buf in mod.named_buffers():
             assert torch.equal(buf, dict(twin.named_buffers())[name]), name
