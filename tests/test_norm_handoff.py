@@ -390,6 +390,62 @@ def test_compiled_fp8_layers_take_an_empty_batch(mode, scaling, device):
             assert torch.equal(buf, dict(twin.named_buffers())[name]), name
 
 
+def test_ops_name_a_bad_x_fp8():
+    """x_fp8 that is not x's copies: a ValueError naming the element, the expected and the actual."""
+    from fused_dense.fp8 import quantize_weight, traced_quantize
+    x = torch.randn(40, C, dtype=torch.bfloat16)
+    w = torch.randn(32, C, dtype=torch.bfloat16) / 8
+    weights = quantize_weight(w)
+    good = traced_quantize(x, True)
+
+    def call(x_fp8):
+        return torch.ops.fused_dense.fp8_dense(x, w, None, weights, 1, None, None, x_fp8)
+
+    assert torch.isfinite(call(good)).all() and torch.isfinite(call([good[0], good[1][:0], *good[2:]])).all()
+    f8 = torch.float8_e4m3fn
+    cases = [
+        (good[:3], r"x_fp8 must be empty or hold 4 tensors .* got 3"),
+        ([good[0][:39], *good[1:]], r"x_fp8\[0\] must be x's float8_e4m3fn copy of shape \[40, 64\], got .* \[39, 64\]"),
+        ([good[0], torch.zeros(C, 40, dtype=f8), *good[2:]],
+         r"x_fp8\[1\] must be x's transposed float8_e4m3fn copy \[64, 48\] or empty, got .* \[64, 40\]"),
+        ([*good[:2], torch.ones(2), good[3]], r"x_fp8\[2\] must be a float32 scalar \(scale_inv\), got .* \[2\]"),
+        ([*good[:3], good[3].double()], r"x_fp8\[3\] must be a float32 scalar \(amax\), got Double"),
+    ]
+    for x_fp8, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(x_fp8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["traced", "traced_rowwise"])
+def test_compiled_fp8_layers_take_a_second_token_count(mode, device):
+    """torch.compile makes the token count symbolic from a function's second count on (automatic
+    dynamic shapes): the ops' checks read the traced copies' sizes symbolically (a transposed copy's
+    numel() raised there), and each count gives eager's outputs and gradients."""
+    device = fp8_device(device)
+    recipe = Float8Recipe(scaling="current", min_features=0, compiled_input_quantize=mode)
+    torch.manual_seed(0)
+    kw = dict(dtype=torch.bfloat16, device=device, fp8=recipe)
+    layers = [FusedDense(C, 32, **kw), FusedGatedMLP(C, 48, **kw)]
+
+    def step(x):
+        h = x * 2
+        return tuple(layer(h) for layer in layers)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    params = [p for m in layers for p in m.parameters()]
+    for rows in (40, 37):  # 37: the second count, and tokens not a multiple of 16
+        x = torch.randn(rows, C, dtype=torch.bfloat16, device=device, requires_grad=True)
+        eager = step(x)
+        grad_outs = [torch.randn_like(y) for y in eager]
+        want = list(eager) + list(torch.autograd.grad(eager, params, grad_outs))
+        got = compiled(x)
+        got = list(got) + list(torch.autograd.grad(got, params, grad_outs))
+        for a, b in zip(want, got):
+            assert a.shape == b.shape and torch.equal(a, b), rows
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [40, 37])  # 37: the transposed copy's tokens padded to 48
 @pytest.mark.parametrize("op,lvl", [("dense", 0), ("gelu_approx", 0), ("gelu_approx", 1), ("gelu_approx", 2),

@@ -83,7 +83,7 @@ void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op) {
                     d.sizes());
   const int64_t ld = core::fp8_padded_rows(x.size(0));
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat8_e4m3fn &&
-                        (t.numel() == 0 || (t.dim() == 2 && t.size(0) == x.size(1) && t.size(1) == ld)),
+                        (t.sym_numel() == 0 || (t.dim() == 2 && t.size(0) == x.size(1) && t.size(1) == ld)),
                     op, ": x_fp8[1] must be x's transposed float8_e4m3fn copy [", x.size(1), ", ", ld, "] or empty, got ",
                     t.scalar_type(), " ", t.sizes());
   for (int i = 2; i < 4; ++i) {

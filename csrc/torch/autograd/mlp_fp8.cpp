@@ -80,7 +80,7 @@ Q input_q(const at::Tensor& x, at::TensorList x_fp8, const Opt& scale, bool colu
 // the row-major copy is kept in its place and backward transposes it (fp8_transpose, the same
 // bytes as the quantize pass's transposed copy) right before the weight-gradient GEMM.
 bool x_t_from_rows(at::TensorList x_fp8, bool weight_grad) {
-  return weight_grad && !x_fp8.empty() && x_fp8[1].numel() == 0;
+  return weight_grad && !x_fp8.empty() && x_fp8[1].sym_numel() == 0;
 }
 
 // The slot of a delayed-scaling scale, or none (current scaling).
