@@ -82,9 +82,9 @@ PreActLayout pre_act_layout(const at::Tensor& like, int64_t rows, int64_t cols, 
   return {{rows, cols}, like.options()};
 }
 
-at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act) {
-  const PreActLayout layout = pre_act_layout(like, rows, cols, act);
-  return at::empty(layout.sizes, layout.options);
+at::Tensor empty_pre_act(const at::Tensor& like, const c10::SymInt& rows, int64_t cols, ActivationCode act) {
+  const PreActLayout layout = pre_act_layout(like, 0, cols, act);  // the width and dtype; rows may be symbolic
+  return at::empty_symint({rows, c10::SymInt(layout.sizes[1])}, layout.options);
 }
 
 }  // namespace fused_dense

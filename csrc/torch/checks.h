@@ -54,6 +54,11 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
 // heuristic is -2 (auto), -1 (unfused) or an index >= 0 that fits in int32.
 void check_heuristic(const char* op, int64_t heuristic);
 
+// A width of a tensor that also carries the token count (a dimension other than the rows), as the
+// integer it is. Under torch.compile the token count is symbolic, and Tensor::size(d) would read
+// the whole shape and specialise the graph to it; sym_size(d) reads this one dimension.
+inline int64_t width_of(const at::Tensor& t, int64_t dim) { return t.sym_size(dim).guard_int(__FILE__, __LINE__); }
+
 // The dtype the reference math and the float statistics of an op on t use: float64 for float64
 // t, else float32 (the loss and lse of lm_head, the rstd and mean of norm).
 at::ScalarType float_math_dtype(const at::Tensor& t);
@@ -67,6 +72,7 @@ struct PreActLayout {
 PreActLayout pre_act_layout(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act);
 
 // The saved pre-activation allocated through at::empty (Meta; CUDA allocates it with empty_output).
-at::Tensor empty_pre_act(const at::Tensor& like, int64_t rows, int64_t cols, ActivationCode act);
+// rows is a SymInt: under torch.compile the token count is symbolic (docs/contract.md).
+at::Tensor empty_pre_act(const at::Tensor& like, const c10::SymInt& rows, int64_t cols, ActivationCode act);
 
 }  // namespace fused_dense

@@ -65,15 +65,16 @@ bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloa
 
 void check_scalar_float(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", name, " must hold one element, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.sym_numel() == 1, op, ": ", name, " must hold one element, got shape ", t.sym_sizes());
   TORCH_CHECK_VALUE(t.device() == like.device(), op, ": ", name, " must be on ", like.device(), " (the input's device), got ",
                     t.device());
 }
 
 }  // namespace
 
-void check_e4m3_copy(const char* op, const char* name, const char* scale_inv_name, const std::optional<at::Tensor>& copy,
-                     const std::optional<at::Tensor>& scale_inv, at::IntArrayRef shape, const at::Tensor& like) {
+void check_e4m3_copy(const char* op, const char* name, const char* scale_inv_name,
+                     const std::optional<at::Tensor>& copy, const std::optional<at::Tensor>& scale_inv,
+                     c10::SymIntArrayRef shape, const at::Tensor& like) {
   const bool has_copy = copy.has_value() && copy->defined();
   const bool has_si = scale_inv.has_value() && scale_inv->defined();
   TORCH_CHECK_VALUE(has_copy == has_si, op, ": ", name, " and ", scale_inv_name, " go together: pass both or neither, "
@@ -81,10 +82,11 @@ void check_e4m3_copy(const char* op, const char* name, const char* scale_inv_nam
   if (!has_copy) return;
   TORCH_CHECK_VALUE(copy->scalar_type() == at::kFloat8_e4m3fn, op, ": ", name, " must be float8_e4m3fn, got ",
                     copy->scalar_type());
-  TORCH_CHECK_VALUE(copy->sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ", copy->sizes());
+  TORCH_CHECK_VALUE(copy->sym_sizes() == shape, op, ": ", name, " must have shape ", shape, ", got ",
+                    copy->sym_sizes());
   TORCH_CHECK_VALUE(copy->device() == like.device(), op, ": ", name, " must be on ", like.device(), ", got ",
                     copy->device());
-  TORCH_CHECK_VALUE(copy->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", copy->strides());
+  TORCH_CHECK_VALUE(copy->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", copy->sym_strides());
   check_scalar_float(*scale_inv, like, op, scale_inv_name);
 }
 
@@ -106,19 +108,19 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
                         const std::optional<at::Tensor>& pre_scale_inv, const std::optional<at::Tensor>& input_fp8,
                         const std::optional<at::Tensor>& input_scale_inv) {
   constexpr const char* op = "fused_dense::fp8_quantize";
-  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [rows, cols], got shape ", input.sizes());
+  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [rows, cols], got shape ", input.sym_sizes());
   const auto t = input.scalar_type();
   TORCH_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, op,
                     ": input must be float16, bfloat16 or float32, got ", t);
-  TORCH_CHECK_VALUE(input.is_contiguous(), op, ": input must be contiguous, got strides ", input.strides());
+  TORCH_CHECK_VALUE(input.is_contiguous(), op, ": input must be contiguous, got strides ", input.sym_strides());
   check_activation_in(op, activation, kNoActivation, kLastActivation);
   const bool gated = is_gated_activation(activation);
   if (gated && !backward) {
-    TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": a gated forward's input is the packed gu [rows, 2 hidden]; "
-                      "input.size(1) must be a multiple of 16 (hidden a multiple of 8), got ", input.size(1));
+    TORCH_CHECK_VALUE(input.sym_size(1) % 16 == 0, op, ": a gated forward's input is the packed gu [rows, 2 hidden]; "
+                      "input.size(1) must be a multiple of 16 (hidden a multiple of 8), got ", input.sym_size(1));
   } else {
-    TORCH_CHECK_VALUE(input.size(1) % 8 == 0, op, ": input.size(1) (cols) must be a multiple of 8, got ",
-                      input.size(1));
+    TORCH_CHECK_VALUE(input.sym_size(1) % 8 == 0, op, ": input.size(1) (cols) must be a multiple of 8, got ",
+                      input.sym_size(1));
   }
   fp8_format_of(fp8_format, op, "fp8_format");
   const bool has_pre = pre_act.has_value() && pre_act->defined();
@@ -129,13 +131,13 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
                       activation_choices(kNoActivation + 1, kLastActivation), "), got 0 (none)");
     TORCH_CHECK_VALUE(has_pre, op, ": backward=True needs pre_act (the activation's input), got None");
     if (gated) {
-      TORCH_CHECK_VALUE(pre_act->dim() == 2 && pre_act->size(0) == input.size(0) &&
-                        pre_act->size(1) == 2 * input.size(1), op, ": a gated backward's pre_act must be the packed "
-                        "gu [", input.size(0), ", ", 2 * input.size(1), "] of input d_h ", input.sizes(), ", got ",
-                        pre_act->sizes());
+      TORCH_CHECK_VALUE(pre_act->dim() == 2 && pre_act->sym_size(0) == input.sym_size(0) &&
+                            pre_act->sym_size(1) == 2 * input.sym_size(1),
+                        op, ": a gated backward's pre_act must be the packed gu [", input.sym_size(0), ", ",
+                        2 * input.sym_size(1), "] of input d_h ", input.sym_sizes(), ", got ", pre_act->sym_sizes());
     } else {
-      TORCH_CHECK_VALUE(pre_act->sizes() == input.sizes(), op, ": pre_act must have input's shape ", input.sizes(),
-                        ", got ", pre_act->sizes());
+      TORCH_CHECK_VALUE(pre_act->sym_sizes() == input.sym_sizes(), op, ": pre_act must have input's shape ",
+                        input.sym_sizes(), ", got ", pre_act->sym_sizes());
     }
     if (pre8) {
       TORCH_CHECK_VALUE(pre_act->scalar_type() == at::kFloat8_e4m3fn, op,
@@ -147,7 +149,8 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
     }
     TORCH_CHECK_VALUE(pre_act->device() == input.device(), op, ": pre_act must be on ", input.device(), ", got ",
                       pre_act->device());
-    TORCH_CHECK_VALUE(pre_act->is_contiguous(), op, ": pre_act must be contiguous, got strides ", pre_act->strides());
+    TORCH_CHECK_VALUE(pre_act->is_contiguous(), op, ": pre_act must be contiguous, got strides ",
+                      pre_act->sym_strides());
   } else {
     TORCH_CHECK_VALUE(!has_pre, op, ": pre_act is read only with backward=True; for the forward, input is the "
                       "pre-activation");
@@ -157,30 +160,33 @@ void check_fp8_quantize(const at::Tensor& input, const std::optional<at::Tensor>
     TORCH_CHECK_VALUE(!backward && activation != kNoActivation, op, ": input_fp8 (the input's e4m3 copy) is written "
                       "by the forward with an activation (backward=False, activation > 0), got backward=",
                       backward ? "True" : "False", ", activation ", activation);
-  check_e4m3_copy(op, "input_fp8", "input_scale_inv", input_fp8, input_scale_inv, input.sizes(), input);
+  check_e4m3_copy(op, "input_fp8", "input_scale_inv", input_fp8, input_scale_inv, input.sym_sizes(), input);
 }
 
+// A general FP8 GEMM: either operand may carry the token count (the weight gradient's do), so
+// every size is read symbolically.
 void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& input_scale_inv,
                       const at::Tensor& weight_scale_inv, const std::optional<at::Tensor>& bias,
                       at::ScalarType out_dtype, const char* op) {
   TORCH_CHECK_VALUE(input.dim() == 2 && weight.dim() == 2, op,
                     ": input and weight must be 2-D ([batch, in_features], [out_features, in_features]), got shapes ",
-                    input.sizes(), " and ", weight.sizes());
+                    input.sym_sizes(), " and ", weight.sym_sizes());
   TORCH_CHECK_VALUE(is_fp8(input.scalar_type()), op, ": input must be float8_e4m3fn or float8_e5m2, got ",
                     input.scalar_type());
   TORCH_CHECK_VALUE(is_fp8(weight.scalar_type()), op, ": weight must be float8_e4m3fn or float8_e5m2, got ",
                     weight.scalar_type());
   TORCH_CHECK_VALUE(!(input.scalar_type() == at::kFloat8_e5m2 && weight.scalar_type() == at::kFloat8_e5m2), op,
                     ": input and weight cannot both be float8_e5m2 (no FP8 GEMM takes two e5m2 operands)");
-  TORCH_CHECK_VALUE(weight.size(1) == input.size(1), op, ": weight.size(1) must equal input.size(1) = ", input.size(1),
-                    " (in_features), got weight shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.sym_size(1) == input.sym_size(1), op,
+                    ": weight.size(1) must equal input.size(1) = ", input.sym_size(1),
+                    " (in_features), got weight shape ", weight.sym_sizes());
   // in_features 0 (a weight gradient over no tokens) is the empty sum: out = bias, or zeros.
-  TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": in_features must be a multiple of 16, got ", input.size(1));
-  TORCH_CHECK_VALUE(weight.size(0) % 16 == 0, op, ": out_features (weight.size(0)) must be a multiple of 16, got ",
-                    weight.size(0));
+  TORCH_CHECK_VALUE(input.sym_size(1) % 16 == 0, op, ": in_features must be a multiple of 16, got ", input.sym_size(1));
+  TORCH_CHECK_VALUE(weight.sym_size(0) % 16 == 0, op, ": out_features (weight.size(0)) must be a multiple of 16, got ",
+                    weight.sym_size(0));
   TORCH_CHECK_VALUE(input.is_contiguous() && weight.is_contiguous(), op,
-                    ": input and weight must be contiguous (K-major), got strides ", input.strides(), " and ",
-                    weight.strides());
+                    ": input and weight must be contiguous (K-major), got strides ", input.sym_strides(), " and ",
+                    weight.sym_strides());
   TORCH_CHECK_VALUE(weight.device() == input.device(), op, ": weight must be on ", input.device(), ", got ",
                     weight.device());
   TORCH_CHECK_VALUE(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat, op,
@@ -188,8 +194,8 @@ void check_fp8_linear(const at::Tensor& input, const at::Tensor& weight, const a
   check_scalar_float(input_scale_inv, input, op, "input_scale_inv");
   check_scalar_float(weight_scale_inv, input, op, "weight_scale_inv");
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must be 1-D of length ",
-                      weight.size(0), " (out_features), got shape ", bias->sizes());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), op, ": bias must be 1-D of length ",
+                      weight.sym_size(0), " (out_features), got shape ", bias->sym_sizes());
     TORCH_CHECK_VALUE(bias->scalar_type() == out_dtype, op, ": bias must have out_dtype ", out_dtype, ", got ",
                       bias->scalar_type());
     TORCH_CHECK_VALUE(bias->device() == input.device() && bias->is_contiguous(), op, ": bias must be contiguous on ",
@@ -209,17 +215,18 @@ void check_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, con
   check_activation_in(op, activation, kNoActivation + 1, kLastPlainActivation,
                       "; the gated MLPs use fp8_linear and fp8_quantize");
   if (scale.has_value() && scale->defined()) check_scalar_float(*scale, input, op, "scale");
-  check_e4m3_copy(op, "pre_fp8", "pre_scale_inv", pre_fp8, pre_scale_inv, {input.size(0), weight.size(0)}, input);
+  check_e4m3_copy(op, "pre_fp8", "pre_scale_inv", pre_fp8, pre_scale_inv, {input.sym_size(0), weight.size(0)}, input);
 }
 
 Fp8LinearActResult empty_fp8_linear_act(const at::Tensor& input, const at::Tensor& weight, at::ScalarType out_dtype,
                                         bool columnwise) {
-  const int64_t B = input.size(0), N = weight.size(0);
+  const c10::SymInt B = input.sym_size(0);
+  const int64_t N = weight.size(0);
   const auto f8 = input.options().dtype(at::kFloat8_e4m3fn);
   const auto f32 = input.options().dtype(at::kFloat);
-  return {at::empty({B, N}, input.options().dtype(out_dtype)),
-          at::empty({B, N}, f8),
-          columnwise ? at::empty({N, core::fp8_padded_rows(B)}, f8) : at::empty({0}, f8),
+  return {at::empty_symint({B, N}, input.options().dtype(out_dtype)),
+          at::empty_symint({B, N}, f8),
+          columnwise ? at::empty_symint({N, core::fp8_padded_rows(B)}, f8) : at::empty({0}, f8),
           at::empty({}, f32),
           at::empty({}, f32),
           at::empty({}, f32)};
@@ -240,19 +247,19 @@ void check_fp8_quantize_grad_(const at::Tensor& pre_act, const at::Tensor& input
 
 void check_fp8_transpose(const at::Tensor& data) {
   constexpr const char* op = "fused_dense::fp8_transpose";
-  TORCH_CHECK_VALUE(data.dim() == 2, op, ": data must be 2-D [rows, cols], got shape ", data.sizes());
+  TORCH_CHECK_VALUE(data.dim() == 2, op, ": data must be 2-D [rows, cols], got shape ", data.sym_sizes());
   TORCH_CHECK_VALUE(is_fp8(data.scalar_type()), op, ": data must be float8_e4m3fn or float8_e5m2, got ",
                     data.scalar_type());
-  TORCH_CHECK_VALUE(data.is_contiguous(), op, ": data must be contiguous, got strides ", data.strides());
-  TORCH_CHECK_VALUE(data.size(1) % 16 == 0, op, ": data.size(1) (cols) must be a multiple of 16, got ",
-                    data.size(1));
+  TORCH_CHECK_VALUE(data.is_contiguous(), op, ": data must be contiguous, got strides ", data.sym_strides());
+  TORCH_CHECK_VALUE(data.sym_size(1) % 16 == 0, op, ": data.size(1) (cols) must be a multiple of 16, got ",
+                    data.sym_size(1));
 }
 
 core::Fp8Format check_fp8_scales(const at::Tensor& value, bool delayed, int64_t fp8_format) {
   constexpr const char* op = "fused_dense::fp8_scales";
   const char* name = delayed ? "value (the scale, delayed=True)" : "value (the amax, delayed=False)";
   TORCH_CHECK_VALUE(value.scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", value.scalar_type());
-  TORCH_CHECK_VALUE(value.numel() == 1, op, ": ", name, " must hold one element, got shape ", value.sizes());
+  TORCH_CHECK_VALUE(value.sym_numel() == 1, op, ": ", name, " must hold one element, got shape ", value.sym_sizes());
   return fp8_format_of(fp8_format, op, "fp8_format");
 }
 
@@ -264,18 +271,20 @@ Fp8QuantizeGradResult empty_fp8_quantize_grad(const at::Tensor& input, int64_t a
 }
 
 int64_t fp8_quantized_cols(const at::Tensor& input, int64_t activation, bool backward) {
-  if (!is_gated_activation(activation)) return input.size(1);
-  return backward ? 2 * input.size(1) : input.size(1) / 2;
+  const int64_t cols = width_of(input, 1);
+  if (!is_gated_activation(activation)) return cols;
+  return backward ? 2 * cols : cols / 2;
 }
 
 Fp8QuantizeResult empty_fp8_quantize(const at::Tensor& input, int64_t cols, int64_t fp8_format, bool rowwise,
                                      bool columnwise, bool column_sums) {
-  const int64_t R = input.size(0), C = cols;
+  const c10::SymInt R = input.sym_size(0);
+  const int64_t C = cols;
   const auto fp8 = fp8_scalar_type(static_cast<core::Fp8Format>(fp8_format));
   const auto f8 = input.options().dtype(fp8);
   const auto f32 = input.options().dtype(at::kFloat);
-  return {rowwise ? at::empty({R, C}, f8) : at::empty({0}, f8),
-          columnwise ? at::empty({C, core::fp8_padded_rows(R)}, f8) : at::empty({0}, f8),
+  return {rowwise ? at::empty_symint({R, C}, f8) : at::empty({0}, f8),
+          columnwise ? at::empty_symint({C, core::fp8_padded_rows(R)}, f8) : at::empty({0}, f8),
           at::empty({}, f32),
           at::empty({}, f32),
           at::empty({}, f32),

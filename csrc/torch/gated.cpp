@@ -39,9 +39,11 @@ ActivationCode check_gated_dgrad_call(const char* op, const at::Tensor& weight, 
   check_heuristic(op, heuristic);
   check_matrix(op, "pre_act", pre_act);
   check_same(op, "pre_act", pre_act, "weight", weight);
-  const int64_t B = d_output.size(0), H = weight.size(1);
-  TORCH_CHECK_VALUE(pre_act.size(0) == B && pre_act.size(1) == 2 * H, op, ": pre_act must have shape [", B, ", ",
-                    2 * H, "] = [batch, 2 * hidden] (the packed gate and up pre-activations), got ", pre_act.sizes());
+  const c10::SymInt B = d_output.sym_size(0);
+  const int64_t H = weight.size(1);
+  TORCH_CHECK_VALUE(pre_act.sym_size(0) == B && pre_act.sym_size(1) == 2 * H, op, ": pre_act must have shape [", B,
+                    ", ", 2 * H, "] = [batch, 2 * hidden] (the packed gate and up pre-activations), got ",
+                    pre_act.sym_sizes());
   return act;
 }
 
@@ -66,9 +68,9 @@ ActivationCode check_gated_act_forward(const at::Tensor& pre_act, int64_t activa
   constexpr const char* op = "fused_dense::gated_act_forward";
   check_matrix(op, "pre_act", pre_act);
   check_float(op, "pre_act", pre_act);
-  TORCH_CHECK_VALUE(pre_act.size(1) % 2 == 0, op,
+  TORCH_CHECK_VALUE(pre_act.sym_size(1) % 2 == 0, op,
                     ": pre_act must be the packed [rows, 2 * hidden], so its width must be even, got shape ",
-                    pre_act.sizes());
+                    pre_act.sym_sizes());
   return check_gated_activation(op, activation);
 }
 

@@ -27,9 +27,9 @@ void check_forward_operands(const char* op, const at::Tensor& input, const at::T
   check_float(op, "input", input);
   check_matrix(op, "weight", weight);
   check_same(op, "weight", weight, "input", input);
-  TORCH_CHECK_VALUE(input.size(1) == weight.size(1), op,
-                    ": input.size(1) (in_features) must equal weight.size(1) = ", weight.size(1),
-                    ", got input shape ", input.sizes(), " and weight shape ", weight.sizes());
+  TORCH_CHECK_VALUE(input.sym_size(1) == weight.size(1), op,
+                    ": input.size(1) (in_features) must equal weight.size(1) = ", weight.size(1), ", got input shape ",
+                    input.sym_sizes(), " and weight shape ", weight.sizes());
 }
 
 void check_dgrad_operands(const char* op, const at::Tensor& weight, const at::Tensor& d_output) {
@@ -37,8 +37,9 @@ void check_dgrad_operands(const char* op, const at::Tensor& weight, const at::Te
   check_float(op, "weight", weight);
   check_matrix(op, "d_output", d_output);
   check_same(op, "d_output", d_output, "weight", weight);
-  TORCH_CHECK_VALUE(d_output.size(1) == weight.size(0), op, ": d_output.size(1) must equal weight.size(0) = ",
-                    weight.size(0), " (out_features), got d_output shape ", d_output.sizes());
+  TORCH_CHECK_VALUE(d_output.sym_size(1) == weight.size(0), op,
+                    ": d_output.size(1) must equal weight.size(0) = ", weight.size(0),
+                    " (out_features), got d_output shape ", d_output.sym_sizes());
 }
 
 ActivationCode check_linear_act(const at::Tensor& input, const at::Tensor& weight,
@@ -66,9 +67,9 @@ void check_wgrad(const at::Tensor& input, const at::Tensor& d_output) {
   check_float(op, "input", input);
   check_matrix(op, "d_output", d_output);
   check_same(op, "d_output", d_output, "input", input);
-  TORCH_CHECK_VALUE(input.size(0) == d_output.size(0), op,
-                    ": d_output.size(0) (batch) must equal input.size(0) = ", input.size(0),
-                    ", got d_output shape ", d_output.sizes());
+  TORCH_CHECK_VALUE(input.sym_size(0) == d_output.sym_size(0), op,
+                    ": d_output.size(0) (batch) must equal input.size(0) = ", input.sym_size(0),
+                    ", got d_output shape ", d_output.sym_sizes());
 }
 
 ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor& d_output,
@@ -81,7 +82,8 @@ ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor
   TORCH_CHECK_VALUE(!return_act_out || act == ActivationCode::kGeluTanh || act == ActivationCode::kSquaredRelu, op,
                     ": return_act_out=True needs activation 1 (gelu_approx) or 3 (sqrelu), whose pre_act holds "
                     "the pre-activation values, got activation ", activation, " (", activation_name(activation), ")");
-  const int64_t B = d_output.size(0), K = weight.size(1);
+  const c10::SymInt B = d_output.sym_size(0);
+  const int64_t K = weight.size(1);
   const bool has_pre = pre_act.has_value() && pre_act->defined();
   if (act == ActivationCode::kNone) {
     TORCH_CHECK_VALUE(!has_pre, op, ": pre_act must be None when activation is 0 (none)");
@@ -95,15 +97,15 @@ ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor
     TORCH_CHECK_VALUE(p.scalar_type() == at::kByte, op,
                       ": for relu, pre_act must be the uint8 bit-mask saved by the forward, got dtype ",
                       p.scalar_type());
-    TORCH_CHECK_VALUE(p.size(0) == B && p.size(1) == relu_mask_row_bytes(K), op,
+    TORCH_CHECK_VALUE(p.sym_size(0) == B && p.sym_size(1) == relu_mask_row_bytes(K), op,
                       ": for relu, pre_act (bit-mask) must have shape [", B, ", ", relu_mask_row_bytes(K),
-                      "] = [batch, ceil(in_features / 8)], got ", p.sizes());
+                      "] = [batch, ceil(in_features / 8)], got ", p.sym_sizes());
   } else {
     TORCH_CHECK_VALUE(p.scalar_type() == weight.scalar_type(), op, ": for ", activation_name(activation),
                       ", pre_act must have the dtype of weight (", weight.scalar_type(), "), got ",
                       p.scalar_type());
-    TORCH_CHECK_VALUE(p.size(0) == B && p.size(1) == K, op, ": pre_act must have shape [", B, ", ", K,
-                      "] = [batch, in_features], got ", p.sizes());
+    TORCH_CHECK_VALUE(p.sym_size(0) == B && p.sym_size(1) == K, op, ": pre_act must have shape [", B, ", ", K,
+                      "] = [batch, in_features], got ", p.sym_sizes());
   }
   return act;
 }
@@ -111,7 +113,7 @@ ActivationCode check_act_linear_dgrad(const at::Tensor& weight, const at::Tensor
 ActivationCode check_act_forward(const at::Tensor& pre_act, int64_t activation) {
   constexpr const char* op = "fused_dense::act_forward";
   check_float(op, "pre_act", pre_act);
-  TORCH_CHECK_VALUE(pre_act.is_contiguous(), op, ": pre_act must be contiguous, got strides ", pre_act.strides());
+  TORCH_CHECK_VALUE(pre_act.is_contiguous(), op, ": pre_act must be contiguous, got strides ", pre_act.sym_strides());
   return check_plain_activation(op, activation);
 }
 

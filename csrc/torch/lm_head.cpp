@@ -130,7 +130,7 @@ void accumulate_grads(const at::Tensor& g, const at::Tensor& x, const at::Tensor
 }
 
 at::Tensor empty_grad_input(const at::Tensor& input, bool need) {
-  return need ? at::empty(input.sizes(), input.options()) : at::empty({0}, input.options());
+  return need ? at::empty_symint(input.sym_sizes(), input.options()) : at::empty({0}, input.options());
 }
 
 at::Tensor empty_grad_weight(const at::Tensor& weight, bool need, bool zero) {
@@ -148,16 +148,17 @@ at::Tensor grad_bias_of(const at::Tensor& sums, const std::optional<at::Tensor>&
 void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const at::Tensor& target, const LceOptions& opts,
                                 const std::optional<at::Tensor>& divisor, int64_t chunk_size, const char* op) {
-  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [tokens, d], got shape ", input.sizes());
+  TORCH_CHECK_VALUE(input.dim() == 2, op, ": input must be 2-D [tokens, d], got shape ", input.sym_sizes());
   check_float(op, "input", input);
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == input.size(1), op,
-                    ": weight must be [vocab, d] with d = input.size(1) = ", input.size(1), ", got shape ",
-                    weight.sizes());
+  const int64_t d = width_of(input, 1);
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == d, op,
+                    ": weight must be [vocab, d] with d = input.size(1) = ", d, ", got shape ", weight.sizes());
   TORCH_CHECK_VALUE(weight.size(0) > 0, op, ": weight must have at least one row (the vocabulary), got shape ",
                     weight.sizes());
   check_same(op, "weight", weight, "input", input);
   TORCH_CHECK_VALUE(input.is_contiguous() && weight.is_contiguous(), op,
-                    ": input and weight must be contiguous, got strides ", input.strides(), " and ", weight.strides());
+                    ": input and weight must be contiguous, got strides ", input.sym_strides(), " and ",
+                    weight.strides());
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), op, ": bias must be [vocab] = [",
                       weight.size(0), "], got shape ", bias->sizes());
@@ -166,10 +167,10 @@ void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weigh
   }
   TORCH_CHECK_VALUE(target.scalar_type() == at::kLong, op, ": target must be int64 (class indices), got ",
                     target.scalar_type());
-  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == input.size(0), op, ": target must be [tokens] = [",
-                    input.size(0), "] (one class index a row of input), got shape ", target.sizes());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.sym_size(0) == input.sym_size(0), op, ": target must be [tokens] = [",
+                    input.sym_size(0), "] (one class index a row of input), got shape ", target.sym_sizes());
   check_same_device(op, "target", target, "input", input);
-  TORCH_CHECK_VALUE(target.is_contiguous(), op, ": target must be contiguous, got strides ", target.strides());
+  TORCH_CHECK_VALUE(target.is_contiguous(), op, ": target must be contiguous, got strides ", target.sym_strides());
   TORCH_CHECK_VALUE(opts.reduction >= kReduceNone && opts.reduction <= kReduceSum, op,
                     ": reduction must be 0 (none), 1 (mean) or 2 (sum), got ", opts.reduction);
   TORCH_CHECK_VALUE(opts.label_smoothing >= 0.0 && opts.label_smoothing <= 1.0, op,
@@ -183,8 +184,7 @@ void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weigh
     const auto t = input.scalar_type();
     TORCH_CHECK_VALUE(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat, op,
                       ": fp8 needs a float16, bfloat16 or float32 input (the FP8 GEMMs' output dtypes), got ", t);
-    TORCH_CHECK_VALUE(input.size(1) % 16 == 0, op, ": fp8 needs d (input.size(1)) a multiple of 16 (the FP8 GEMM's "
-                      "K), got ", input.size(1));
+    TORCH_CHECK_VALUE(d % 16 == 0, op, ": fp8 needs d (input.size(1)) a multiple of 16 (the FP8 GEMM's K), got ", d);
     TORCH_CHECK_VALUE(weight.size(0) % 16 == 0, op, ": fp8 needs the vocabulary (weight.size(0)) a multiple of 16 "
                       "(the FP8 GEMMs' N and K; pad the embedding), got ", weight.size(0));
   }
@@ -210,18 +210,20 @@ LceOptions checked_lce_options(const at::Tensor& input, const at::Tensor& weight
 
 void check_lce_backward(const at::Tensor& grad_loss, const at::Tensor& lse, const at::Tensor& input,
                         int64_t reduction, const char* op) {
-  const int64_t N = input.size(0);
+  const c10::SymInt N = input.sym_size(0);
   if (reduction == kReduceNone) {
-    TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.size(0) == N, op,
-                      ": grad_loss must be [tokens] = [", N, "] (reduction none), got shape ", grad_loss.sizes());
+    TORCH_CHECK_VALUE(grad_loss.dim() == 1 && grad_loss.sym_size(0) == N, op, ": grad_loss must be [tokens] = [", N,
+                      "] (reduction none), got shape ", grad_loss.sym_sizes());
   } else {
-    TORCH_CHECK_VALUE(grad_loss.numel() == 1, op, ": grad_loss must hold one number (the reduced loss's gradient), "
-                      "got shape ", grad_loss.sizes());
+    TORCH_CHECK_VALUE(grad_loss.sym_numel() == 1, op,
+                      ": grad_loss must hold one number (the reduced loss's "
+                      "gradient), got shape ",
+                      grad_loss.sym_sizes());
   }
   check_same_device(op, "grad_loss", grad_loss, "input", input);
-  TORCH_CHECK_VALUE(lse.scalar_type() == float_math_dtype(input) && lse.dim() == 1 && lse.size(0) == N, op,
+  TORCH_CHECK_VALUE(lse.scalar_type() == float_math_dtype(input) && lse.dim() == 1 && lse.sym_size(0) == N, op,
                     ": lse must be ", float_math_dtype(input), " [tokens] = [", N, "] (the forward's), got ",
-                    lse.scalar_type(), " ", lse.sizes());
+                    lse.scalar_type(), " ", lse.sym_sizes());
   check_same_device(op, "lse", lse, "input", input);
 }
 
@@ -345,10 +347,11 @@ LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& in
 
 LceForwardResult empty_lce_forward(const at::Tensor& input, const at::Tensor& weight,
                                    const std::optional<at::Tensor>& bias, int64_t reduction, std::array<bool, 3> grads) {
-  const int64_t N = input.size(0);
+  const c10::SymInt N = input.sym_size(0);
   const auto f32 = input.options().dtype(float_math_dtype(input));
   auto [gi, gw, gb] = empty_lce_grads(input, weight, bias, grads);
-  return {reduction == kReduceNone ? at::empty({N}, f32) : at::empty({}, f32), at::empty({N}, f32), gi, gw, gb};
+  return {reduction == kReduceNone ? at::empty_symint({N}, f32) : at::empty({}, f32), at::empty_symint({N}, f32), gi,
+          gw, gb};
 }
 
 LceBackwardResult empty_lce_grads(const at::Tensor& input, const at::Tensor& weight,

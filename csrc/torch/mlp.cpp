@@ -10,10 +10,10 @@ namespace fused_dense {
 
 void check_mlp_shapes(const at::Tensor& x, const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
                       const at::Tensor& weight2, int64_t activation, const char* op) {
-  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be 2-D [batch, in_features], got shape ", x.sym_sizes());
   TORCH_CHECK_VALUE(weight1.dim() == 2 && weight2.dim() == 2, op, ": weight1 and weight2 must be 2-D, got shapes ",
                     weight1.sizes(), " and ", weight2.sizes());
-  TORCH_CHECK_VALUE(weight1.size(1) == x.size(1), op, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
+  TORCH_CHECK_VALUE(weight1.size(1) == x.sym_size(1), op, ": weight1.size(1) must equal x.size(1) = ", x.sym_size(1),
                     " (in_features), got weight1 shape ", weight1.sizes());
   if (!is_gated_activation(activation)) {
     TORCH_CHECK_VALUE(weight2.size(1) == weight1.size(0), op, ": weight2.size(1) must equal weight1.size(0) = ",
@@ -27,7 +27,7 @@ void check_mlp_shapes(const at::Tensor& x, const at::Tensor& weight1, const std:
                     ", weight2.size(1) must equal weight1.size(0) / 2 = ", weight1.size(0) / 2,
                     " (hidden_features), got weight2 shape ", weight2.sizes());
   TORCH_CHECK_VALUE(!(bias1.has_value() && bias1->defined()), op, ": ", activation_name(activation),
-                    " takes no bias1 (the gated layers have no fc1 bias), got a tensor of shape ", bias1->sizes());
+                    " takes no bias1 (the gated layers have no fc1 bias), got a tensor of shape ", bias1->sym_sizes());
 }
 
 namespace {

@@ -19,8 +19,9 @@ constexpr const char* kDenseOp = "fused_dense::fp8_dense";
 
 void check_vector(const Opt& t, int64_t n, const at::Tensor& x, const char* op, const char* name) {
   if (!t.has_value() || !t->defined()) return;
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kFloat, op, ": ", name,
-                    " must be a float32 vector of ", n, " elements, got ", t->scalar_type(), " of shape ", t->sizes());
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->sym_size(0) == n && t->scalar_type() == at::kFloat, op, ": ", name,
+                    " must be a float32 vector of ", n, " elements, got ", t->scalar_type(), " of shape ",
+                    t->sym_sizes());
   check_same_device(op, name, *t, "x", x);
 }
 
@@ -35,11 +36,12 @@ void check_fp8_width(const char* op, const char* name, int64_t value, bool posit
 
 void check_mlp_fp8(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& weight2, int64_t activation,
                    int64_t grad_format, const Opt& scales, const Opt& amax_out, at::TensorList weights_fp8) {
-  TORCH_CHECK_VALUE(x.dim() == 2, kMlpOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.dim() == 2, kMlpOp, ": x must be 2-D [batch, in_features], got shape ", x.sym_sizes());
   TORCH_CHECK_VALUE(weight1.dim() == 2 && weight2.dim() == 2, kMlpOp, ": weight1 and weight2 must be 2-D, got shapes ",
                     weight1.sizes(), " and ", weight2.sizes());
-  TORCH_CHECK_VALUE(weight1.size(1) == x.size(1), kMlpOp, ": weight1.size(1) must equal x.size(1) = ", x.size(1),
-                    " (in_features), got weight1 shape ", weight1.sizes());
+  TORCH_CHECK_VALUE(weight1.size(1) == x.sym_size(1), kMlpOp,
+                    ": weight1.size(1) must equal x.size(1) = ", x.sym_size(1), " (in_features), got weight1 shape ",
+                    weight1.sizes());
   check_mlp_codes(activation, 0, kMlpOp);
   if (is_gated_activation(activation)) {
     TORCH_CHECK_VALUE(weight1.size(0) == 2 * weight2.size(1), kMlpOp, ": a gated MLP's weight1 is the packed gate / "
@@ -49,7 +51,7 @@ void check_mlp_fp8(const at::Tensor& x, const at::Tensor& weight1, const at::Ten
     TORCH_CHECK_VALUE(weight2.size(1) == weight1.size(0), kMlpOp, ": weight2.size(1) must equal weight1.size(0) = ",
                       weight1.size(0), " (hidden_features), got weight2 shape ", weight2.sizes());
   }
-  check_fp8_width(kMlpOp, "in_features (x.size(1))", x.size(1), true);
+  check_fp8_width(kMlpOp, "in_features (x.size(1))", width_of(x, 1), true);
   check_fp8_width(kMlpOp, "hidden_features (weight2.size(1))", weight2.size(1), true);
   check_fp8_width(kMlpOp, "out_features (weight2.size(0))", weight2.size(0), false);
   fp8_format_of(grad_format, kMlpOp, "grad_format");
@@ -61,10 +63,10 @@ void check_mlp_fp8(const at::Tensor& x, const at::Tensor& weight1, const at::Ten
 
 void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad_format, const Opt& scales,
                      const Opt& amax_out, at::TensorList weights_fp8) {
-  TORCH_CHECK_VALUE(x.dim() == 2, kDenseOp, ": x must be 2-D [batch, in_features], got shape ", x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), kDenseOp,
-                    ": weight must be [out_features, in_features = ", x.size(1), "], got shape ", weight.sizes());
-  check_fp8_width(kDenseOp, "in_features (x.size(1))", x.size(1), true);
+  TORCH_CHECK_VALUE(x.dim() == 2, kDenseOp, ": x must be 2-D [batch, in_features], got shape ", x.sym_sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.sym_size(1), kDenseOp,
+                    ": weight must be [out_features, in_features = ", x.sym_size(1), "], got shape ", weight.sizes());
+  check_fp8_width(kDenseOp, "in_features (x.size(1))", width_of(x, 1), true);
   check_fp8_width(kDenseOp, "out_features (weight.size(0))", weight.size(0), false);
   fp8_format_of(grad_format, kDenseOp, "grad_format");
   check_vector(scales, 2, x, kDenseOp, "scales");
@@ -78,18 +80,18 @@ void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op) {
   TORCH_CHECK_VALUE(x_fp8.size() == 4, op, ": x_fp8 must be empty or hold 4 tensors (x's data, data_t, scale_inv, "
                     "amax), got ", x_fp8.size());
   const at::Tensor &d = x_fp8[0], &t = x_fp8[1];
-  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && d.sizes() == x.sizes(), op,
-                    ": x_fp8[0] must be x's float8_e4m3fn copy of shape ", x.sizes(), ", got ", d.scalar_type(), " ",
-                    d.sizes());
-  const int64_t ld = core::fp8_padded_rows(x.size(0));
+  TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && d.sym_sizes() == x.sym_sizes(), op,
+                    ": x_fp8[0] must be x's float8_e4m3fn copy of shape ", x.sym_sizes(), ", got ", d.scalar_type(),
+                    " ", d.sym_sizes());
+  const c10::SymInt ld = core::fp8_padded_rows(x.sym_size(0));
   TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat8_e4m3fn &&
-                        (t.sym_numel() == 0 || (t.dim() == 2 && t.size(0) == x.size(1) && t.size(1) == ld)),
-                    op, ": x_fp8[1] must be x's transposed float8_e4m3fn copy [", x.size(1), ", ", ld, "] or empty, got ",
-                    t.scalar_type(), " ", t.sizes());
+                        (t.sym_numel() == 0 || (t.dim() == 2 && t.sym_size(0) == x.sym_size(1) && t.sym_size(1) == ld)),
+                    op, ": x_fp8[1] must be x's transposed float8_e4m3fn copy [", x.sym_size(1), ", ", ld,
+                    "] or empty, got ", t.scalar_type(), " ", t.sym_sizes());
   for (int i = 2; i < 4; ++i) {
-    TORCH_CHECK_VALUE(x_fp8[i].scalar_type() == at::kFloat && x_fp8[i].numel() == 1, op, ": x_fp8[", i,
-                      "] must be a float32 scalar (", i == 2 ? "scale_inv" : "amax", "), got ",
-                      x_fp8[i].scalar_type(), " ", x_fp8[i].sizes());
+    TORCH_CHECK_VALUE(x_fp8[i].scalar_type() == at::kFloat && x_fp8[i].sym_numel() == 1, op, ": x_fp8[", i,
+                      "] must be a float32 scalar (", i == 2 ? "scale_inv" : "amax", "), got ", x_fp8[i].scalar_type(),
+                      " ", x_fp8[i].sym_sizes());
   }
   for (const auto& e : x_fp8) check_same_device(op, "x_fp8", e, "x", x);
 }

@@ -33,10 +33,10 @@ namespace fused_dense {
 namespace {
 
 void check_vector_of(const at::Tensor& t, const at::Tensor& x, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == x.size(1), op, ": ", name, " must be [cols] = [", x.size(1),
-                    "], got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) == x.sym_size(1), op, ": ", name, " must be [cols] = [",
+                    x.sym_size(1), "], got shape ", t.sym_sizes());
   check_same(op, name, t, "x", x);
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.sym_strides());
 }
 
 }  // namespace
@@ -51,8 +51,8 @@ void check_norm_fp8(const at::Tensor& x, const at::Tensor& weight, const std::op
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
   TORCH_CHECK_VALUE(x.scalar_type() != at::kDouble, op,
                     ": x must be float16, bfloat16 or float32 (the dtypes fp8_quantize reads), got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.size(1) % 8 == 0, op, ": x.size(1) (cols) must be a multiple of 8 (the FP8 copies), got ",
-                    x.size(1));
+  TORCH_CHECK_VALUE(x.sym_size(1) % 8 == 0, op, ": x.size(1) (cols) must be a multiple of 8 (the FP8 copies), got ",
+                    x.sym_size(1));
   check_fp8_quantize(x, std::nullopt, 0, false, fp8_format, scale);  // out is what fp8_quantize reads
 }
 
@@ -62,27 +62,29 @@ void check_norm_backward(const at::Tensor& grad_out, const at::Tensor& x, const 
   check_matrix(op, "x", x);
   check_float(op, "x", x);
   check_vector_of(weight, x, op, "weight");
-  TORCH_CHECK_VALUE(grad_out.sizes() == x.sizes(), op, ": grad_out must have x's shape ", x.sizes(), ", got ",
-                    grad_out.sizes());
+  TORCH_CHECK_VALUE(grad_out.sym_sizes() == x.sym_sizes(), op, ": grad_out must have x's shape ", x.sym_sizes(),
+                    ", got ", grad_out.sym_sizes());
   check_same(op, "grad_out", grad_out, "x", x);
   const auto stats = float_math_dtype(x);
-  TORCH_CHECK_VALUE(rstd.scalar_type() == stats && rstd.dim() == 1 && rstd.size(0) == x.size(0), op,
-                    ": rstd must be ", stats, " [rows] = [", x.size(0), "] (norm_fp8's), got ", rstd.scalar_type(),
-                    " ", rstd.sizes());
+  TORCH_CHECK_VALUE(rstd.scalar_type() == stats && rstd.dim() == 1 && rstd.sym_size(0) == x.sym_size(0), op,
+                    ": rstd must be ", stats, " [rows] = [", x.sym_size(0), "] (norm_fp8's), got ", rstd.scalar_type(),
+                    " ", rstd.sym_sizes());
   check_same_device(op, "rstd", rstd, "x", x);
   if (mean.has_value() && mean->defined()) {
-    TORCH_CHECK_VALUE(mean->scalar_type() == stats && mean->sizes() == rstd.sizes(), op, ": mean must be ", stats,
-                      " [rows] = [", x.size(0), "], got ", mean->scalar_type(), " ", mean->sizes());
+    TORCH_CHECK_VALUE(mean->scalar_type() == stats && mean->sym_sizes() == rstd.sym_sizes(), op, ": mean must be ",
+                      stats, " [rows] = [", x.sym_size(0), "], got ", mean->scalar_type(), " ", mean->sym_sizes());
     check_same_device(op, "mean", *mean, "x", x);
   }
 }
 
 NormFp8Result empty_norm_fp8(const at::Tensor& x, bool layer_norm, int64_t fp8_format, bool rowwise, bool columnwise) {
-  auto [data, data_t, s, s_inv, amax, sums] = empty_fp8_quantize(x, x.size(1), fp8_format, rowwise, columnwise, false);
+  auto [data, data_t, s, s_inv, amax, sums] =
+      empty_fp8_quantize(x, width_of(x, 1), fp8_format, rowwise, columnwise, false);
   (void)sums;
   const auto stats = x.options().dtype(float_math_dtype(x));
-  return {at::empty_like(x), data, data_t, s, s_inv, amax, at::empty({x.size(0)}, stats),
-          layer_norm ? at::empty({x.size(0)}, stats) : at::empty({0}, stats)};
+  const c10::SymInt rows = x.sym_size(0);
+  return {at::empty_like(x), data, data_t, s, s_inv, amax, at::empty_symint({rows}, stats),
+          layer_norm ? at::empty_symint({rows}, stats) : at::empty({0}, stats)};
 }
 
 NormBackwardResult empty_norm_grads(const at::Tensor& x, const at::Tensor& weight, std::array<bool, 3> grads) {

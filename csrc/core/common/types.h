@@ -69,7 +69,9 @@ FD_HOST_DEVICE inline float fp8_scale_from_amax(float amax, Fp8Format f) {
 // the K-major operand of an FP8 GEMM over the rows (cuBLASLt needs K and the leading dimension of
 // FP8 operands to be multiples of 16).
 inline constexpr int64_t kFp8RowPad = 16;
-inline int64_t fp8_padded_rows(int64_t rows) { return (rows + kFp8RowPad - 1) / kFp8RowPad * kFp8RowPad; }
+// Int is int64_t, or in the binding c10::SymInt (the token count, symbolic under torch.compile).
+template <typename Int>
+inline Int fp8_padded_rows(const Int& rows) { return (rows + kFp8RowPad - 1) / kFp8RowPad * kFp8RowPad; }
 
 // The heuristic argument: >= 0 picks that entry of cuBLASLt's list for the fused epilogue.
 constexpr int kHeuristicUnfused = -1;  // plain GEMM + elementwise kernel

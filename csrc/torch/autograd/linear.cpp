@@ -76,11 +76,12 @@ struct DenseFunction : public torch::autograd::Function<DenseFunction> {
 
 void check_dense(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK_VALUE(x.dim() >= 1, kDenseOp, ": x must have at least 1 dimension [..., in_features], got shape ",
-                    x.sizes());
+                    x.sym_sizes());
   TORCH_CHECK_VALUE(weight.dim() == 2, kDenseOp, ": weight must be 2-D [out_features, in_features], got shape ",
                     weight.sizes());
-  TORCH_CHECK_VALUE(x.size(-1) == weight.size(1), kDenseOp, ": x.size(-1) (in_features) must equal weight.size(1) = ",
-                    weight.size(1), ", got x shape ", x.sizes(), " and weight shape ", weight.sizes());
+  TORCH_CHECK_VALUE(x.sym_size(-1) == weight.size(1), kDenseOp,
+                    ": x.size(-1) (in_features) must equal weight.size(1) = ", weight.size(1), ", got x shape ",
+                    x.sym_sizes(), " and weight shape ", weight.sizes());
 }
 
 // x as the 2-D row-major [rows, in_features] the GEMMs read (x itself when it already is), and
@@ -88,15 +89,17 @@ void check_dense(const at::Tensor& x, const at::Tensor& weight) {
 // recorded as PyTorch's own ops, outside DenseFunction, so the output takes in-place ops.
 at::Tensor rows_of(const at::Tensor& x) {
   if (x.dim() == 2) return x.contiguous();
-  const int64_t K = x.size(-1);
-  return x.reshape({K == 0 ? c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1) : -1, K}).contiguous();
+  const int64_t K = width_of(x, -1);
+  const auto lead = x.sym_sizes().slice(0, x.dim() - 1);
+  const c10::SymInt rows = K == 0 ? c10::multiply_integers(lead.begin(), lead.end()) : c10::SymInt(-1);
+  return x.reshape_symint({rows, K}).contiguous();
 }
 
 at::Tensor shaped_like(const at::Tensor& out, const at::Tensor& x) {
   if (x.dim() == 2) return out;
-  auto sizes = x.sizes().vec();
-  sizes.back() = out.size(1);
-  return out.view(sizes);
+  auto sizes = x.sym_sizes().vec();  // symbolic under torch.compile: no guard on the token count
+  sizes.back() = out.sym_size(1);
+  return out.view_symint(sizes);
 }
 
 Opt contiguous(const Opt& t) { return t.has_value() && t->defined() ? Opt(t->contiguous()) : t; }

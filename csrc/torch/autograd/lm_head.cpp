@@ -13,6 +13,7 @@
 
 #include <vector>
 
+#include "torch/checks.h"
 #include "torch/lm_head.h"
 
 namespace fused_dense {
@@ -96,7 +97,7 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
       for (int i = 0; i < 3; ++i) {
         if (!need[i]) continue;
         out[i] = grads.get(i);
-        if (out[i].numel() > 0) scaled.push_back(out[i]);
+        if (out[i].sym_numel() > 0) scaled.push_back(out[i]);
       }
       call_scale_grads(scaled, g);
       ctx->saved_data["grads"] = c10::List<at::Tensor>();  // the returned tensors are the only references
@@ -122,17 +123,18 @@ struct LceFunction : public torch::autograd::Function<LceFunction> {
 // input [..., d] as rows [N, d] and target [...] as [N] (PyTorch's own differentiable reshape,
 // outside the Function), after checking that their leading shapes agree.
 std::pair<at::Tensor, at::Tensor> rows_of(const at::Tensor& input, const at::Tensor& target) {
-  TORCH_CHECK_VALUE(input.dim() >= 1, kOp, ": input must be [..., d], got shape ", input.sizes());
-  TORCH_CHECK_VALUE(target.sizes() == input.sizes().slice(0, input.dim() - 1), kOp,
-                    ": target must have input's leading shape ", input.sizes().slice(0, input.dim() - 1),
-                    " (one class index a row of input), got shape ", target.sizes());
-  const int64_t d = input.size(-1);
-  const at::Tensor x = input.dim() == 2 ? input.contiguous() : input.reshape({target.numel(), d}).contiguous();
+  TORCH_CHECK_VALUE(input.dim() >= 1, kOp, ": input must be [..., d], got shape ", input.sym_sizes());
+  TORCH_CHECK_VALUE(target.sym_sizes() == input.sym_sizes().slice(0, input.dim() - 1), kOp,
+                    ": target must have input's leading shape ", input.sym_sizes().slice(0, input.dim() - 1),
+                    " (one class index a row of input), got shape ", target.sym_sizes());
+  const int64_t d = width_of(input, -1);
+  const at::Tensor x =
+      input.dim() == 2 ? input.contiguous() : input.reshape_symint({target.sym_numel(), d}).contiguous();
   return {x, target.reshape({-1}).contiguous()};
 }
 
 at::Tensor shaped_loss(const at::Tensor& loss, const at::Tensor& target, int64_t reduction) {
-  return reduction == kReduceNone ? loss.view(target.sizes()) : loss;
+  return reduction == kReduceNone ? loss.view_symint(target.sym_sizes()) : loss;
 }
 
 Opt contiguous(const Opt& t) { return t.has_value() && t->defined() ? Opt(t->contiguous()) : t; }

@@ -145,8 +145,8 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   const bool x_t_rows = s != nullptr && x_t_from_rows(x_fp8, p.need.w1);
   const at::Tensor x_rows = x_t_rows ? xq.data : at::Tensor();
   const int64_t pre_cols = w1.data.size(0);
-  const Opt pre8 = pre_copy ? Opt(at::empty({x.size(0), pre_cols}, x.options().dtype(at::kFloat8_e4m3fn)))
-                            : std::nullopt;
+  const Opt pre8 =
+      pre_copy ? Opt(at::empty_symint({x.sym_size(0), pre_cols}, x.options().dtype(at::kFloat8_e4m3fn))) : std::nullopt;
   const Opt pre8_si = pre_copy ? Opt(at::empty({}, x.options().dtype(at::kFloat))) : std::nullopt;
   // With pre's e4m3 copy kept, the pass over pre writes pre8 and the activation's copies while pre
   // is alive: the activation's transposed copy is then made from its row-major bytes after pre is

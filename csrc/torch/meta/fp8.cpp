@@ -27,7 +27,7 @@ Fp8QuantizeGradResult fp8_quantize_grad_meta_(const at::Tensor& pre_act, const a
 
 at::Tensor fp8_transpose_meta(const at::Tensor& data) {
   check_fp8_transpose(data);
-  return at::empty({data.size(1), core::fp8_padded_rows(data.size(0))}, data.options());
+  return at::empty_symint({data.sym_size(1), core::fp8_padded_rows(data.sym_size(0))}, data.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_scales_meta(const at::Tensor& value, bool delayed, int64_t fp8_format) {
@@ -41,7 +41,7 @@ at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, co
   (void)fast_accum;
   (void)heuristic;
   check_fp8_linear(input, weight, input_scale_inv, weight_scale_inv, bias, out_dtype);
-  return at::empty({input.size(0), weight.size(0)}, input.options().dtype(out_dtype));
+  return at::empty_symint({input.sym_size(0), weight.sym_size(0)}, input.options().dtype(out_dtype));
 }
 
 Fp8LinearActResult fp8_linear_act_meta(const at::Tensor& input, const at::Tensor& weight,

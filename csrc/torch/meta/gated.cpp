@@ -9,17 +9,17 @@ namespace {
 std::vector<at::Tensor> gated_linear_meta(const at::Tensor& input, const at::Tensor& weight, int64_t activation,
                                           bool save_pre_act, int64_t heuristic) {
   check_gated_linear(input, weight, activation, heuristic);
-  auto out = at::empty({input.size(0), weight.size(0) / 2}, input.options());
+  auto out = at::empty_symint({input.sym_size(0), weight.size(0) / 2}, input.options());
   if (!save_pre_act) return {out};
-  return {out, at::empty({input.size(0), weight.size(0)}, input.options())};
+  return {out, at::empty_symint({input.sym_size(0), weight.size(0)}, input.options())};
 }
 
 std::vector<at::Tensor> gated_linear_dgrad_meta(const at::Tensor& weight, const at::Tensor& d_output,
                                                 const at::Tensor& pre_act, int64_t activation, int64_t heuristic,
                                                 bool return_act_out) {
   check_gated_linear_dgrad(weight, d_output, pre_act, activation, heuristic);
-  std::vector<at::Tensor> out{at::empty({d_output.size(0), 2 * weight.size(1)}, weight.options())};
-  if (return_act_out) out.push_back(at::empty({d_output.size(0), weight.size(1)}, weight.options()));
+  std::vector<at::Tensor> out{at::empty_symint({d_output.sym_size(0), 2 * weight.size(1)}, weight.options())};
+  if (return_act_out) out.push_back(at::empty_symint({d_output.sym_size(0), weight.size(1)}, weight.options()));
   return out;
 }
 
@@ -30,7 +30,7 @@ void gated_linear_dgrad_meta_(const at::Tensor& pre_act, const at::Tensor& weigh
 
 at::Tensor gated_act_forward_meta(const at::Tensor& pre_act, int64_t activation) {
   check_gated_act_forward(pre_act, activation);
-  return at::empty({pre_act.size(0), pre_act.size(1) / 2}, pre_act.options());
+  return at::empty_symint({pre_act.sym_size(0), pre_act.sym_size(1) / 2}, pre_act.options());
 }
 
 }  // namespace
