@@ -362,6 +362,35 @@ def test_compiles_fullgraph_with_no_break(family):
     assert conv.graph_break_count <= plain.graph_break_count, conv.break_reasons
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "llama_fuse_qkv"])
+def test_compiled_model_traces_the_sequence_length_once(family):
+    """A converted model compiled and trained at four sequence lengths compiles no more graphs than
+    the unconverted one: its layers trace the token count as a symbol (tests/test_compile_dynamic.py);
+    before, each length recompiled them."""
+    from torch._dynamo.utils import counters
+    ref, model = prepared(gpt2() if family == "gpt2" else llama_family("llama"))
+    convert_model(model, fuse_qkv=family == "llama_fuse_qkv")
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 97, (2, t), generator=gen) for t in (7, 9, 12, 15)]
+
+    def graphs(m):
+        torch._dynamo.reset()
+        counters.clear()
+        step = torch.compile(lambda ids: m(input_ids=ids, labels=ids).loss, backend="aot_eager")
+        losses = []
+        for ids in batches:
+            loss = step(ids)
+            loss.backward()
+            losses.append(loss.detach())
+        return counters["stats"]["unique_graphs"], losses
+
+    (ref_graphs, ref_losses), (conv_graphs, conv_losses) = graphs(ref), graphs(model)
+    torch._dynamo.reset()
+    assert conv_graphs <= ref_graphs, (conv_graphs, ref_graphs)
+    for a, b in zip(ref_losses, conv_losses):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0), (a, b)  # float64: the same computation
+
+
 @pytest.mark.parametrize("layer", ["FusedMLP", "FusedGatedMLP", "FusedDense"])
 def test_layers_under_non_reentrant_checkpoint(layer):
     """torch.utils.checkpoint(use_reentrant=False) over each layer: the recomputation in backward
