@@ -43,6 +43,13 @@ def layer_cases():
             yield f"fp8-dense-{scaling}-{mode}", functools.partial(FusedDense, C, 32, **kw)
             yield f"fp8-mlp-{scaling}-{mode}", functools.partial(FusedMLP, C, 96, **kw)
             yield f"fp8-gated-{scaling}-{mode}", functools.partial(FusedGatedMLP, C, 48, **kw)
+    # the FP8 MLPs' other saved-tensor plans: checkpoint levels, the e4m3 pre-activation
+    for cls, act, width in ((FusedMLP, "gelu_approx", 96), (FusedMLP, "relu", 96), (FusedGatedMLP, "swiglu", 48)):
+        for lvl in (1, 2):
+            yield f"fp8-{act}-{lvl}", functools.partial(cls, C, width, activation=act, checkpoint_lvl=lvl,
+                                                        fp8=fp8_recipe())
+        yield f"fp8-{act}-save_pre_fp8", functools.partial(
+            cls, C, width, activation=act, fp8=Float8Recipe(min_features=0, save_pre_fp8=True))
 
 
 CASES = dict(layer_cases())
