@@ -22,6 +22,8 @@ from fused_dense.modules import fuse_qkv_projections
 C = 64
 COUNTS = (40, 37, 64, 19)  # FP8 transposed copies padded to 48, 48, 64 (none), 32 tokens
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+# bit-for-bit between calls: no measured choice may replace a provisional one in between
+pytestmark = pytest.mark.usefixtures("deterministic_tuning")
 BF16 = torch.bfloat16
 
 
