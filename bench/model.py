@@ -46,6 +46,9 @@ and, on request (--variants):
   fd_fp8_current_qkv_rw_compile as fd_fp8_current_qkv_compile with Float8Recipe(compiled_input_quantize=
                                 'traced_rowwise'): Inductor writes the inputs' row-major FP8 copies only,
                                 the ops transpose them in backward (fp8_transpose) for the weight gradients
+  fd_fp8_current_qkv_ck1_compile  as fd_fp8_current_qkv_compile with convert_model(checkpoint_lvl=1): the
+                                MLPs keep no FP8 copy of their activation for fc2's weight gradient and
+                                rebuild it in backward from the kept pre-activation at the forward's scale
   fd_lce8_compile,
   fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
                                 GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
@@ -123,7 +126,7 @@ VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre
                                "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
                                "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile",
-                               "fd_fp8_current_qkv_rw_compile"]
+                               "fd_fp8_current_qkv_rw_compile", "fd_fp8_current_qkv_ck1_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -242,9 +245,11 @@ def make_variant(key, base, device):
         lce_fp8 = "_lce8_" in key
         lce = "_lce_" in key or lce_fp8
         qkv = "_qkv_" in key
-        rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce, fuse_qkv=qkv)
+        level = 1 if "_ck1_" in key else 0
+        rep = fused_dense.convert_model(model, fp8=fp8, linear_cross_entropy=lce, fuse_qkv=qkv, checkpoint_lvl=level)
         # fuse_qkv passed explicitly (the converter's default is on with fp8); the note names it in FP8
-        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}{f', fuse_qkv={qkv}' if qkv or fp8 else ''}): "
+        note = (f"convert_model(fp8={fp8!r}, linear_cross_entropy={lce}{f', fuse_qkv={qkv}' if qkv or fp8 else ''}"
+                f"{f', checkpoint_lvl={level}' if level else ''}): "
                 f"{len(rep.converted)} converted, {len(rep.left)} left")
         if lce_fp8:
             note += "; " + fused_dense.use_fused_linear_cross_entropy(model, fp8=True)

@@ -21,7 +21,9 @@ neighbouring FP8 value, 12.5% (e4m3) or 25% (e5m2) off for that element.
 The ops' own roundings are checked bit for bit where they are deterministic (the quantized
 bytes, the scales, the amax: here and in test_fp8_numerics.py).
 """
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -1087,6 +1089,54 @@ def test_mlp_first_microbatch_keeps_weight_copies(device):
     assert torch.equal(a, b)
     c = m(x)
     assert not torch.equal(a, c)  # None: the weights are cast again
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layer,lvl", [("dense", 0), ("mlp", 0), ("mlp", 1), ("mlp", 2), ("gated", 0), ("gated", 1),
+                                       ("gated", 2)])
+def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, monkeypatch):
+    """Between the forward and the backward the step holds, of the per-step FP8 weight copies
+    [data, data_t, scale_inv], the transposed copies (the data gradients' operands) and the scales;
+    the row-major copy only of weight1 at level 2, whose backward re-runs fc1. The gradients match
+    those of a forward whose copies outlive it (the layer keeps them: is_first_microbatch=True)."""
+    made = []
+    quantize = fused_dense.fp8.quantize_weight
+
+    def recording(weight):
+        copies = quantize(weight)
+        made.append([weakref.ref(t) for t in copies])
+        return copies
+
+    torch.manual_seed(lvl)
+    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0))
+    if layer == "dense":
+        m = FusedDense(64, 48, **kw)
+    elif layer == "mlp":
+        m = FusedMLP(64, 128, checkpoint_lvl=lvl, **kw)
+    else:
+        m = FusedGatedMLP(64, 96, activation="swiglu", checkpoint_lvl=lvl, **kw)
+    x = randn(40, 64, device=device)
+    g = randn(40, 48 if layer == "dense" else 64, device=device)
+
+    def step(**call):
+        xr = x.detach().requires_grad_(True)
+        for p in m.parameters():
+            p.grad = None
+        out = m(xr, **call)
+        gc.collect()
+        alive = [[r() is not None for r in refs] for refs in made]
+        out.backward(g)
+        return alive, [xr.grad] + [p.grad for p in m.parameters()]
+
+    monkeypatch.setattr(fused_dense.fp8, "quantize_weight", recording)
+    alive, grads = step()
+    # per weight quantized (the MLPs: weight1, for the gated one the packed gate / up, then weight2)
+    expected = [[False, True, True]] if layer == "dense" else [[lvl == 2, True, True], [False, True, True]]
+    assert alive == expected, f"copies alive after the forward (data, data_t, scale_inv per weight): {alive}"
+    made.clear()
+    _, kept_grads = step(is_first_microbatch=True)
+    for a, b in zip(grads, kept_grads):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", devices())

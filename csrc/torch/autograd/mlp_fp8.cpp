@@ -83,6 +83,16 @@ bool x_t_from_rows(at::TensorList x_fp8, bool weight_grad) {
   return weight_grad && !x_fp8.empty() && x_fp8[1].sym_numel() == 0;
 }
 
+// The copies of an FP8 weight a Function keeps for backward: the row-major one only where backward
+// re-runs the forward GEMM (`rows`: level 2's fc1), the transposed one where a data gradient reads
+// it (`cols`), the scale always; the others are left undefined. The copies are the caller's per-step
+// tensors, so a copy kept here is one the step holds from the forward to the backward: keeping the
+// row-major copies as well held twice the FP8 weight bytes backward reads through every eager step
+// (60 MiB more a decoder layer at llama-2048). Under torch.compile only what backward reads is saved.
+c10::List<at::Tensor> kept_weight(const Fp8Weight& w, bool rows, bool cols) {
+  return c10::List<at::Tensor>({rows ? w.data : at::Tensor(), cols ? w.data_t : at::Tensor(), w.scale_inv});
+}
+
 // The slot of a delayed-scaling scale, or none (current scaling).
 Opt slot(const Opt& scales, int64_t i) {
   if (!scales.has_value() || !scales->defined()) return std::nullopt;
@@ -291,9 +301,10 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     ctx->saved_data["config"] = c10::List<int64_t>({activation, checkpoint_lvl, grad_format, save_pre_fp8 ? 1 : 0});
     ctx->saved_data["x_t_rows"] = s.x_t_rows;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight1.scalar_type());
-    // The FP8 weight copies and the scaling state are not differentiable inputs: kept as values.
-    ctx->saved_data["w1"] = c10::List<at::Tensor>({w1.data, w1.data_t, w1.scale_inv});
-    ctx->saved_data["w2"] = c10::List<at::Tensor>({w2.data, w2.data_t, w2.scale_inv});
+    // The FP8 weight copies and the scaling state are not differentiable inputs: kept as values,
+    // only those backward reads (kept_weight).
+    ctx->saved_data["w1"] = kept_weight(w1, p.recompute_fc1, need.x);
+    ctx->saved_data["w2"] = kept_weight(w2, false, p.need_d_pre);
     save_scaling(ctx, scales, amax_out);
     ctx->save_for_backward({p.save_b1 && has_b1 ? *bias1 : at::Tensor(), s.x_data, s.x_t, s.x_scale_inv, s.pre, s.a_t,
                             s.a_scale, s.a_scale_inv, s.pre_scale_inv});
@@ -383,7 +394,7 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     ctx->saved_data["x_fp8_count"] = static_cast<int64_t>(x_fp8.size());
     ctx->saved_data["grad_format"] = grad_format;
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    ctx->saved_data["w"] = c10::List<at::Tensor>({w.data, w.data_t, w.scale_inv});
+    ctx->saved_data["w"] = kept_weight(w, false, need_x);
     save_scaling(ctx, scales, amax_out);
     ctx->save_for_backward({!need_w ? at::Tensor() : x_t_rows ? xq.data : xq.data_t, xq.scale_inv});
     return out;
