@@ -49,6 +49,10 @@ and, on request (--variants):
   fd_fp8_current_qkv_ck1_compile  as fd_fp8_current_qkv_compile with convert_model(checkpoint_lvl=1): the
                                 MLPs keep no FP8 copy of their activation for fc2's weight gradient and
                                 rebuild it in backward from the kept pre-activation at the forward's scale
+  fd_fp8_current_qkv_nowc_compile,
+  fd_fp8_current_qkv_ck1_nowc_compile  as fd_fp8_current_qkv_compile and its ck1 variant with
+                                Float8Recipe(save_weight_fp8=False): no weight's FP8 copy held from the
+                                forward to the backward, which quantizes the weights again
   fd_lce8_compile,
   fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
                                 GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
@@ -126,7 +130,8 @@ VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre
                                "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
                                "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile",
-                               "fd_fp8_current_qkv_rw_compile", "fd_fp8_current_qkv_ck1_compile"]
+                               "fd_fp8_current_qkv_rw_compile", "fd_fp8_current_qkv_ck1_compile",
+                               "fd_fp8_current_qkv_nowc_compile", "fd_fp8_current_qkv_ck1_nowc_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
@@ -240,7 +245,7 @@ def make_variant(key, base, device):
             fp8 = fused_dense.Float8Recipe(scaling="current" if "current" in key else "delayed",
                                            compiled_input_quantize=("op" if "_opq_" in key else "traced_rowwise"
                                                                     if "_rw_" in key else "traced"),
-                                           save_pre_fp8="_pre_" in key,
+                                           save_pre_fp8="_pre_" in key, save_weight_fp8="_nowc_" not in key,
                                            **({"min_features": 1024} if "_mf1024_" in key else {}))
         lce_fp8 = "_lce8_" in key
         lce = "_lce_" in key or lce_fp8

@@ -89,6 +89,11 @@ class Float8Recipe:
             evaluates the activation's derivative at that copy dequantized: saved bytes 0.5x the
             bf16 MLP's instead of 0.72x (GELU, hidden 4d), for a derivative taken 3 mantissa bits
             from the pre-activation. Off by default (docs/contract.md, "Checkpoint levels").
+        save_weight_fp8: keep each weight's transposed FP8 copy (its data gradient's operand) from
+            the forward to the backward (True), or hold none and quantize the weight again in
+            backward (False: the same bytes; one byte a weight element less through the step, for
+            one more amax and cast pass over each weight in backward). Copies kept for later
+            micro-batches (``is_first_microbatch``) are whole either way.
     """
 
     scaling: str = "current"
@@ -99,6 +104,7 @@ class Float8Recipe:
     amax_reduction_group: Optional[object] = dataclasses.field(default=None, compare=False)
     compiled_input_quantize: str = "traced"
     save_pre_fp8: bool = False
+    save_weight_fp8: bool = True
 
     def __post_init__(self):
         if self.scaling not in ("current", "delayed"):
@@ -112,8 +118,9 @@ class Float8Recipe:
         if self.compiled_input_quantize not in COMPILED_INPUT_QUANTIZE:
             raise ValueError(f"Float8Recipe: compiled_input_quantize must be one of {COMPILED_INPUT_QUANTIZE}, got "
                              f"{self.compiled_input_quantize!r}")
-        if not isinstance(self.save_pre_fp8, bool):
-            raise ValueError(f"Float8Recipe: save_pre_fp8 must be True or False, got {self.save_pre_fp8!r}")
+        for name in ("save_pre_fp8", "save_weight_fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Float8Recipe: {name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.min_features, int) or self.min_features < 0:
             raise ValueError(f"Float8Recipe: min_features must be an int >= 0, got {self.min_features!r}")
         if self.amax_reduction_group is not None:
@@ -202,10 +209,11 @@ def prepare_layer(module: torch.nn.Module) -> None:
 # The per-layer state and the calls of the ops
 
 
-def quantize_weight(weight: Tensor) -> List[Tensor]:
-    """The FP8 copies of a weight [N, K] (e4m3, scaled from its amax): [data, data_t, scale_inv]."""
+def quantize_weight(weight: Tensor, transposed: bool = True) -> List[Tensor]:
+    """The FP8 copies of a weight [N, K] (e4m3, scaled from its amax): [data, data_t, scale_inv];
+    data_t empty where not ``transposed`` (the FP8 ops then quantize the weight again in backward)."""
     data, data_t, _, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(
-        weight.detach().contiguous(), None, 0, False, 0, None, True, True, False)
+        weight.detach().contiguous(), None, 0, False, 0, None, True, transposed, False)
     return [data, data_t, scale_inv]
 
 
@@ -218,13 +226,18 @@ class Fp8State:
         self.slots = tuple(slots)
         self.weights: Optional[List[Tensor]] = None
 
-    def weight_copies(self, weights: Sequence[Tensor], is_first_microbatch: Optional[bool]) -> List[Tensor]:
+    def weight_copies(self, weights: Sequence[Tensor], is_first_microbatch: Optional[bool],
+                      transposed: bool = True) -> List[Tensor]:
+        """The weights' FP8 copies for one call (quantize_weight), made now or (is_first_microbatch
+        False) the ones kept by the last is_first_microbatch=True call, which are kept whole; else
+        without the transposed copies where not ``transposed`` (Float8Recipe.save_weight_fp8)."""
         if is_first_microbatch is False:
             if self.weights is None:
                 raise ValueError("is_first_microbatch=False reuses the FP8 weights kept by an earlier call with "
                                  "is_first_microbatch=True, but none are kept")
             return self.weights
-        copies = [t for w in weights for t in quantize_weight(w)]
+        transposed = transposed or bool(is_first_microbatch)
+        copies = [t for w in weights for t in quantize_weight(w, transposed)]
         self.weights = copies if is_first_microbatch else None
         return copies
 
@@ -391,7 +404,7 @@ class Fp8Layer:
         x = _parallel_input(x, process_group, sequence_parallel)
         if gemms is None:
             xc, x2, (b,) = _op_inputs(x, (self.bias,))
-            weights = self._fp8_state.weight_copies((self.weight,), is_first_microbatch)
+            weights = self._fp8_state.weight_copies((self.weight,), is_first_microbatch, recipe.save_weight_fp8)
             scales, amax_out = _scaling(self, recipe, DENSE_SLOTS, x.device)
             x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and self.weight.requires_grad,
                                      scales)
@@ -403,7 +416,8 @@ class Fp8Layer:
             lvl = self.checkpoint_lvl if self.training else 2
             fc1, fc2 = gemms
             xc, x2, (b1, b2) = _op_inputs(x, (fc1.bias, fc2.bias))
-            weights = self._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch)
+            weights = self._fp8_state.weight_copies((fc1.weight, fc2.weight), is_first_microbatch,
+                                                    recipe.save_weight_fp8)
             scales, amax_out = _scaling(self, recipe, MLP_SLOTS, x.device)
             x_fp8 = quantized_copies(x, xc, recipe, x2, torch.is_grad_enabled() and fc1.weight.requires_grad,
                                      scales)

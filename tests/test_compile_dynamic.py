@@ -52,6 +52,13 @@ def layer_cases():
                                                         fp8=fp8_recipe())
         yield f"fp8-{act}-save_pre_fp8", functools.partial(
             cls, C, width, activation=act, fp8=Float8Recipe(min_features=0, save_pre_fp8=True))
+        # the weights quantized again in backward (no transposed copy held through the step)
+        for lvl in (0, 2):
+            yield f"fp8-{act}-{lvl}-no_weight_copy", functools.partial(
+                cls, C, width, activation=act, checkpoint_lvl=lvl,
+                fp8=Float8Recipe(min_features=0, save_weight_fp8=False))
+    yield "fp8-dense-no_weight_copy", functools.partial(FusedDense, C, 32,
+                                                        fp8=Float8Recipe(min_features=0, save_weight_fp8=False))
 
 
 CASES = dict(layer_cases())

@@ -1091,24 +1091,29 @@ def test_mlp_first_microbatch_keeps_weight_copies(device):
     assert not torch.equal(a, c)  # None: the weights are cast again
 
 
+LAYER_LEVELS = [("dense", 0), ("mlp", 0), ("mlp", 1), ("mlp", 2), ("gated", 0), ("gated", 1), ("gated", 2)]
+
+
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("layer,lvl", [("dense", 0), ("mlp", 0), ("mlp", 1), ("mlp", 2), ("gated", 0), ("gated", 1),
-                                       ("gated", 2)])
-def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, monkeypatch):
+@pytest.mark.parametrize("save_weight", [True, False])
+@pytest.mark.parametrize("layer,lvl", LAYER_LEVELS)
+def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, save_weight, monkeypatch):
     """Between the forward and the backward the step holds, of the per-step FP8 weight copies
-    [data, data_t, scale_inv], the transposed copies (the data gradients' operands) and the scales;
-    the row-major copy only of weight1 at level 2, whose backward re-runs fc1. The gradients match
-    those of a forward whose copies outlive it (the layer keeps them: is_first_microbatch=True)."""
+    [data, data_t, scale_inv], the transposed copies (the data gradients' operands; none with
+    save_weight_fp8=False, where backward quantizes the weights again) and the scales; the
+    row-major copy only of weight1 at level 2, whose backward re-runs fc1. Outputs and gradients
+    equal, bit for bit, those of a forward whose whole copies outlive it (the layer keeps them:
+    is_first_microbatch=True)."""
     made = []
     quantize = fused_dense.fp8.quantize_weight
 
-    def recording(weight):
-        copies = quantize(weight)
+    def recording(weight, transposed=True):
+        copies = quantize(weight, transposed)
         made.append([weakref.ref(t) for t in copies])
         return copies
 
     torch.manual_seed(lvl)
-    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0))
+    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0, save_weight_fp8=save_weight))
     if layer == "dense":
         m = FusedDense(64, 48, **kw)
     elif layer == "mlp":
@@ -1124,19 +1129,45 @@ def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, monk
             p.grad = None
         out = m(xr, **call)
         gc.collect()
-        alive = [[r() is not None for r in refs] for refs in made]
+        held = [[r() is not None and r().numel() > 0 for r in refs] for refs in made]
         out.backward(g)
-        return alive, [xr.grad] + [p.grad for p in m.parameters()]
+        return held, [out, xr.grad] + [p.grad for p in m.parameters()]
 
     monkeypatch.setattr(fused_dense.fp8, "quantize_weight", recording)
-    alive, grads = step()
+    held, got = step()
     # per weight quantized (the MLPs: weight1, for the gated one the packed gate / up, then weight2)
-    expected = [[False, True, True]] if layer == "dense" else [[lvl == 2, True, True], [False, True, True]]
-    assert alive == expected, f"copies alive after the forward (data, data_t, scale_inv per weight): {alive}"
+    expected = [[False, save_weight, True]]
+    if layer != "dense":
+        expected = [[lvl == 2, save_weight, True], [False, save_weight, True]]
+    assert held == expected, f"copies held after the forward (data, data_t, scale_inv per weight): {held}"
     made.clear()
-    _, kept_grads = step(is_first_microbatch=True)
-    for a, b in zip(grads, kept_grads):
+    held, want = step(is_first_microbatch=True)
+    assert all(h[1] for h in held), "copies kept for later micro-batches are whole"
+    for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layer,lvl", [("dense", 0), ("mlp", 0), ("gated", 2)])
+def test_weight_changed_before_backward_is_an_error_without_its_copy(device, layer, lvl):
+    """save_weight_fp8=False: backward quantizes the weight again, so a weight changed in place
+    between the forward and the backward raises (autograd's saved-tensor check) instead of giving
+    gradients of a weight the forward did not use."""
+    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0, save_weight_fp8=False))
+    m = (FusedDense(64, 48, **kw) if layer == "dense" else
+         FusedMLP(64, 128, checkpoint_lvl=lvl, **kw) if layer == "mlp" else
+         FusedGatedMLP(64, 96, activation="swiglu", checkpoint_lvl=lvl, **kw))
+    x = randn(40, 64, device=device).requires_grad_(True)
+    out = m(x)
+    with torch.no_grad():
+        next(m.parameters()).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(torch.ones_like(out))
+
+
+def test_recipe_save_weight_fp8_is_a_bool():
+    with pytest.raises(ValueError, match="save_weight_fp8 must be True or False, got 0"):
+        Float8Recipe(save_weight_fp8=0)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -268,3 +268,22 @@ def test_cpu_fp8_width_error_names_the_users_argument(case):
     msg = str(info.value)
     assert f"{name} must be a " in msg and "multiple of 16" in msg and msg.split("\n")[0].endswith(f"got {got}"), msg
     assert "weights_fp8" not in msg, msg
+
+
+@pytest.mark.parametrize("op", ["dense", "mlp"])
+def test_cpu_fp8_weight_copy_of_another_shape_is_named(op):
+    """A weight's transposed FP8 copy (weights_fp8[3 i + 1]) must be [in, out] of that weight, or
+    empty (backward quantizes the weight again); anything else names the slot, the expected and
+    the actual shape."""
+    x, w1, w2 = tensor(4, 32), tensor(64, 32), tensor(32, 64)
+    copies = _fp8_copies(w1, w2)
+    copies[1] = copies[1][:, :48].contiguous()
+    if op == "dense":
+        call = lambda: torch.ops.fused_dense.fp8_dense(x, w1, None, copies[:3], 1, None, None, [])  # noqa: E731
+    else:
+        call = lambda: torch.ops.fused_dense.fused_mlp_fp8(x, w1, None, w2, None, 1, 0, copies, 1, None, None,  # noqa: E731
+                                                           [])
+    with pytest.raises(ValueError) as info:
+        call()
+    msg = str(info.value)
+    assert "weights_fp8[1] must be weight1's transposed FP8 copy [32, 64] or empty" in msg and "got [32, 48]" in msg, msg

@@ -106,9 +106,9 @@ Fp8Weight fp8_weight_at(at::TensorList w, size_t i, const at::Tensor& weight, co
                     "] must be weight", i + 1, "'s float32 scale_inv, got ", s.scalar_type(), " of shape ", s.sizes());
   TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && t.scalar_type() == at::kFloat8_e4m3fn, op,
                     ": weights_fp8 must hold float8_e4m3fn weights, got ", d.scalar_type(), " and ", t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == weight.size(1) && t.size(1) == weight.size(0), op,
+  TORCH_CHECK_VALUE(t.numel() == 0 || (t.dim() == 2 && t.size(0) == weight.size(1) && t.size(1) == weight.size(0)), op,
                     ": weights_fp8[", 3 * i + 1, "] must be weight", i + 1, "'s transposed FP8 copy [", weight.size(1),
-                    ", ", weight.size(0), "], got ", t.sizes());
+                    ", ", weight.size(0), "] or empty (made again in backward), got ", t.sizes());
   return Fp8Weight{d, t, s};
 }
 
@@ -117,7 +117,8 @@ Fp8Weight fp8_weight_at(at::TensorList w, size_t i, const at::Tensor& weight, co
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   // FP8 fc2(act(fc1(x))) with a C++ derivative; activation 1 to 5 (4, 5: gated, weight1 the packed
   // gate / up weight); checkpoint_lvl 0 / 1 / 2;
-  // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3);
+  // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3, each
+  // scaled from its own amax); a data_t empty: backward quantizes that weight again for it;
   // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
   // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward);
   // x_fp8: x quantized before the op (mlp_fp8.h, check_x_fp8), used in place of quantizing x; with
@@ -127,7 +128,8 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("fused_mlp_fp8(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
         "int checkpoint_lvl, Tensor[] weights_fp8, int grad_format, Tensor? scales, Tensor(a!)? amax_out, "
         "Tensor[] x_fp8, bool save_pre_fp8=False) -> Tensor");
-  // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv];
+  // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv] as
+  // fused_mlp_fp8's;
   // scales / amax_out: [x, grad_out]; x_fp8 as fused_mlp_fp8's.
   m.def("fp8_dense(Tensor x, Tensor weight, Tensor? bias, Tensor[] weights_fp8, int grad_format, Tensor? scales, "
         "Tensor(a!)? amax_out, Tensor[] x_fp8) -> Tensor");

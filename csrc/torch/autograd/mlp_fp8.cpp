@@ -20,7 +20,9 @@
 //             grad_W1 = fp8_linear(dq^T, xq^T)
 // The transposed copies are padded along the tokens to a multiple of 16 with zeros (the K of the
 // weight-gradient GEMMs). The weights' FP8 copies (data, data^T, scale_inv) come in as arguments:
-// the caller makes them once per optimizer step and may reuse them across micro-batches.
+// the caller makes them once per optimizer step and may reuse them across micro-batches. Handed
+// without data^T (empty; Recipe save_weight_fp8=False), the step holds no weight copy from the
+// forward to the backward, which quantizes the weight again for its data gradient (weight_t).
 // The forward GEMMs use Hopper's fast FP8 accumulation, the gradient GEMMs the precise one.
 // Level 1 rebuilds aq^T from pre, level 2 re-runs fc1 from xq: both with the forward's scales,
 // so the rebuilt tensors are the forward's bits and no amax is recorded again.
@@ -30,8 +32,9 @@
 // rounded to the model dtype in act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the
 // pre-activation, none of it rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits
 // from pre (off by default); the forward then makes aq^T from aq's bytes (fp8_transpose) and x's
-// transposed copy from x at x's scale after pre is freed, and where backward may free Q(pre) (no retain_graph) the gradient's row-major
-// FP8 copy is written over it (fp8_quantize_grad_), so the step holds no second tensor of its size.
+// transposed copy from x at x's scale after pre is freed, and where backward may free Q(pre) (no
+// retain_graph) the gradient's row-major FP8 copy is written over it (fp8_quantize_grad_), so the
+// step holds no second tensor of its size.
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
@@ -93,6 +96,18 @@ c10::List<at::Tensor> kept_weight(const Fp8Weight& w, bool rows, bool cols) {
   return c10::List<at::Tensor>({rows ? w.data : at::Tensor(), cols ? w.data_t : at::Tensor(), w.scale_inv});
 }
 
+// Whether backward makes the weight's transposed copy again: the caller handed none (an empty data_t,
+// Recipe save_weight_fp8=False) and a data gradient reads it.
+bool weight_t_later(const Fp8Weight& w, bool read) { return read && w.data_t.sym_numel() == 0; }
+
+// The weight's transposed copy, made again where the caller handed none: the weight quantized as it
+// was for the forward (its own amax, e4m3; weights_fp8's contract), so the same scale and bytes.
+// The weight is a saved input, so an in-place change since the forward is an error, not new bytes.
+at::Tensor weight_t(const Fp8Weight& w, const at::Tensor& weight) {
+  if (w.data_t.defined() && w.data_t.sym_numel() != 0) return w.data_t;
+  return quantize(weight.contiguous(), std::nullopt, 0, false, kE4M3Code, std::nullopt, false, true, false).data_t;
+}
+
 // The slot of a delayed-scaling scale, or none (current scaling).
 Opt slot(const Opt& scales, int64_t i) {
   if (!scales.has_value() || !scales->defined()) return std::nullopt;
@@ -133,6 +148,7 @@ struct Fp8MlpSaved {
   at::Tensor pre_scale_inv;             // pre_in_fp8
   at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
   bool x_t_rows = false;                 // x_t holds x's row-major copy (x_t_from_rows)
+  at::Tensor weight1, weight2;           // weight_t_later: the weight its transposed copy is made from
 };
 
 // fc1 and the quantize of its activation as one op (fp8_linear_act, one GEMM's epilogue writing
@@ -215,6 +231,8 @@ struct Fp8MlpGrads {
 Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, const Fp8Weight& w1,
                          const Opt& b1, const Fp8Weight& w2, const at::ScalarType weight_dtype, Fp8MlpSaved s,
                          const Opt& scales, const Opt& amax_out, bool free_saved) {
+  // A weight in s.weight1 / s.weight2 has its transposed copy made right before its data-gradient
+  // GEMM (weight_t), so the two copies are never alive at once.
   Fp8MlpGrads r;
   const auto dtype = g.scalar_type();
   if (p.recompute_fc1 && fc1_one_op(c)) {
@@ -239,8 +257,8 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
   gq.data_t.reset();
   drop_saved(s.a_t, free_saved);
   if (p.need_d_pre) {
-    at::Tensor d_act =
-        op_calls::fp8_linear(gq.data, w2.data_t, gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
+    at::Tensor d_act = op_calls::fp8_linear(gq.data, s.weight2.defined() ? weight_t(w2, s.weight2) : w2.data_t,
+                                            gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
     gq = Q{};
     // The activation's gradient quantized row-major only, d_act and pre freed, then the transposed
     // copy made from the row-major bytes (fp8_transpose: the bytes the quantize pass would have
@@ -266,7 +284,8 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
     if (p.need.b1) r.b1 = dq.sums;
     if (p.need.w1) dq.data_t = op_calls::fp8_transpose(dq.data);
     if (p.need.x)
-      r.x = op_calls::fp8_linear(dq.data, w1.data_t, dq.scale_inv, w1.scale_inv, std::nullopt, dtype, false, -2);
+      r.x = op_calls::fp8_linear(dq.data, s.weight1.defined() ? weight_t(w1, s.weight1) : w1.data_t, dq.scale_inv,
+                                 w1.scale_inv, std::nullopt, dtype, false, -2);
     drop_saved(dq.data, in_place);
     if (p.need.w1) {
       const at::Tensor x_t = s.x_t_rows ? op_calls::fp8_transpose(s.x_t.contiguous()) : s.x_t;
@@ -305,9 +324,11 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     // only those backward reads (kept_weight).
     ctx->saved_data["w1"] = kept_weight(w1, p.recompute_fc1, need.x);
     ctx->saved_data["w2"] = kept_weight(w2, false, p.need_d_pre);
+    const bool w1_later = weight_t_later(w1, need.x), w2_later = weight_t_later(w2, p.need_d_pre);
     save_scaling(ctx, scales, amax_out);
     ctx->save_for_backward({p.save_b1 && has_b1 ? *bias1 : at::Tensor(), s.x_data, s.x_t, s.x_scale_inv, s.pre, s.a_t,
-                            s.a_scale, s.a_scale_inv, s.pre_scale_inv});
+                            s.a_scale, s.a_scale_inv, s.pre_scale_inv, w1_later ? weight1 : at::Tensor(),
+                            w2_later ? weight2 : at::Tensor()});
     return out;
   }
 
@@ -328,6 +349,8 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[8], v[5], v[6], v[7]};
     s.x_t_rows = ctx->saved_data["x_t_rows"].toBool();
+    s.weight1 = v[9];
+    s.weight2 = v[10];
     at::Tensor g = grad_outputs[0].contiguous();
     grad_outputs[0].reset();  // g's one reference is handed to mlp_backward, which releases it when quantized
     Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out,
@@ -396,7 +419,8 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     ctx->saved_data["weight_dtype"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["w"] = kept_weight(w, false, need_x);
     save_scaling(ctx, scales, amax_out);
-    ctx->save_for_backward({!need_w ? at::Tensor() : x_t_rows ? xq.data : xq.data_t, xq.scale_inv});
+    const at::Tensor x_kept = !need_w ? at::Tensor() : x_t_rows ? xq.data : xq.data_t;
+    ctx->save_for_backward({x_kept, xq.scale_inv, weight_t_later(w, need_x) ? weight : at::Tensor()});
     return out;
   }
 
@@ -416,8 +440,11 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     const Q gq = quantize(g, std::nullopt, 0, false, grad_format, slot(scales, 1), need_x, need_w, need_b);
     record_amax(amax_out, 1, gq.amax);
     at::Tensor gx, gw, gb;
-    if (need_x)
-      gx = op_calls::fp8_linear(gq.data, wl.get(1), gq.scale_inv, wl.get(2), std::nullopt, g.scalar_type(), false, -2);
+    if (need_x) {
+      const Fp8Weight w{at::Tensor(), wl.get(1), wl.get(2)};
+      gx = op_calls::fp8_linear(gq.data, v[2].defined() ? weight_t(w, v[2]) : w.data_t, gq.scale_inv, w.scale_inv,
+                                std::nullopt, g.scalar_type(), false, -2);
+    }
     if (need_w) {
       const at::Tensor x_t = ctx->saved_data["x_t_rows"].toBool() ? op_calls::fp8_transpose(v[0].contiguous()) : v[0];
       gw = op_calls::fp8_linear(gq.data_t, x_t, gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
