@@ -84,8 +84,8 @@ Targets (#38, the H200): fd_compile >= 0.99x hf_compile at the Llama configs, an
 >= 0.75 x (the MLP's share of hf_compile's step) x (the MLP's isolated lead); FP8 compiled >=
 torchao compiled; gpt2-small fd_eager >= 1.02x hf_eager and fd_compile >= 0.99x hf_compile. #39:
 FP8 current scaling compiled >= 1.08x / 1.05x torchao compiled at llama-2048 / llama-4096 (with
-q / k / v as they are and fused: FP8_VS_TORCHAO_39). Each
-FP8 variant's loss gap to hf_eager within max(LOSS_GAP_FLOOR, LOSS_GAP_FACTOR x hf_compile's gap):
+q / k / v as they are and fused: FP8_VS_TORCHAO_39), and every compiled FP8 variant's step memory
+over resident <= torchao compiled's. Each FP8 variant's loss gap to hf_eager within max(LOSS_GAP_FLOOR, LOSS_GAP_FACTOR x hf_compile's gap):
 the main job's FP8 rule over this run's steps, a short check beside its 500-step one.
 Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<date> files there.
 """
@@ -708,6 +708,12 @@ def targets(res):
                 if want is not None and "_current_" in fp8:
                     rows.append((f"{name}: torchao_compile / {fp8} >= {want} (#39)", q, rng,
                                  None if q is None else q >= want))
+            ao_bytes = c["variants"].get("torchao_compile", {}).get("step_bytes")
+            for key, v in c["variants"].items():
+                # #39: step memory over resident <= torchao's, for every compiled FP8 variant measured
+                if ao_bytes and key.startswith("fd_fp8_") and key.endswith("_compile") and v.get("step_bytes"):
+                    m = v["step_bytes"] / ao_bytes
+                    rows.append((f"{name}: {key} / torchao_compile step memory <= 1 (#39)", m, None, m <= 1.0))
             noise = c["variants"].get("hf_compile", {}).get("loss_gap")
             if noise is not None:
                 limit = max(LOSS_GAP_FLOOR, LOSS_GAP_FACTOR * noise)

@@ -1070,3 +1070,23 @@ def test_dynamic_buckets_retime_outliers():
     calm = dynamic.count_row(1500, {b: [1.0] * 3 for b in modes}, lambda again: pytest.fail(f"re-timed {again}"),
                              bucket_of)
     assert "retimed_exact_ms" not in calm and all(calm[str(b)]["loss"] == 0 for b in modes[1:])
+
+
+def test_model_targets_compare_fp8_step_memory_with_torchao():
+    """bench.model's targets: every compiled FP8 variant's step memory against torchao compiled's
+    (#39: <= 1), from the figures measured, none where torchao's is missing."""
+    from bench import model as bench_model
+
+    def res(ao_bytes):
+        vs = {"fd_fp8_current_qkv_compile": {"step_bytes": 3856}, "fd_fp8_current_qkv_ck1_nowc_compile":
+              {"step_bytes": 3300}, "fd_fp8_current_eager": {"step_bytes": 5000}}
+        if ao_bytes:
+            vs["torchao_compile"] = {"step_bytes": ao_bytes}
+        return {"configs": {"llama-2048": {"config": {"family": "llama", "layers": 4}, "variants": vs}}}
+
+    rows = {t: (q, met) for t, q, _, met in bench_model.targets(res(3359)) if "step memory" in t}
+    assert rows == {
+        "llama-2048: fd_fp8_current_qkv_compile / torchao_compile step memory <= 1 (#39)": (3856 / 3359, False),
+        "llama-2048: fd_fp8_current_qkv_ck1_nowc_compile / torchao_compile step memory <= 1 (#39)":
+            (3300 / 3359, True)}
+    assert not [t for t, *_ in bench_model.targets(res(None)) if "step memory" in t]
