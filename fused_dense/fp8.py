@@ -487,12 +487,13 @@ def traced_quantize(x2: Tensor, columnwise: bool, scale: Optional[Tensor] = None
         # Traced, not fp8_transpose(data): the op (kept for backward, never recomputed) made the
         # linears alone 4% faster compiled but the llama-4096 step no faster and 192 MiB heavier
         # (H100, bench.model); in the model Inductor writes this copy in a forward kernel.
-        # The tokens padded with zeros to a multiple of 16 (core::fp8_padded_rows, in its form, so
-        # that a symbolic token count gives the ops' checks the same expression), then transposed.
+        # The tokens padded with zeros to a multiple of ops.FP8_ROW_PAD (core::fp8_padded_rows, in
+        # its form, so that a symbolic token count gives the ops' checks the same expression), then
+        # transposed.
         # Padded after the transpose, a count already a multiple of 16 (no padding) gave a copy in
         # the transposed layout where the symbolic count's trace expected a row-major one.
         rows = x2.shape[0]
-        pad = (rows + 15) // 16 * 16 - rows
+        pad = (rows + ops.FP8_ROW_PAD - 1) // ops.FP8_ROW_PAD * ops.FP8_ROW_PAD - rows
         data_t = torch.nn.functional.pad(q, (0, 0, 0, pad)).t().contiguous().to(torch.float8_e4m3fn)
     else:
         data_t = x2.new_empty((0,), dtype=torch.float8_e4m3fn)

@@ -16,7 +16,7 @@ load_library()
 
 # The schema's codes, defined once in C++ (csrc/core/common/types.h) and read here.
 (_ACTIVATION_NAMES, HEURISTIC_AUTO, HEURISTIC_UNFUSED, _LEVELS, _GATED_CODES,
- GATED_INTERLEAVE) = torch.ops.fused_dense.library_constants()
+ GATED_INTERLEAVE, FP8_ROW_PAD) = torch.ops.fused_dense.library_constants()
 CHECKPOINT_LEVELS = tuple(_LEVELS)
 ACTIVATIONS = {name: code for code, name in enumerate(_ACTIVATION_NAMES)}
 # The gated activations act(g) * u of a gated MLP (its fc1 is the packed gate and up weight).

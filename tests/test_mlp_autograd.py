@@ -303,6 +303,7 @@ def test_python_argument_checks_use_the_library_codes():
     assert ops.CHECKPOINT_LEVELS == (0, 1, 2)
     assert ops.ACTIVATIONS["none"] == 0 and ops.HEURISTIC_AUTO == -2 and ops.HEURISTIC_UNFUSED == -1
     assert [ops.relu_mask_row_bytes(c) for c in (1, 8, 9, 128)] == [1, 1, 2, 16]
+    assert ops.FP8_ROW_PAD == 16  # cuBLASLt's FP8 operands: K and leading dimensions multiples of 16
     for bad in ("none", "gelu", None):
         with pytest.raises(ValueError, match="activation must be one of"):
             FusedMLP(8, 16, activation=bad)

@@ -18,8 +18,9 @@ namespace fused_dense {
 namespace {
 
 // (activation names indexed by code, heuristic 'auto' code, heuristic 'unfused' code, the MLP's
-// checkpoint levels, the gated activation codes, the gated layout's interleave)
-std::tuple<std::vector<std::string>, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t>
+// checkpoint levels, the gated activation codes, the gated layout's interleave, the multiple the
+// FP8 transposed copies pad their rows to)
+std::tuple<std::vector<std::string>, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t>
 library_constants() {
   std::vector<std::string> names;
   std::vector<int64_t> gated, levels;
@@ -28,7 +29,8 @@ library_constants() {
     if (is_gated_activation(code)) gated.push_back(code);
   }
   for (int64_t level = 0; level <= kMaxCheckpointLevel; ++level) levels.push_back(level);
-  return {names, core::kHeuristicAuto, core::kHeuristicUnfused, levels, gated, core::kGatedInterleave};
+  return {names, core::kHeuristicAuto, core::kHeuristicUnfused, levels, gated, core::kGatedInterleave,
+          core::kFp8RowPad};
 }
 
 // The packed columns of the gate and of the up value of each of `hidden` units (core/common/types.h).
@@ -68,7 +70,7 @@ bool cutlass_gemms_compiled() {
 
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("library_constants() -> (str[] activation_names, int heuristic_auto, int heuristic_unfused, "
-        "int[] checkpoint_levels, int[] gated_activations, int gated_interleave)",
+        "int[] checkpoint_levels, int[] gated_activations, int gated_interleave, int fp8_row_pad)",
         &fused_dense::library_constants);
   // The gated layout's columns of each unit's gate and up value, for packing weights (ops.py).
   m.def("gated_columns(int hidden) -> (int[] gate, int[] up)", &fused_dense::gated_columns);
