@@ -942,16 +942,16 @@ def _fp8_tolerance(kind, aligned, dtype, scaling, what):
     return FP8_SHARD_TOL_OUTPUT if what == "output" else FP8_SHARD_TOL_GRAD
 
 
-def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned):
+def _w_fp8_layer(kind, sequence_parallel, scaling, dtype, aligned, save_weight=True):
     """Three FP8 steps (is_first_microbatch None, True, then False on the same weights) of the
     layer on this rank's shards against the single-process FP8 layer on the full weights; with
     delayed scaling also the amaxes of the whole tensors and the scaling state's round trip
     through state_dict. ``aligned``: the weight shards and the sharded inputs of the dense
     layers (the row layer's x, the column layer's output gradient) hold their whole tensor's
-    amax (_align_amax)."""
+    amax (_align_amax). ``save_weight``: Float8Recipe.save_weight_fp8 of both layers."""
     from fused_dense import Float8Recipe
 
-    recipe = Float8Recipe(scaling=scaling, min_features=0)
+    recipe = Float8Recipe(scaling=scaling, min_features=0, save_weight_fp8=save_weight)
     single, layer, cut, (x_at, out_at), kwargs = _fp8_pair(kind, recipe, sequence_parallel, dtype, aligned)
     in_f, out_f = _FP8_KINDS[kind]
     for step, first in enumerate((None, True, False)):
@@ -997,6 +997,19 @@ def test_parallel_fp8(backend, world_size, kind, sequence_parallel, scaling, ali
     for dtype in _dtypes(backend):
         run_distributed(backend, world_size, "_w_fp8_layer", kind=kind, sequence_parallel=sequence_parallel,
                         scaling=scaling, dtype=dtype, aligned=aligned)
+
+
+@pytest.mark.parametrize("kind", ["column", "row", "mlp", "gated"])
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallel_fp8_without_weight_copies(backend, world_size, kind):
+    """save_weight_fp8=False on the shards: each rank's backward quantizes its weight shard again
+    (the shard's own amax, as its forward did), within the same tolerances of the single-process
+    layer."""
+    _skip_unless_fp8(backend)
+    for dtype in _dtypes(backend):
+        run_distributed(backend, world_size, "_w_fp8_layer", kind=kind, sequence_parallel=True, scaling="current",
+                        dtype=dtype, aligned=False, save_weight=False)
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "random"])
