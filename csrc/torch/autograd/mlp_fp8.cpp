@@ -100,11 +100,13 @@ c10::List<at::Tensor> kept_weight(const Fp8Weight& w, bool rows, bool cols) {
 // Recipe save_weight_fp8=False) and a data gradient reads it.
 bool weight_t_later(const Fp8Weight& w, bool read) { return read && w.data_t.sym_numel() == 0; }
 
-// The weight's transposed copy, made again where the caller handed none: the weight quantized as it
-// was for the forward (its own amax, e4m3; weights_fp8's contract), so the same scale and bytes.
-// The weight is a saved input, so an in-place change since the forward is an error, not new bytes.
+// The weight's transposed copy for a data gradient: the one the caller handed, or, where it handed
+// none (weight_t_later), the saved weight quantized as it was for the forward (its own amax, e4m3;
+// weights_fp8's contract), so the same scale and bytes. The weight is a saved input, so an in-place
+// change since the forward is an error, not new bytes.
 at::Tensor weight_t(const Fp8Weight& w, const at::Tensor& weight) {
   if (w.data_t.defined() && w.data_t.sym_numel() != 0) return w.data_t;
+  TORCH_INTERNAL_ASSERT(weight.defined(), "weight_t: no transposed copy and no saved weight to make it from");
   return quantize(weight.contiguous(), std::nullopt, 0, false, kE4M3Code, std::nullopt, false, true, false).data_t;
 }
 
@@ -257,8 +259,8 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
   gq.data_t.reset();
   drop_saved(s.a_t, free_saved);
   if (p.need_d_pre) {
-    at::Tensor d_act = op_calls::fp8_linear(gq.data, s.weight2.defined() ? weight_t(w2, s.weight2) : w2.data_t,
-                                            gq.scale_inv, w2.scale_inv, std::nullopt, dtype, false, -2);
+    at::Tensor d_act = op_calls::fp8_linear(gq.data, weight_t(w2, s.weight2), gq.scale_inv, w2.scale_inv, std::nullopt,
+                                            dtype, false, -2);
     gq = Q{};
     // The activation's gradient quantized row-major only, d_act and pre freed, then the transposed
     // copy made from the row-major bytes (fp8_transpose: the bytes the quantize pass would have
@@ -284,8 +286,8 @@ Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, 
     if (p.need.b1) r.b1 = dq.sums;
     if (p.need.w1) dq.data_t = op_calls::fp8_transpose(dq.data);
     if (p.need.x)
-      r.x = op_calls::fp8_linear(dq.data, s.weight1.defined() ? weight_t(w1, s.weight1) : w1.data_t, dq.scale_inv,
-                                 w1.scale_inv, std::nullopt, dtype, false, -2);
+      r.x = op_calls::fp8_linear(dq.data, weight_t(w1, s.weight1), dq.scale_inv, w1.scale_inv, std::nullopt, dtype,
+                                 false, -2);
     drop_saved(dq.data, in_place);
     if (p.need.w1) {
       const at::Tensor x_t = s.x_t_rows ? op_calls::fp8_transpose(s.x_t.contiguous()) : s.x_t;
@@ -442,8 +444,8 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     at::Tensor gx, gw, gb;
     if (need_x) {
       const Fp8Weight w{at::Tensor(), wl.get(1), wl.get(2)};
-      gx = op_calls::fp8_linear(gq.data, v[2].defined() ? weight_t(w, v[2]) : w.data_t, gq.scale_inv, w.scale_inv,
-                                std::nullopt, g.scalar_type(), false, -2);
+      gx = op_calls::fp8_linear(gq.data, weight_t(w, v[2]), gq.scale_inv, w.scale_inv, std::nullopt, g.scalar_type(),
+                                false, -2);
     }
     if (need_w) {
       const at::Tensor x_t = ctx->saved_data["x_t_rows"].toBool() ? op_calls::fp8_transpose(v[0].contiguous()) : v[0];
