@@ -93,7 +93,9 @@ class Float8Recipe:
             the forward to the backward (True), or hold none and quantize the weight again in
             backward (False: the same bytes; one byte a weight element less through the step, for
             one more amax and cast pass over each weight in backward). Copies kept for later
-            micro-batches (``is_first_microbatch``) are whole either way.
+            micro-batches (``is_first_microbatch``) are whole either way. Under both, a weight
+            changed in place between the forward and a backward that reads it is autograd's error,
+            as with nn.Linear.
     """
 
     scaling: str = "current"

@@ -1148,21 +1148,44 @@ def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, save
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("save_weight", [True, False])
 @pytest.mark.parametrize("layer,lvl", [("dense", 0), ("mlp", 0), ("gated", 2)])
-def test_weight_changed_before_backward_is_an_error_without_its_copy(device, layer, lvl):
-    """save_weight_fp8=False: backward quantizes the weight again, so a weight changed in place
-    between the forward and the backward raises (autograd's saved-tensor check) instead of giving
-    gradients of a weight the forward did not use."""
-    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0, save_weight_fp8=False))
-    m = (FusedDense(64, 48, **kw) if layer == "dense" else
-         FusedMLP(64, 128, checkpoint_lvl=lvl, **kw) if layer == "mlp" else
-         FusedGatedMLP(64, 96, activation="swiglu", checkpoint_lvl=lvl, **kw))
-    x = randn(40, 64, device=device).requires_grad_(True)
-    out = m(x)
-    with torch.no_grad():
-        next(m.parameters()).mul_(2)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+def test_weight_changed_before_backward_is_an_error(device, save_weight, layer, lvl):
+    """A weight changed in place between the forward and a backward whose data gradient reads it
+    raises autograd's saved-tensor error, as nn.Linear's does, whether backward reads the forward's
+    transposed FP8 copy (save_weight_fp8=True) or quantizes the weight again (False): never
+    gradients of a weight other than the one the forward used, silently. With the input needing no
+    gradient, no data gradient reads the weight and backward runs, as nn.Linear's does."""
+    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0, save_weight_fp8=save_weight))
+    def build():
+        torch.manual_seed(0)
+        return (FusedDense(64, 48, **kw) if layer == "dense" else
+                FusedMLP(64, 128, checkpoint_lvl=lvl, **kw) if layer == "mlp" else
+                FusedGatedMLP(64, 96, activation="swiglu", checkpoint_lvl=lvl, **kw))
+    x = randn(40, 64, device=device)
+    def weights(m):
+        return [p for p in m.parameters() if p.dim() == 2]
+    assert len(weights(build())) == (1 if layer == "dense" else 2)
+    for i in range(len(weights(build()))):  # each weight of the layer changed, in turn
+        m = build()
+        out = m(x.clone().requires_grad_(True))
+        with torch.no_grad():
+            weights(m)[i].mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward(torch.ones_like(out))
+    if layer == "dense":  # the reference: nn.Linear raises where the data gradient reads the weight
+        lin = torch.nn.Linear(64, 48, device=device, dtype=torch.bfloat16)
+        out = lin(x.clone().requires_grad_(True))
+        with torch.no_grad():
+            lin.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward(torch.ones_like(out))
+        m = build()
+        out = m(x)  # no input gradient: the weight gradient alone, from x's copy
+        with torch.no_grad():
+            m.weight.mul_(2)
         out.backward(torch.ones_like(out))
+        assert m.weight.grad is not None
 
 
 def test_recipe_save_weight_fp8_is_a_bool():

@@ -96,14 +96,9 @@ c10::List<at::Tensor> kept_weight(const Fp8Weight& w, bool rows, bool cols) {
   return c10::List<at::Tensor>({rows ? w.data : at::Tensor(), cols ? w.data_t : at::Tensor(), w.scale_inv});
 }
 
-// Whether backward makes the weight's transposed copy again: the caller handed none (an empty data_t,
-// Recipe save_weight_fp8=False) and a data gradient reads it.
-bool weight_t_later(const Fp8Weight& w, bool read) { return read && w.data_t.sym_numel() == 0; }
-
 // The weight's transposed copy for a data gradient: the one the caller handed, or, where it handed
-// none (weight_t_later), the saved weight quantized as it was for the forward (its own amax, e4m3;
-// weights_fp8's contract), so the same scale and bytes. The weight is a saved input, so an in-place
-// change since the forward is an error, not new bytes.
+// none (an empty data_t: Recipe save_weight_fp8=False), the saved weight quantized as it was for
+// the forward (its own amax, e4m3; weights_fp8's contract), so the same scale and bytes.
 at::Tensor weight_t(const Fp8Weight& w, const at::Tensor& weight) {
   if (w.data_t.defined() && w.data_t.sym_numel() != 0) return w.data_t;
   TORCH_INTERNAL_ASSERT(weight.defined(), "weight_t: no transposed copy and no saved weight to make it from");
@@ -150,7 +145,7 @@ struct Fp8MlpSaved {
   at::Tensor pre_scale_inv;             // pre_in_fp8
   at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
   bool x_t_rows = false;                 // x_t holds x's row-major copy (x_t_from_rows)
-  at::Tensor weight1, weight2;           // weight_t_later: the weight its transposed copy is made from
+  at::Tensor weight1, weight2;           // where its data gradient runs: the weight (weight_t)
 };
 
 // fc1 and the quantize of its activation as one op (fp8_linear_act, one GEMM's epilogue writing
@@ -233,8 +228,8 @@ struct Fp8MlpGrads {
 Fp8MlpGrads mlp_backward(const MlpPlan& p, const Fp8MlpConfig& c, at::Tensor g, const Fp8Weight& w1,
                          const Opt& b1, const Fp8Weight& w2, const at::ScalarType weight_dtype, Fp8MlpSaved s,
                          const Opt& scales, const Opt& amax_out, bool free_saved) {
-  // A weight in s.weight1 / s.weight2 has its transposed copy made right before its data-gradient
-  // GEMM (weight_t), so the two copies are never alive at once.
+  // A weight handed without its transposed copy has it made from s.weight1 / s.weight2 right
+  // before its data-gradient GEMM (weight_t), so the two copies are never alive at once.
   Fp8MlpGrads r;
   const auto dtype = g.scalar_type();
   if (p.recompute_fc1 && fc1_one_op(c)) {
@@ -326,11 +321,13 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     // only those backward reads (kept_weight).
     ctx->saved_data["w1"] = kept_weight(w1, p.recompute_fc1, need.x);
     ctx->saved_data["w2"] = kept_weight(w2, false, p.need_d_pre);
-    const bool w1_later = weight_t_later(w1, need.x), w2_later = weight_t_later(w2, p.need_d_pre);
     save_scaling(ctx, scales, amax_out);
+    // A weight whose data gradient runs is saved as nn.Linear saves it (no copy: it is the
+    // parameter), so a weight changed in place before backward is autograd's error with or without
+    // its transposed FP8 copy; weight_t reads it only where no copy was handed.
     ctx->save_for_backward({p.save_b1 && has_b1 ? *bias1 : at::Tensor(), s.x_data, s.x_t, s.x_scale_inv, s.pre, s.a_t,
-                            s.a_scale, s.a_scale_inv, s.pre_scale_inv, w1_later ? weight1 : at::Tensor(),
-                            w2_later ? weight2 : at::Tensor()});
+                            s.a_scale, s.a_scale_inv, s.pre_scale_inv, need.x ? weight1 : at::Tensor(),
+                            p.need_d_pre ? weight2 : at::Tensor()});
     return out;
   }
 
@@ -422,7 +419,8 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     ctx->saved_data["w"] = kept_weight(w, false, need_x);
     save_scaling(ctx, scales, amax_out);
     const at::Tensor x_kept = !need_w ? at::Tensor() : x_t_rows ? xq.data : xq.data_t;
-    ctx->save_for_backward({x_kept, xq.scale_inv, weight_t_later(w, need_x) ? weight : at::Tensor()});
+    // The weight saved where the data gradient runs, as in the MLP above.
+    ctx->save_for_backward({x_kept, xq.scale_inv, need_x ? weight : at::Tensor()});
     return out;
   }
 
