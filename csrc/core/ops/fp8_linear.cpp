@@ -9,10 +9,81 @@
 #include "core/cutlass_sm90/cutlass_sm90_fp8.h"
 #include "core/elementwise/elementwise.h"
 #include "core/elementwise/fp8_quantize.h"
-#include "core/ops/fp8_linear.h"
 #include "core/gemm/gemm.h"
+#include "core/ops/dispatch.h"
+#include "core/ops/fp8_linear.h"
+#include "core/tuning/tuning_arena.h"
 
 namespace fused_dense::core {
+
+namespace {
+
+using dispatch_detail::aligned256;
+using dispatch_detail::OpKind;
+using dispatch_detail::OpSetup;
+using dispatch_detail::run_gemm;
+
+OpKind fp8_op_kind(const Fp8LinearArgs& a) {
+  if (a.input_format == Fp8Format::kE5M2) return OpKind::kFp8E5M2xE4M3;
+  return a.weight_format == Fp8Format::kE5M2 ? OpKind::kFp8E4M3xE5M2 : OpKind::kFp8E4M3xE4M3;
+}
+
+// Column-major view: D[N, B] = W[N, K] . X[K, B], both operands K-major (TN), as linear_act. The
+// bias joins the GEMM's epilogue; where cuBLASLt refuses that epilogue beside the output type (fp16,
+// fp32) an index choice adds it in a second pass, and a stored algorithm reports the refusal (the
+// dispatch then runs cuBLASLt's first algorithm for the exact problem, that way).
+OpSetup fp8_setup(const LinearContext& ctx, const Fp8LinearArgs& a) {
+  OpSetup s;
+  GemmProblem& p = s.plain;
+  p.device = ctx.device;
+  p.dtype = ctx.dtype;
+  p.fp8 = true;
+  p.a_format = a.weight_format;
+  p.b_format = a.input_format;
+  p.fast_accum = a.fast_accum;
+  p.trans_a = true;
+  p.trans_b = false;
+  p.m = a.out_features, p.n = a.batch, p.k = a.in_features;
+  p.lda = a.in_features, p.ldb = a.in_features, p.ldd = a.out_features;
+  p.with_bias = a.bias != nullptr;
+  s.fused = p;
+  s.aligned = aligned256(a.weight) && aligned256(a.input) && aligned256(a.out);
+  s.max_plain = 8;
+  const Workspace ws = gemm_workspace_part(ctx);
+  const GemmProblem with_bias = p;
+  s.run = [=](const Choice& c) -> bool {
+    GemmPointers ptrs;
+    ptrs.a = a.weight;
+    ptrs.b = a.input;
+    ptrs.d = a.out;
+    ptrs.bias = a.bias;
+    ptrs.a_scale = a.weight_scale_inv;
+    ptrs.b_scale = a.input_scale_inv;
+    if (run_gemm(with_bias, ptrs, c, ws, ctx.stream)) return true;
+    if (a.bias == nullptr || c.has_algo) return false;
+    GemmProblem no_bias = with_bias;
+    no_bias.with_bias = false;
+    ptrs.bias = nullptr;
+    gemm(no_bias, ptrs, c.algorithm, ws, ctx.stream);
+    bias_act_forward(ctx.dtype, Activation::kNone, a.out, a.bias, a.out, nullptr, a.batch, a.out_features, ctx.device,
+                     ctx.stream);
+    return true;
+  };
+  return s;
+}
+
+// The call's operands at batch M for measuring: the input from the arena, pseudo-random FP8 values
+// of its format spread as a quantized tensor's (TuningArena::fp8_values); the weight, bias and
+// scales are the call's own (read only).
+Fp8LinearArgs fp8_synthetic(const Fp8LinearArgs& a, int64_t M, DType dtype, TuningArena& arena) {
+  Fp8LinearArgs t = a;
+  t.batch = M;
+  t.input = arena.fp8_values(M * a.in_features, a.input_format);
+  t.out = arena.scratch(static_cast<std::size_t>(M * a.out_features) * dtype_size(dtype));
+  return t;
+}
+
+}  // namespace
 
 void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& a) {
   std::ostringstream msg;
@@ -31,37 +102,21 @@ void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& a) {
                        ctx.device, ctx.stream);
     return;
   }
-  // Column-major view: D[N, B] = W[N, K] . X[K, B], both operands K-major (TN), as linear_act.
-  GemmProblem p;
-  p.device = ctx.device;
-  p.dtype = ctx.dtype;
-  p.fp8 = true;
-  p.a_format = a.weight_format;
-  p.b_format = a.input_format;
-  p.fast_accum = a.fast_accum;
-  p.trans_a = true;
-  p.trans_b = false;
-  p.m = a.out_features, p.n = a.batch, p.k = a.in_features;
-  p.lda = a.in_features, p.ldb = a.in_features, p.ldd = a.out_features;
-  p.with_bias = a.bias != nullptr;
-  GemmPointers ptrs;
-  ptrs.a = a.weight;
-  ptrs.b = a.input;
-  ptrs.d = a.out;
-  ptrs.bias = a.bias;
-  ptrs.a_scale = a.weight_scale_inv;
-  ptrs.b_scale = a.input_scale_inv;
-  const int heuristic = a.heuristic >= 0 ? a.heuristic : 0;
-  if (try_gemm(p, ptrs, heuristic, ctx.workspace, ctx.stream)) return;
-  // cuBLASLt refuses a fused bias beside some output types (fp16, fp32): add it in a second pass.
-  if (p.with_bias) {
-    p.with_bias = false;
-    gemm(p, ptrs, heuristic, ctx.workspace, ctx.stream);
-    bias_act_forward(ctx.dtype, Activation::kNone, a.out, a.bias, a.out, nullptr, a.batch, a.out_features,
-                     ctx.device, ctx.stream);
-    return;
-  }
-  gemm(p, ptrs, heuristic, ctx.workspace, ctx.stream);
+  // 'auto' measures cuBLASLt's algorithms as for the other GEMMs (tuner.h): its first choice lost up
+  // to 14% to another of its list at a Llama layer's forward shapes (docs/performance.md, "FP8
+  // GEMMs under 'auto'"). The rule is that first choice. The key is the batch's bucket with the
+  // exact in_features: for a weight gradient (input: the gradient's transposed copy) the token
+  // count is in_features, so each count is measured at its own (or served the rule's choice).
+  const char* name = a.input_format == Fp8Format::kE5M2    ? "fp8_linear e5m2 x e4m3"
+                     : a.weight_format == Fp8Format::kE5M2 ? "fp8_linear e4m3 x e5m2"
+                                                           : "fp8_linear e4m3 x e4m3";
+  dispatch_detail::dispatch(
+      a.heuristic, Choice{false, 0}, ctx, a, fp8_op_kind(a), a.in_features, a.out_features, Activation::kNone,
+      a.bias != nullptr, a.fast_accum, name, fp8_setup,
+      [&](const Fp8LinearArgs& args, int64_t M, TuningArena& arena) {
+        return fp8_synthetic(args, M, ctx.dtype, arena);
+      },
+      [](int device, const Fp8LinearArgs&) { return gemm_workspace_bytes(device); });
 }
 
 namespace {

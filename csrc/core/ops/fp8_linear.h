@@ -15,7 +15,8 @@ namespace fused_dense::core {
 // out[B, N] = (input[B, K] . weight[N, K]^T) * input_scale_inv * weight_scale_inv (+ bias[N]),
 // input and weight FP8 (not both e5m2), K-major, out and bias ctx.dtype. K and N multiples of 16
 // (K 0: the empty sum, out = bias or zeros),
-// pointers 16-byte aligned. heuristic >= 0 picks that entry of cuBLASLt's list, otherwise its first.
+// pointers 16-byte aligned. heuristic >= 0 picks that entry of cuBLASLt's list; kHeuristicAuto the
+// tuner's choice among them (tuner.h; the rule: its first); kHeuristicUnfused its first.
 // fast_accum: Hopper's fast FP8 accumulation (fewer promotions to full fp32), the forward's choice.
 struct Fp8LinearArgs {
   int64_t batch = 0, in_features = 0, out_features = 0;
@@ -40,12 +41,13 @@ void fp8_linear(const LinearContext& ctx, const Fp8LinearArgs& args);
 // GEMM that records the amax of act(pre) and one cast pass (current scaling); else fp8_linear's
 // GEMM and fp8_quantize's passes. The bytes of data / data_t and the amax are fp8_quantize's of
 // pre either way. The path is a function of the device, the shapes, ctx.dtype and the activation
-// only, so a recomputation (checkpoint level 2, with the forward's scale) takes the forward's GEMM
-// and gives its bits. pre_scale_inv_out set: pre's own e4m3 copy as well (into pre_data; null only
-// when B is 0) and its scale_inv, at pre's own amax (current scaling whatever `scale`), the bytes
-// fp8_quantize gives pre alone; its amax is recorded by the cutlass_sm90 GEMM or joins the amax
-// pass, its cast joins the activation's cast pass (delayed scaling on the cutlass_sm90 kernel: one
-// cast pass of its own).
+// only, and fp8_linear's GEMM keys its tuned choice by the same (tuner.h), so a recomputation
+// (checkpoint level 2, with the forward's scale) takes the forward's GEMM and gives its bits.
+// pre_scale_inv_out set: pre's own e4m3 copy as well (into pre_data; null only when B is 0) and
+// its scale_inv, at pre's own amax (current scaling whatever `scale`), the bytes fp8_quantize gives
+// pre alone; its amax is recorded by the cutlass_sm90 GEMM or joins the amax pass, its cast joins
+// the activation's cast pass (delayed scaling on the cutlass_sm90 kernel: one cast pass of its
+// own).
 struct Fp8LinearActArgs {
   int64_t batch = 0, in_features = 0, out_features = 0;  // B, K, N: K and N multiples of 16
   const void* input = nullptr;                           // e4m3 [B, K]

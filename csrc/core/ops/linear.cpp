@@ -13,12 +13,19 @@
 #include "core/cutlass_sm90/cutlass_sm90_dgrad.h"
 #include "core/cutlass_sm90/cutlass_sm90_forward.h"
 #include "core/cutlass_sm90/cutlass_sm90_gated.h"
+#include "core/ops/dispatch.h"
 #include "core/ops/gated.h"
 #include "core/tuning/tuner.h"
 #include "core/tuning/tuning_arena.h"
 
 namespace fused_dense::core {
 namespace {
+
+using dispatch_detail::aligned256;
+using dispatch_detail::dispatch;
+using dispatch_detail::OpKind;
+using dispatch_detail::OpSetup;
+using dispatch_detail::run_gemm;
 
 // cuBLASLt's aux operand rules, seen on the H200 with CUDA 13.0: the ReLU bit-mask needs its
 // leading dimension (in bits) to be a multiple of 128, the GELU pre-activation a multiple of 8.
@@ -39,120 +46,6 @@ GemmProblem base_problem(const LinearContext& ctx) {
 void zero(void* ptr, int64_t elements, DType dtype, cudaStream_t stream) {
   if (ptr != nullptr && elements > 0)
     FD_CUDA_CHECK(cudaMemsetAsync(ptr, 0, static_cast<std::size_t>(elements) * dtype_size(dtype), stream));
-}
-
-enum class OpKind : int64_t { kForward = 0, kWgrad = 1, kDgrad = 2, kGatedForward = 3, kGatedDgrad = 4 };
-
-TuningKey tuning_key(OpKind op, const LinearContext& ctx, const MBucket& bucket, int64_t K, int64_t N,
-                     Activation act, bool flag_a, bool flag_b) {
-  TuningKey key;
-  // the last slot: the bucket grid (TuningSettings::buckets; 0 for exact-M keys)
-  key.v = {static_cast<int64_t>(op), static_cast<int64_t>(ctx.dtype), bucket.index, K, N, static_cast<int64_t>(act),
-           flag_a, flag_b, ctx.dtype == DType::kFloat32 && ctx.allow_tf32,
-           bucket.per_octave};
-  return key;
-}
-
-std::string describe(const char* op, const LinearContext& ctx, int64_t B, int64_t K, int64_t N, Activation act) {
-  std::ostringstream s;
-  s << op << " " << dtype_name(ctx.dtype) << " " << activation_name(act) << " B=" << B << " K=" << K << " N=" << N;
-  return s.str();
-}
-
-bool aligned256(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 256 == 0; }
-
-// One op's problem, as the dispatch sees it: the two GEMM problems (fused epilogue, plain) and a
-// runner of any choice on the setup's own pointers. Built from (context, arguments) by one
-// function per op: once for the call and, where the tuner asks (choose, tuner.h), once at the
-// bucket's representative M for the rule's choice and once more on synthetic operands there to
-// measure.
-struct OpSetup {
-  GemmProblem fused, plain;
-  bool fused_possible = false;
-  std::function<int()> cutlass_variants = [] { return 0; };
-  CandidateRunner run;
-  // A, B and D 256-byte aligned, as the stored algorithms' lists assumed (gemm.h): otherwise a
-  // choice runs with cuBLASLt's first algorithm for this call's problem and alignment instead.
-  bool aligned = true;
-};
-
-// The cuBLASLt GEMM of a choice: its stored algorithm ('auto') or its index (an explicit heuristic).
-bool run_gemm(const GemmProblem& p, const GemmPointers& ptrs, const Choice& c, const Workspace& ws, cudaStream_t stream) {
-  return c.has_algo ? try_gemm_algorithm(p, ptrs, c.algo, ws, stream) : try_gemm(p, ptrs, c.algorithm, ws, stream);
-}
-
-// Resolves the heuristic argument into runs of the setup's runner: an explicit index tries the
-// fused epilogue and, where cuBLASLt refuses it, the unfused path with the same index into the
-// plain list; 'auto' asks the tuner once (choose, tuner.h) for the bucket's choice, handing it the
-// rule's choice at the representative M and, to measure, this op's candidates on synthetic
-// operands there.
-//   make_setup(ctx, args) -> OpSetup;  synthetic(args, M, arena) -> args at M on arena buffers;
-//   workspace_bytes(device, args) -> the workspace those need.
-template <class Args, class MakeSetup, class Synthetic, class WorkspaceBytes>
-void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, const Args& args, OpKind op,
-              int64_t K, int64_t N, Activation act, bool flag_a, bool flag_b, const char* name, MakeSetup&& make_setup,
-              Synthetic&& synthetic, WorkspaceBytes&& workspace_bytes) {
-  const OpSetup setup = make_setup(ctx, args);
-  if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !setup.fused_possible)) {
-    if (!setup.run(Choice{false, std::max(heuristic, 0)}))
-      throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
-    return;
-  }
-  if (heuristic >= 0) {
-    if (!setup.run(Choice{true, heuristic}) && !setup.run(Choice{false, heuristic}))
-      throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
-    return;
-  }
-  MBucket bucket = m_bucket(args.batch);
-  if (bucket.representative != args.batch) {  // no representative: its exact M where key_exact_m says
-    const MBucket exact{args.batch, args.batch, 0};
-    if (key_exact_m(ctx.device, ctx.stream, tuning_key(op, ctx, exact, K, N, act, flag_a, flag_b), ctx.deterministic))
-      bucket = exact;
-  }
-  // The rule's choice at the representative M, with cuBLASLt's first algorithm there.
-  const auto rule = [&] {
-    Args at_rep = args;
-    at_rep.batch = bucket.representative;
-    const OpSetup rep = make_setup(ctx, at_rep);
-    Choice c = rule_kind;
-    if (c.fused && !(rep.fused_possible && gemm_algorithm(rep.fused, 0, &c.algo))) c = Choice{false, 0};
-    if (!c.fused) c.has_algo = gemm_algorithm(rep.plain, 0, &c.algo);
-    else c.has_algo = true;
-    return c;
-  };
-  // The candidates at the representative M, on synthetic operands and workspace from the arena.
-  const auto trial = [&](TuningArena& arena) -> std::optional<TuningTrial> {
-    LinearContext tctx = ctx;
-    const Args t_args = synthetic(args, bucket.representative, arena);
-    const std::size_t ws_bytes = workspace_bytes(ctx.device, t_args);
-    tctx.workspace = Workspace{arena.scratch(ws_bytes), ws_bytes};
-    if (!arena.ok()) return std::nullopt;
-    OpSetup t = make_setup(tctx, t_args);
-    TuningTrial out;
-    cublasLtMatmulAlgo_t algo;
-    for (int i = 0; t.fused_possible && gemm_algorithm(t.fused, i, &algo); ++i)
-      out.candidates.push_back(Choice{true, i, -1, true, algo});
-    for (int i = 0; gemm_algorithm(t.plain, i, &algo); ++i) out.candidates.push_back(Choice{false, i, -1, true, algo});
-    for (int i = 0, n = t.cutlass_variants(); i < n; ++i) out.candidates.push_back(Choice{false, 0, i});
-    out.run = std::move(t.run);
-    out.description = describe(name, ctx, bucket.representative, K, N, act);
-    return out;
-  };
-  Choice choice = choose(ctx.device, ctx.stream, tuning_key(op, ctx, bucket, K, N, act, flag_a, flag_b),
-                         ctx.deterministic, rule, trial);
-  if (!setup.aligned && choice.has_algo) {
-    choice.has_algo = false;
-    choice.algorithm = 0;
-  }
-  // A stored algorithm that does not serve this M (or these operands), or a cutlass_sm90 variant
-  // whose operand rules this call breaks: cuBLASLt's first plain algorithm for the exact problem.
-  bool done = false;
-  try {
-    done = setup.run(choice);
-  } catch (const HeuristicOutOfRange&) {
-  }
-  if (!done && !setup.run(Choice{false, 0}))
-    throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
 }
 
 // ---- the three ops' setups and synthetic operands ----

@@ -41,7 +41,6 @@ namespace {
 // the runner-up exceeds the spread of either one's runs; a candidate whose best run is kDropAbove
 // times the winner's median or more is not run again.
 constexpr int kMaxFusedCandidates = 8;
-constexpr int kMaxPlainCandidates = 4;
 constexpr int kMinRounds = 3;
 constexpr int kMaxRounds = 15;
 constexpr float kDropAbove = 1.10f;
@@ -623,7 +622,7 @@ L2Flush l2_flush_buffer(int device, TuningArena& arena) {
 }
 
 Choice tune(int device, const TuningKey& key, const std::string& description, const std::vector<Choice>& all,
-            const Choice& rule, const CandidateRunner& run, cudaStream_t stream, L2Flush l2_flush) {
+            int max_plain, const Choice& rule, const CandidateRunner& run, cudaStream_t stream, L2Flush l2_flush) {
   announce_first_tuning();
   const auto t0 = std::chrono::steady_clock::now();
   double problem_budget_ms = 0.0;
@@ -668,7 +667,7 @@ Choice tune(int device, const TuningKey& key, const std::string& description, co
     } else if (c.fused) {
       if (!kinds.fused || fused_taken++ >= kMaxFusedCandidates) continue;
     } else {
-      if (!kinds.unfused || plain_taken++ >= kMaxPlainCandidates) continue;
+      if (!kinds.unfused || plain_taken++ >= max_plain) continue;
     }
     if (c == rule) {
       candidates.insert(candidates.begin(), c);
@@ -843,7 +842,7 @@ Choice choose(int device, cudaStream_t stream, const TuningKey& key, bool fixed,
   if (may_measure(stream)) {
     TuningArena arena(stream);
     if (const std::optional<TuningTrial> t = trial(arena))  // the flush buffer after the operands:
-      return tune(device, key, t->description, t->candidates, rule_choice, t->run, stream,
+      return tune(device, key, t->description, t->candidates, t->max_plain, rule_choice, t->run, stream,
                   l2_flush_buffer(device, arena));  // without room for it, runs are timed unflushed
   }
   keep_rule_choice(device, key, rule_choice);

@@ -147,6 +147,11 @@ struct TuningTrial {
   std::vector<Choice> candidates;
   CandidateRunner run;
   std::string description;
+  // How many of the plain GEMM's algorithms (the first of cuBLASLt's list) are measured: 4 beside
+  // fused epilogues and cutlass_sm90 kernels; 8 for the FP8 GEMM, whose candidates are all plain
+  // (its best at a Llama layer's forward shapes was the 5th to 8th of the list: docs/performance.md,
+  // "FP8 GEMMs under 'auto'").
+  int max_plain = 4;
 };
 
 // The choice for key on this device (the steps above). rule(): the rule's choice at the bucket's

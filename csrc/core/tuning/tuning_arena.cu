@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 
@@ -36,6 +37,19 @@ __global__ void fill_values(T* out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = from_float<T>(unit(static_cast<uint64_t>(i)));
+}
+
+// Roughly normal values (a sum of four uniforms: sigma 1, |v| <= 3.46) at sigma = max / 5, as a
+// tensor quantized at its amax (amax ~ 5 sigma over millions of elements) spreads over the
+// format's exponents: a GEMM's power, and so its clock and ranking, follow its operands' bits.
+__global__ void fill_fp8(uint8_t* out, int64_t n, bool e5m2) {
+  const float sigma = (e5m2 ? 57344.f : 448.f) / 5.f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t j = 4 * static_cast<uint64_t>(i);
+    const float v = (unit(j) + unit(j + 1) + unit(j + 2) + unit(j + 3)) * 0.8660254f * sigma;
+    out[i] = __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+  }
 }
 
 __global__ void fill_bytes(uint8_t* out, int64_t n) {
@@ -84,6 +98,15 @@ void* TuningArena::values(int64_t elements, DType dtype) {
       fill_values<<<grid_for(elements), kThreads, 0, stream_>>>(static_cast<__nv_bfloat16*>(p), elements);
       break;
   }
+  FD_CHECK_LAUNCH();
+  return p;
+}
+
+void* TuningArena::fp8_values(int64_t elements, Fp8Format format) {
+  void* p = allocate(static_cast<std::size_t>(elements));
+  if (p == nullptr || elements <= 0) return p;
+  fill_fp8<<<grid_for(elements), kThreads, 0, stream_>>>(static_cast<uint8_t*>(p), elements,
+                                                          format == Fp8Format::kE5M2);
   FD_CHECK_LAUNCH();
   return p;
 }

@@ -24,6 +24,9 @@ class TuningArena {
 
   // `elements` values of dtype in [-1, 1), or null (and ok() false) when allocation failed.
   void* values(int64_t elements, DType dtype);
+  // `elements` FP8 values of `format`, roughly normal at a fifth of the format's largest value (as
+  // a tensor quantized at its amax), or null (and ok() false) when allocation failed.
+  void* fp8_values(int64_t elements, Fp8Format format);
   // `n` pseudo-random bytes (ReLU bit-masks).
   void* random_bytes(std::size_t n);
   // `n` bytes left as they are (outputs, workspace).

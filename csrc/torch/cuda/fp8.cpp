@@ -164,7 +164,8 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
   a.bias = (b.has_value() && b->defined()) ? b->data_ptr() : nullptr;
   a.out = out.data_ptr();
   a.fast_accum = fast_accum;
-  // -1 (unfused) has no meaning for a plain GEMM: like 'auto', cuBLASLt's first algorithm.
+  // -1 (unfused) has no meaning for a plain GEMM: cuBLASLt's first algorithm; -2 ('auto') the
+  // tuner's choice (core/tuning/tuner.h).
   a.heuristic = static_cast<int>(heuristic);
   const int device = x.get_device();
   run_core([&] {
@@ -175,6 +176,7 @@ at::Tensor fp8_linear_cuda(const at::Tensor& input, const at::Tensor& weight, co
     const CallWorkspace ws(x, bytes);
     ctx.workspace = ws.get();
     ctx.stream = at::cuda::getCurrentCUDAStream(device).stream();
+    ctx.deterministic = at::globalContext().deterministicAlgorithms();
     core::fp8_linear(ctx, a);
   });
   return out;
@@ -222,6 +224,7 @@ Fp8LinearActResult fp8_linear_act_cuda(const at::Tensor& input, const at::Tensor
     const CallWorkspace ws(x, bytes);
     ctx.workspace = ws.get();
     ctx.stream = at::cuda::getCurrentCUDAStream(device).stream();
+    ctx.deterministic = at::globalContext().deterministicAlgorithms();
     core::fp8_linear_act(ctx, a);
   });
   return res;
