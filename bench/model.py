@@ -55,6 +55,8 @@ and, on request (--variants):
   fd_fp8_current_qkv_nowc_compile  as fd_fp8_current_qkv_compile with
                                 Float8Recipe(save_weight_fp8=False): no weight's FP8 copy held from the
                                 forward to the backward, which quantizes the weights again
+  fd_fp8_current_qkv_pre_nowc_compile  as fd_fp8_current_qkv_nowc_compile with save_pre_fp8=True as well:
+                                the MLPs keep gu in e4m3 and no weight's FP8 copy (checkpoint level 0)
   fd_lce8_compile,
   fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
                                 GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
@@ -134,7 +136,7 @@ VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
                                "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile",
                                "fd_fp8_current_qkv_rw_compile", "fd_fp8_current_qkv_ck1_compile",
-                               "fd_fp8_current_qkv_nowc_compile"]
+                               "fd_fp8_current_qkv_nowc_compile", "fd_fp8_current_qkv_pre_nowc_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
