@@ -7,7 +7,10 @@ fused_dense/tuning_tables/choices.txt:
 Each item is one forward + backward of FusedMLP(d, 4d) (biases on, as the module's default) or,
 with --gated, FusedGatedMLP(d, h) for the --gated-hidden widths, at a representative token count
 (fused_dense.tuning.representatives), which measures its problems (forward, data and weight
-gradients of both GEMMs) the way the runtime measures, with a longer per-problem budget. Widths,
+gradients of both GEMMs) the way the runtime measures, with a longer per-problem budget. With
+--fp8 the same modules run once more in bf16 with fp8=Float8Recipe() (current scaling, the
+default size rule: widths d below its min_features stay bf16 and are left out), which measures
+their FP8 GEMMs (fp8_linear's keys; a weight gradient's is the token count itself). Widths,
 dtypes, activations and the token range are options; --minutes bounds the sitting (the items are
 ordered so that what is cut is the largest token counts of the last dtype). The output is merged
 with the lines already in --out, so a table can be measured in pieces (other widths, dtypes or
@@ -48,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--gated-hidden", nargs="+", default=["8/3", "3.5"],
                    help="gated hidden widths as multiples of d: 8/3 (Llama's 8/3 d rounded up to a multiple "
                         "of 256), 3.5, or any number")
+    p.add_argument("--fp8", action="store_true",
+                   help="also measure the bf16 items in FP8 (Float8Recipe(): current scaling, the default size "
+                        "rule), for the FP8 GEMMs' choices")
     p.add_argument("--buckets", type=int, default=4, choices=[1, 2, 4, 8],
                    help="representatives per octave of M (4: the grid 'auto' uses by default)")
     p.add_argument("--problem-budget-ms", type=float, default=1000.0,
@@ -91,19 +97,21 @@ def work_items(args):
 
 def _work_items(args):
     from fused_dense import tuning
+    from fused_dense.fp8 import DEFAULT_MIN_FEATURES
     items = []
     reps = tuning.representatives(args.min_tokens, args.max_tokens)
     for dtype in args.dtypes:
         for d in args.dims:
             kinds = [(act, 4 * d) for act in args.activations]
             kinds += [(act, gated_hidden(d, spec)) for act in args.gated for spec in args.gated_hidden]
+            fp8 = [False] + ([True] if args.fp8 and dtype == "bfloat16" and d >= DEFAULT_MIN_FEATURES else [])
             for act, hidden in dict.fromkeys(kinds):
                 for rep in reps:
                     if args.min_tflop < fc1_tflop(rep, d, hidden, act in GATED) <= args.max_tflop:
-                        items.append((dtype, d, act, hidden, rep))
-    # smallest work first within each dtype: a sitting cut short loses the largest items
+                        items += [(dtype, d, act, hidden, rep, f) for f in fp8]
+    # smallest work first within each dtype (FP8 after bf16): a sitting cut short loses the largest
     order = {dt: i for i, dt in enumerate(args.dtypes)}
-    items.sort(key=lambda it: (order[it[0]], it[4] * it[1] * it[3]))
+    items.sort(key=lambda it: (order[it[0]], it[5], it[4] * it[1] * it[3]))
     return items
 
 
@@ -126,9 +134,11 @@ def merge(lines):
 def main(argv=None):
     args = parse_args(argv)
     import fused_dense
-    from fused_dense import FusedGatedMLP, FusedMLP, tuning
+    from fused_dense import Float8Recipe, FusedGatedMLP, FusedMLP, tuning
     if not (fused_dense.has_cuda_kernels() and torch.cuda.is_available()):
         sys.exit("python -m fused_dense.tune: needs a CUDA build of fused_dense and a GPU")
+    if args.fp8 and torch.cuda.get_device_capability() < (8, 9):
+        sys.exit("python -m fused_dense.tune: --fp8 needs a GPU of compute capability 8.9 or later")
     items = work_items(args)
     fd, scratch = tempfile.mkstemp(prefix="fused_dense_tune_", suffix=".txt")
     os.close(fd)
@@ -141,17 +151,18 @@ def main(argv=None):
     done = 0
     try:
         modules = {}
-        for i, (dtype_name, d, act, hidden, rep) in enumerate(items):
+        for i, (dtype_name, d, act, hidden, rep, fp8) in enumerate(items):
             elapsed = time.perf_counter() - t0
             if elapsed > args.minutes * 60:
                 print(f"fused_dense.tune: --minutes reached after {done} of {len(items)} items", flush=True)
                 break
-            key = (dtype_name, d, act, hidden)
+            key = (dtype_name, d, act, hidden, fp8)
             if key not in modules:
                 modules.clear()  # one module at a time: the widest take GiBs
                 torch.manual_seed(0)
                 kind = FusedGatedMLP if act in GATED else FusedMLP
-                modules[key] = kind(d, hidden, activation=act, device=device, dtype=DTYPES[dtype_name])
+                modules[key] = kind(d, hidden, activation=act, device=device, dtype=DTYPES[dtype_name],
+                                    fp8=Float8Recipe() if fp8 else None)
             mlp = modules[key]
             x = torch.randn(rep, d, device=device, dtype=DTYPES[dtype_name], requires_grad=True)
             t_item = time.perf_counter()
@@ -160,7 +171,8 @@ def main(argv=None):
             torch.cuda.synchronize()
             done += 1
             eta = (time.perf_counter() - t0) / done * (len(items) - done)
-            print(f"[{done}/{len(items)}] {dtype_name} d={d} h={hidden} {act} M={rep}: {time.perf_counter() - t_item:.2f} s "
+            print(f"[{done}/{len(items)}] {dtype_name}{' FP8' if fp8 else ''} d={d} h={hidden} {act} M={rep}: "
+                  f"{time.perf_counter() - t_item:.2f} s "
                   f"(elapsed {time.perf_counter() - t0:.0f} s, at most {eta:.0f} s left)", flush=True)
             del x, out
     finally:

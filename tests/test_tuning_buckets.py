@@ -269,6 +269,40 @@ def test_table_written_by_the_tool_serves_without_measuring(tmp_path):
     assert stats["table_choices"] == len(lines), stats
 
 
+# An FP8 MLP step at a representative token count (640) with the table named by
+# FUSED_DENSE_TUNING_TABLE and measuring off; prints the tuner's counters.
+FP8_READER = r"""
+import json, torch
+from fused_dense import Float8Recipe, FusedMLP, tuning
+torch.manual_seed(0)
+mlp = FusedMLP(2048, 8192, fp8=Float8Recipe(), device='cuda', dtype=torch.bfloat16)
+x = torch.randn(640, 2048, device='cuda', dtype=torch.bfloat16, requires_grad=True)
+mlp(x).float().sum().backward()
+torch.cuda.synchronize()
+print('STATS', json.dumps(tuning.stats()))
+"""
+
+
+@pytest.mark.cuda
+def test_tool_measures_fp8_choices_that_serve_an_fp8_mlp(tmp_path):
+    """--fp8 adds the FP8 GEMMs' choices (op kinds 5 and 6: the forward, and a gradient times a
+    weight or an input) to the table, and an FP8 MLP at a tabled count then measures nothing and
+    takes no rule's choice."""
+    cuda_or_skip()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs a GPU of compute capability 8.9+")
+    table = tmp_path / "choices.txt"
+    run_python(["-m", "fused_dense.tune", "--out", str(table), "--dims", "2048", "--dtypes", "bfloat16",
+                "--activations", "gelu_approx", "--min-tokens", "600", "--max-tokens", "700", "--fp8",
+                "--problem-budget-ms", "50", "--fresh"], {})
+    kinds = {int(l.split()[1]) for l in table.read_text().splitlines() if l and not l.startswith("#")}
+    assert {5, 6} <= kinds, kinds
+    proc = run_python(["-c", FP8_READER], {"FUSED_DENSE_TUNING": "0", "FUSED_DENSE_TUNING_TABLE": str(table)})
+    line = [l for l in proc.stdout.splitlines() if l.startswith("STATS ")][-1]
+    stats = json.loads(line[len("STATS "):])
+    assert stats["table_choices"] > 0 and stats["problems_measured"] == 0 and stats["rule_choices"] == 0, stats
+
+
 @pytest.mark.cuda
 def test_configure_checks_its_arguments():
     cuda_or_skip()
