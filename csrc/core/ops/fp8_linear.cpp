@@ -46,7 +46,6 @@ OpSetup fp8_setup(const LinearContext& ctx, const Fp8LinearArgs& a) {
   p.m = a.out_features, p.n = a.batch, p.k = a.in_features;
   p.lda = a.in_features, p.ldb = a.in_features, p.ldd = a.out_features;
   p.with_bias = a.bias != nullptr;
-  s.fused = p;
   s.aligned = aligned256(a.weight) && aligned256(a.input) && aligned256(a.out);
   s.max_plain = 8;
   const Workspace ws = gemm_workspace_part(ctx);
