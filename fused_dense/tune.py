@@ -10,7 +10,8 @@ with --gated, FusedGatedMLP(d, h) for the --gated-hidden widths, at a representa
 gradients of both GEMMs) the way the runtime measures, with a longer per-problem budget. With
 --fp8 the same modules run once more in bf16 with fp8=Float8Recipe() (current scaling, the
 default size rule: widths d below its min_features stay bf16 and are left out), which measures
-their FP8 GEMMs (fp8_linear's keys; a weight gradient's is the token count itself). Widths,
+their FP8 GEMMs (fp8_linear's keys; a weight gradient's is the token count itself); --fp8-only
+runs those alone, so a table's bf16 and fp16 lines stay as they were measured. Widths,
 dtypes, activations and the token range are options; --minutes bounds the sitting (the items are
 ordered so that what is cut is the largest token counts of the last dtype). The output is merged
 with the lines already in --out, so a table can be measured in pieces (other widths, dtypes or
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--fp8", action="store_true",
                    help="also measure the bf16 items in FP8 (Float8Recipe(): current scaling, the default size "
                         "rule), for the FP8 GEMMs' choices")
+    p.add_argument("--fp8-only", action="store_true",
+                   help="measure the FP8 items alone (implies --fp8): adds the FP8 GEMMs' lines to --out and "
+                        "leaves its other lines as they are")
     p.add_argument("--buckets", type=int, default=4, choices=[1, 2, 4, 8],
                    help="representatives per octave of M (4: the grid 'auto' uses by default)")
     p.add_argument("--problem-budget-ms", type=float, default=1000.0,
@@ -61,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=25.0, help="stop starting items after this long")
     p.add_argument("--fresh", action="store_true", help="drop the existing lines of --out")
     args = p.parse_args(argv)
+    args.fp8 = args.fp8 or args.fp8_only
     for name in ("min_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -104,7 +109,8 @@ def _work_items(args):
         for d in args.dims:
             kinds = [(act, 4 * d) for act in args.activations]
             kinds += [(act, gated_hidden(d, spec)) for act in args.gated for spec in args.gated_hidden]
-            fp8 = [False] + ([True] if args.fp8 and dtype == "bfloat16" and d >= DEFAULT_MIN_FEATURES else [])
+            fp8 = ([] if args.fp8_only else [False]) + (
+                [True] if args.fp8 and dtype == "bfloat16" and d >= DEFAULT_MIN_FEATURES else [])
             for act, hidden in dict.fromkeys(kinds):
                 for rep in reps:
                     if args.min_tflop < fc1_tflop(rep, d, hidden, act in GATED) <= args.max_tflop:
@@ -140,6 +146,10 @@ def main(argv=None):
     if args.fp8 and torch.cuda.get_device_capability() < (8, 9):
         sys.exit("python -m fused_dense.tune: --fp8 needs a GPU of compute capability 8.9 or later")
     items = work_items(args)
+    if args.fp8_only and not items:
+        from fused_dense.fp8 import DEFAULT_MIN_FEATURES
+        sys.exit(f"python -m fused_dense.tune: --fp8-only measures bfloat16 widths d >= {DEFAULT_MIN_FEATURES} (the "
+                 f"FP8 size rule) in the token range; --dtypes {args.dtypes} and --dims {args.dims} give none")
     fd, scratch = tempfile.mkstemp(prefix="fused_dense_tune_", suffix=".txt")
     os.close(fd)
     previous = tuning.configure(enabled=True, budget_s=1e9, pace=1.0, problem_budget_ms=args.problem_budget_ms,

@@ -285,22 +285,44 @@ print('STATS', json.dumps(tuning.stats()))
 
 @pytest.mark.cuda
 def test_tool_measures_fp8_choices_that_serve_an_fp8_mlp(tmp_path):
-    """--fp8 adds the FP8 GEMMs' choices (op kinds 5 and 6: the forward, and a gradient times a
-    weight or an input) to the table, and an FP8 MLP at a tabled count then measures nothing and
-    takes no rule's choice."""
+    """--fp8-only adds the FP8 GEMMs' choices (op kinds 5 and 6: the forward, and a gradient times
+    a weight or an input; 7 at most besides) to a table and leaves its bf16 lines byte for byte; an
+    FP8 MLP at a tabled count then measures nothing and takes no rule's choice."""
     cuda_or_skip()
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs a GPU of compute capability 8.9+")
     table = tmp_path / "choices.txt"
-    run_python(["-m", "fused_dense.tune", "--out", str(table), "--dims", "2048", "--dtypes", "bfloat16",
-                "--activations", "gelu_approx", "--min-tokens", "600", "--max-tokens", "700", "--fp8",
-                "--problem-budget-ms", "50", "--fresh"], {})
-    kinds = {int(l.split()[1]) for l in table.read_text().splitlines() if l and not l.startswith("#")}
-    assert {5, 6} <= kinds, kinds
+    common = ["-m", "fused_dense.tune", "--out", str(table), "--dims", "2048", "--dtypes", "bfloat16",
+              "--activations", "gelu_approx", "--min-tokens", "600", "--max-tokens", "700",
+              "--problem-budget-ms", "50"]
+
+    def lines():
+        return [l for l in table.read_text().splitlines() if l and not l.startswith("#")]
+
+    run_python(common + ["--fresh"], {})
+    bf16 = lines()
+    assert bf16 and {int(l.split()[1]) for l in bf16}.isdisjoint({5, 6, 7}), bf16[:3]
+    run_python(common + ["--fp8-only"], {})
+    added = [l for l in lines() if l not in bf16]
+    assert set(bf16) <= set(lines()), "--fp8-only changed or dropped a bf16 line"
+    kinds = {int(l.split()[1]) for l in added}
+    assert {5, 6} <= kinds <= {5, 6, 7}, kinds
     proc = run_python(["-c", FP8_READER], {"FUSED_DENSE_TUNING": "0", "FUSED_DENSE_TUNING_TABLE": str(table)})
     line = [l for l in proc.stdout.splitlines() if l.startswith("STATS ")][-1]
     stats = json.loads(line[len("STATS "):])
     assert stats["table_choices"] > 0 and stats["problems_measured"] == 0 and stats["rule_choices"] == 0, stats
+
+
+def test_tool_refuses_fp8_only_without_fp8_items():
+    proc = subprocess.run([sys.executable, "-m", "fused_dense.tune", "--out", os.devnull, "--dims", "768",
+                           "--fp8-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    if not (fused_dense.has_cuda_kernels() and torch.cuda.is_available()):
+        assert "needs a CUDA build" in proc.stderr, proc.stderr[-2000:]
+    elif torch.cuda.get_device_capability() < (8, 9):
+        assert "compute capability 8.9" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert "--fp8-only measures bfloat16 widths" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.cuda
