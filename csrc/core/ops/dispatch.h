@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -51,21 +50,38 @@ inline std::string describe(const char* op, const LinearContext& ctx, int64_t B,
 
 inline bool aligned256(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 256 == 0; }
 
-// One op's problem, as the dispatch sees it: the two GEMM problems (fused epilogue, plain) and a
-// runner of any choice on the setup's own pointers. Built from (context, arguments) by one
-// function per op: once for the call and, where the tuner asks (choose, tuner.h), once at the
+// One op's problem, as the dispatch sees it: the two GEMM problems (fused epilogue, plain) and, in
+// OpSetup, a runner of any choice on the setup's own pointers. Built from (context, arguments) by
+// one function per op: once for the call and, where the tuner asks (choose, tuner.h), once at the
 // bucket's representative M for the rule's choice and once more on synthetic operands there to
 // measure.
-struct OpSetup {
+struct OpProblems {
   GemmProblem fused, plain;
   bool fused_possible = false;
-  std::function<int()> cutlass_variants = [] { return 0; };
-  CandidateRunner run;
   // A, B and D 256-byte aligned, as the stored algorithms' lists assumed (gemm.h): otherwise a
   // choice runs with cuBLASLt's first algorithm for this call's problem and alignment instead.
   bool aligned = true;
   int max_plain = TuningTrial{}.max_plain;  // plain algorithms measured (TuningTrial::max_plain)
 };
+
+struct NoCutlassVariants {
+  int operator()() const { return 0; }
+};
+
+// The runner and the count of cutlass_sm90 variants are the op's own lambdas, held by value: a
+// call builds its setup on the stack, with no std::function (whose captures, the op's arguments,
+// would not fit its small buffer: a heap allocation per GEMM call). Only a measurement wraps the
+// runner in the tuner's CandidateRunner.
+template <class Runner, class Variants>
+struct OpSetup : OpProblems {
+  Runner run;
+  Variants cutlass_variants;
+};
+
+template <class Runner, class Variants = NoCutlassVariants>
+OpSetup<Runner, Variants> op_setup(const OpProblems& problems, Runner run, Variants variants = {}) {
+  return {problems, std::move(run), std::move(variants)};
+}
 
 // The cuBLASLt GEMM of a choice: its stored algorithm ('auto') or its index (an explicit heuristic).
 inline bool run_gemm(const GemmProblem& p, const GemmPointers& ptrs, const Choice& c, const Workspace& ws,
@@ -78,13 +94,13 @@ inline bool run_gemm(const GemmProblem& p, const GemmPointers& ptrs, const Choic
 // plain list; 'auto' asks the tuner once (choose, tuner.h) for the bucket's choice, handing it the
 // rule's choice at the representative M and, to measure, this op's candidates on synthetic
 // operands there.
-//   make_setup(ctx, args) -> OpSetup;  synthetic(args, M, arena) -> args at M on arena buffers;
+//   make_setup(ctx, args) -> an OpSetup (op_setup);  synthetic(args, M, arena) -> args at M on arena buffers;
 //   workspace_bytes(device, args) -> the workspace those need.
 template <class Args, class MakeSetup, class Synthetic, class WorkspaceBytes>
 void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, const Args& args, OpKind op,
               int64_t K, int64_t N, Activation act, bool flag_a, bool flag_b, const char* name, MakeSetup&& make_setup,
               Synthetic&& synthetic, WorkspaceBytes&& workspace_bytes) {
-  const OpSetup setup = make_setup(ctx, args);
+  const auto setup = make_setup(ctx, args);
   if (heuristic == kHeuristicUnfused || (heuristic >= 0 && !setup.fused_possible)) {
     if (!setup.run(Choice{false, std::max(heuristic, 0)}))
       throw Error("fused_dense: cuBLASLt offers no algorithm for the " + std::string(name) + " GEMM");
@@ -105,7 +121,7 @@ void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, 
   const auto rule = [&] {
     Args at_rep = args;
     at_rep.batch = bucket.representative;
-    const OpSetup rep = make_setup(ctx, at_rep);
+    const auto rep = make_setup(ctx, at_rep);
     Choice c = rule_kind;
     if (c.fused && !(rep.fused_possible && gemm_algorithm(rep.fused, 0, &c.algo))) c = Choice{false, 0};
     if (!c.fused) c.has_algo = gemm_algorithm(rep.plain, 0, &c.algo);
@@ -119,7 +135,7 @@ void dispatch(int heuristic, const Choice& rule_kind, const LinearContext& ctx, 
     const std::size_t ws_bytes = workspace_bytes(ctx.device, t_args);
     tctx.workspace = Workspace{arena.scratch(ws_bytes), ws_bytes};
     if (!arena.ok()) return std::nullopt;
-    OpSetup t = make_setup(tctx, t_args);
+    auto t = make_setup(tctx, t_args);
     TuningTrial out;
     cublasLtMatmulAlgo_t algo;
     for (int i = 0; t.fused_possible && gemm_algorithm(t.fused, i, &algo); ++i)

@@ -19,8 +19,9 @@ namespace fused_dense::core {
 namespace {
 
 using dispatch_detail::aligned256;
+using dispatch_detail::op_setup;
 using dispatch_detail::OpKind;
-using dispatch_detail::OpSetup;
+using dispatch_detail::OpProblems;
 using dispatch_detail::run_gemm;
 
 OpKind fp8_op_kind(const Fp8LinearArgs& a) {
@@ -32,8 +33,8 @@ OpKind fp8_op_kind(const Fp8LinearArgs& a) {
 // bias joins the GEMM's epilogue; where cuBLASLt refuses that epilogue beside the output type (fp16,
 // fp32) an index choice adds it in a second pass, and a stored algorithm reports the refusal (the
 // dispatch then runs cuBLASLt's first algorithm for the exact problem, that way).
-OpSetup fp8_setup(const LinearContext& ctx, const Fp8LinearArgs& a) {
-  OpSetup s;
+auto fp8_setup(const LinearContext& ctx, const Fp8LinearArgs& a) {
+  OpProblems s;
   GemmProblem& p = s.plain;
   p.device = ctx.device;
   p.dtype = ctx.dtype;
@@ -50,7 +51,7 @@ OpSetup fp8_setup(const LinearContext& ctx, const Fp8LinearArgs& a) {
   s.max_plain = 8;
   const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem with_bias = p;
-  s.run = [=](const Choice& c) -> bool {
+  const auto run = [=](const Choice& c) -> bool {
     GemmPointers ptrs;
     ptrs.a = a.weight;
     ptrs.b = a.input;
@@ -68,7 +69,7 @@ OpSetup fp8_setup(const LinearContext& ctx, const Fp8LinearArgs& a) {
                      ctx.stream);
     return true;
   };
-  return s;
+  return op_setup(s, run);
 }
 
 // The call's operands at batch M for measuring: the input from the arena, pseudo-random FP8 values

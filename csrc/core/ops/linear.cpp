@@ -23,8 +23,9 @@ namespace {
 
 using dispatch_detail::aligned256;
 using dispatch_detail::dispatch;
+using dispatch_detail::op_setup;
 using dispatch_detail::OpKind;
-using dispatch_detail::OpSetup;
+using dispatch_detail::OpProblems;
 using dispatch_detail::run_gemm;
 
 // cuBLASLt's aux operand rules, seen on the H200 with CUDA 13.0: the ReLU bit-mask needs its
@@ -50,13 +51,13 @@ void zero(void* ptr, int64_t elements, DType dtype, cudaStream_t stream) {
 
 // ---- the three ops' setups and synthetic operands ----
 
-OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
+auto forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
   const bool mask = a.activation == Activation::kRelu && a.pre_act != nullptr;
   // With a saved GELU / squared-ReLU pre-activation the GEMM writes it and the kernel reads it
   // back; otherwise the GEMM writes `out` and the kernel works in place.
   void* gemm_target = (a.pre_act != nullptr && !mask) ? a.pre_act : a.out;
-  OpSetup s;
+  OpProblems s;
   // The unfused path still adds the bias in the GEMM's fp32 epilogue: adding it after the GEMM
   // result is rounded to 16 bits would let that rounding flip the sign of x.w + b wherever
   // x.w ~= -b, and every flipped ReLU unit passes (or blocks) a whole gradient element.
@@ -89,10 +90,10 @@ OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
   cutlass.activation = a.activation;
   cutlass.input = a.input, cutlass.weight = a.weight, cutlass.bias = a.bias, cutlass.out = a.out;
   cutlass.pre_act = a.pre_act;
-  s.cutlass_variants = [cutlass] { return cutlass_sm90_forward_variants(cutlass); };
+  const auto variants = [cutlass] { return cutlass_sm90_forward_variants(cutlass); };
   const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem fused = s.fused;
-  s.run = [=](const Choice& c) -> bool {
+  const auto run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) return cutlass_sm90_forward(c.cutlass, cutlass, ws, ctx.stream);
     GemmPointers ptrs;
     ptrs.a = a.weight;
@@ -130,7 +131,7 @@ OpSetup forward_setup(const LinearContext& ctx, const LinearActArgs& a) {
                        ctx.device, ctx.stream);
     return true;
   };
-  return s;
+  return op_setup(s, run, variants);
 }
 
 LinearActArgs forward_synthetic(const LinearActArgs& a, int64_t M, DType dtype, TuningArena& arena) {
@@ -145,9 +146,9 @@ LinearActArgs forward_synthetic(const LinearActArgs& a, int64_t M, DType dtype, 
   return t;
 }
 
-OpSetup wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
+auto wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
   const int64_t B = a.batch, N = a.out_features;
-  OpSetup s;
+  OpProblems s;
   s.plain = base_problem(ctx);
   s.plain.trans_b = true;
   s.plain.m = a.in_features, s.plain.n = N, s.plain.k = B;
@@ -158,7 +159,7 @@ OpSetup wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
   s.aligned = aligned256(a.input) && aligned256(a.d_output) && aligned256(a.d_weight);
   const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain, fused = s.fused;
-  s.run = [=](const Choice& c) -> bool {
+  const auto run = [=](const Choice& c) -> bool {
     GemmPointers ptrs;
     ptrs.a = a.input;
     ptrs.b = a.d_output;
@@ -173,7 +174,7 @@ OpSetup wgrad_setup(const LinearContext& ctx, const LinearBiasWgradArgs& a) {
                              ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream);
     return true;
   };
-  return s;
+  return op_setup(s, run);
 }
 
 LinearBiasWgradArgs wgrad_synthetic(const LinearBiasWgradArgs& a, int64_t M, DType dtype, TuningArena& arena) {
@@ -186,9 +187,9 @@ LinearBiasWgradArgs wgrad_synthetic(const LinearBiasWgradArgs& a, int64_t M, DTy
   return t;
 }
 
-OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
+auto dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
   const int64_t B = a.batch, K = a.in_features, N = a.out_features;
-  OpSetup s;
+  OpProblems s;
   s.plain = base_problem(ctx);
   s.plain.m = K, s.plain.n = B, s.plain.k = N;
   s.plain.lda = K, s.plain.ldb = N, s.plain.ldd = K;
@@ -207,7 +208,7 @@ OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
   cutlass.activation = a.activation;
   cutlass.weight = a.weight, cutlass.d_output = a.d_output, cutlass.pre_act = a.pre_act;
   cutlass.d_input = a.d_input, cutlass.d_bias = a.d_bias;
-  s.cutlass_variants = [cutlass] { return cutlass_sm90_dgrad_variants(cutlass); };
+  const auto variants = [cutlass] { return cutlass_sm90_dgrad_variants(cutlass); };
   const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain, fused = s.fused;
   auto rebuild_act_out = [=] {
@@ -215,7 +216,7 @@ OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
       bias_act_forward(ctx.dtype, a.activation, a.pre_act, nullptr, a.act_out, nullptr, B, K, ctx.device,
                        ctx.stream);
   };
-  s.run = [=](const Choice& c) -> bool {
+  const auto run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) {
       // the whole workspace: CUTLASS's scratch, then the epilogue's partial bias-gradient sums
       if (!cutlass_sm90_dgrad(c.cutlass, cutlass, ctx.workspace, ctx.stream)) return false;
@@ -239,7 +240,7 @@ OpSetup dgrad_setup(const LinearContext& ctx, const ActLinearDgradArgs& a) {
                              ctx.workspace.ptr, ctx.workspace.bytes, ctx.device, ctx.stream, a.act_out);
     return true;
   };
-  return s;
+  return op_setup(s, run, variants);
 }
 
 ActLinearDgradArgs dgrad_synthetic(const ActLinearDgradArgs& a, int64_t M, DType dtype, TuningArena& arena) {
@@ -395,9 +396,9 @@ std::size_t elements_bytes(int64_t rows, int64_t cols, DType dtype) {
 // gating kernel) is the rule and every explicit heuristic's path; 'auto' also measures the
 // cutlass_sm90 gated variants. The intermediate (gu when the forward does not keep it) is taken
 // from the workspace on each run, so a setup at another M needs no workspace of its own.
-OpSetup gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) {
+auto gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) {
   const int64_t B = a.batch, K = a.in_features, H = a.hidden;
-  OpSetup s;
+  OpProblems s;
   s.plain = base_problem(ctx);
   s.plain.trans_a = true;
   s.plain.m = 2 * H, s.plain.n = B, s.plain.k = K;
@@ -406,10 +407,10 @@ OpSetup gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) 
   s.aligned = aligned256(a.weight) && aligned256(a.input) &&
               aligned256(a.pre_act != nullptr ? a.pre_act : ctx.workspace.ptr);
   const CutlassSm90GatedForwardArgs cutlass = cutlass_gated_forward_args(ctx, a);
-  s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_forward_variants(cutlass); };
+  const auto variants = [cutlass] { return cutlass_sm90_gated_forward_variants(cutlass); };
   const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain;
-  s.run = [=](const Choice& c) -> bool {
+  const auto run = [=](const Choice& c) -> bool {
     if (c.cutlass >= 0) return cutlass_sm90_gated_forward(c.cutlass, cutlass, ws, ctx.stream);
     void* gu = a.pre_act != nullptr ? a.pre_act : gated_scratch(ctx, elements_bytes(B, 2 * H, ctx.dtype));
     GemmPointers ptrs;
@@ -420,7 +421,7 @@ OpSetup gated_forward_setup(const LinearContext& ctx, const GatedLinearArgs& a) 
     gated_act_forward(ctx.dtype, a.activation, gu, a.out, B, H, ctx.device, ctx.stream);
     return true;
   };
-  return s;
+  return op_setup(s, run, variants);
 }
 
 GatedLinearArgs gated_forward_synthetic(const GatedLinearArgs& a, int64_t M, DType dtype, TuningArena& arena) {
@@ -432,19 +433,19 @@ GatedLinearArgs gated_forward_synthetic(const GatedLinearArgs& a, int64_t M, DTy
   return t;
 }
 
-OpSetup gated_dgrad_setup(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
+auto gated_dgrad_setup(const LinearContext& ctx, const GatedLinearDgradArgs& a) {
   const int64_t B = a.batch, H = a.hidden, N = a.out_features;
-  OpSetup s;
+  OpProblems s;
   s.plain = base_problem(ctx);
   s.plain.m = H, s.plain.n = B, s.plain.k = N;
   s.plain.lda = H, s.plain.ldb = N, s.plain.ldd = H;
   s.fused = s.plain;
   s.aligned = aligned256(a.weight) && aligned256(a.d_output) && aligned256(ctx.workspace.ptr);
   const CutlassSm90GatedDgradArgs cutlass = cutlass_gated_dgrad_args(ctx, a);
-  s.cutlass_variants = [cutlass] { return cutlass_sm90_gated_dgrad_variants(cutlass); };
+  const auto variants = [cutlass] { return cutlass_sm90_gated_dgrad_variants(cutlass); };
   const Workspace ws = gemm_workspace_part(ctx);
   const GemmProblem plain = s.plain;
-  s.run = [=](const Choice& c) -> bool {
+  const auto run = [=](const Choice& c) -> bool {
     // the cutlass_sm90 kernel writes act_out itself when asked
     if (c.cutlass >= 0) return cutlass_sm90_gated_dgrad(c.cutlass, cutlass, ws, ctx.stream);
     void* d_h = gated_scratch(ctx, elements_bytes(B, H, ctx.dtype));
@@ -456,7 +457,7 @@ OpSetup gated_dgrad_setup(const LinearContext& ctx, const GatedLinearDgradArgs& 
     gated_act_backward(ctx.dtype, a.activation, d_h, a.pre_act, a.d_pre, a.act_out, B, H, ctx.device, ctx.stream);
     return true;
   };
-  return s;
+  return op_setup(s, run, variants);
 }
 
 GatedLinearDgradArgs gated_dgrad_synthetic(const GatedLinearDgradArgs& a, int64_t M, DType dtype, TuningArena& arena) {
