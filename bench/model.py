@@ -29,10 +29,13 @@ stepped in interleaved rounds on the same batches (so their loss curves compare 
                                 LM head), compiled; where torchao is installed
   fd_fp8_current_eager          convert_model(fp8=current) uncompiled: the decoder norms hand their FP8
                                 output to q / k / v and the MLP (FusedRMSNorm)
-  fd_fp8_current_qkv_ck1_nowc_compile  as fd_fp8_current_qkv_compile with convert_model(checkpoint_lvl=1)
-                                and Float8Recipe(save_weight_fp8=False): the lightest FP8 step (the ck1 and
-                                nowc variants below), against torchao's step memory (#39)
+  fd_fp8_current_qkv_pre_nowc_compile  as fd_fp8_current_qkv_compile with Float8Recipe(save_pre_fp8=True,
+                                save_weight_fp8=False): the MLPs keep gu in e4m3 and no weight's FP8 copy
+                                is held into backward (checkpoint level 0): the lightest FP8 step, against
+                                torchao's step memory (#39, #41)
 and, on request (--variants):
+  fd_fp8_current_qkv_ck1_nowc_compile  as fd_fp8_current_qkv_compile with convert_model(checkpoint_lvl=1)
+                                and Float8Recipe(save_weight_fp8=False) (the ck1 and nowc variants below)
   fd_fp8_current_opq_compile    as fd_fp8_current_compile with Float8Recipe(compiled_input_quantize='op'):
                                 the FP8 op quantizes each layer's input, not Inductor (against 'traced')
   fd_fp8_current_pre_compile    as fd_fp8_current_compile with Float8Recipe(save_pre_fp8=True): the MLPs
@@ -55,8 +58,6 @@ and, on request (--variants):
   fd_fp8_current_qkv_nowc_compile  as fd_fp8_current_qkv_compile with
                                 Float8Recipe(save_weight_fp8=False): no weight's FP8 copy held from the
                                 forward to the backward, which quantizes the weights again
-  fd_fp8_current_qkv_pre_nowc_compile  as fd_fp8_current_qkv_nowc_compile with save_pre_fp8=True as well:
-                                the MLPs keep gu in e4m3 and no weight's FP8 copy (checkpoint level 0)
   fd_lce8_compile,
   fd_fp8_current_lce8_compile   as fd_lce_compile and fd_fp8_current_lce_compile with the fused LM head's
                                 GEMMs in FP8 (use_fused_linear_cross_entropy(model, fp8=True)); their
@@ -130,13 +131,14 @@ CPU_CONFIGS = {
 }
 DEFAULT_VARIANTS = ["hf_eager", "hf_compile", "fd_eager", "fd_compile", "fd_qkv_compile", "fd_fp8_current_compile",
                     "fd_fp8_current_qkv_compile", "fd_fp8_delayed_compile", "torchao_compile", "fd_fp8_current_eager",
-                    "fd_fp8_current_qkv_ck1_nowc_compile"]
-VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_opq_compile", "fd_fp8_current_pre_compile", "fd_lce_compile",
+                    "fd_fp8_current_qkv_pre_nowc_compile"]
+VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_qkv_ck1_nowc_compile", "fd_fp8_current_opq_compile",
+                               "fd_fp8_current_pre_compile", "fd_lce_compile",
                                "fd_fp8_current_lce_eager", "fd_fp8_current_lce_compile",
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
                                "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile",
                                "fd_fp8_current_qkv_rw_compile", "fd_fp8_current_qkv_ck1_compile",
-                               "fd_fp8_current_qkv_nowc_compile", "fd_fp8_current_qkv_pre_nowc_compile"]
+                               "fd_fp8_current_qkv_nowc_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}
