@@ -29,8 +29,7 @@ Parts (--parts):
          linear_cross_entropy=True: no logits in training), which show what the step holds beyond
          the FP8 layers; fd_fp8_current_qkv_compile (convert_model's FP8 default, q / k / v as one
          GEMM) and fd_fp8_current_qkv_pre_nowc_compile (the same with save_pre_fp8=True and
-         save_weight_fp8=False: gu in e4m3, no weight's FP8 copy held into backward), the light recipe
-         timed against the default.
+         save_weight_fp8=False: gu in e4m3, no weight's FP8 copy held into backward), the light recipe.
 
 Each variant is built fresh (its own module, the shape's weights), makes WARMUP_STEPS steps (compile,
 tuning, delayed scaling's history, the optimizer's state), and is measured alone before the next
@@ -90,13 +89,11 @@ LLAMA_CONFIG, CPU_LLAMA_CONFIG = "llama-4096", "llama-tiny"
 LLAMA_VARIANTS = ["hf_eager", "fd_fp8_current_eager", "fd_fp8_current_compile", "fd_fp8_current_pre_compile",
                   "fd_fp8_current_lce_compile", "fd_fp8_current_pre_lce_compile", "fd_fp8_current_qkv_compile",
                   "fd_fp8_current_qkv_pre_nowc_compile", "torchao_compile"]
-# the first: the step of the figure; the others are timed against it, and the light recipe
-# against the default conversion it lightens
+# the first: the step of the figure; the others are timed against it
 LLAMA_FP8 = ("fd_fp8_current_compile", "fd_fp8_current_eager", "fd_fp8_current_pre_compile",
              "fd_fp8_current_lce_compile", "fd_fp8_current_pre_lce_compile", "fd_fp8_current_qkv_compile",
              "fd_fp8_current_qkv_pre_nowc_compile")
 LLAMA_OLD_PATH = {k: "fd_fp8_current_compile" for k in LLAMA_FP8[2:]}
-LLAMA_OLD_PATH["fd_fp8_current_qkv_pre_nowc_compile"] = "fd_fp8_current_qkv_compile"
 PARTS = ("mlp", "llama")
 WARMUP_STEPS = 3
 LLAMA_REPS = 10  # steps per variant and round (--quick: 2)
