@@ -81,22 +81,18 @@ def main(argv=None):
         if (step + 1) % 10 == 0 or step + 1 == args.steps:
             print(f"step {step + 1}/{args.steps}: loss {float(loss.detach()):.3f}", flush=True)
 
-    kinds = {}
-    for n, _ in names:
-        kind = n.rsplit(".", 1)[1]
-        for prev, cur in zip(history[:-1], history[1:]):
-            k = kinds.setdefault(kind, [0, 0])
-            k[0] += prev[n] == cur[n]
-            k[1] += 1
+    def kept(steps):
+        """{kind: [steps whose exponent equals the step before's, steps compared]} over `steps`."""
+        counts = {}
+        for n, _ in names:
+            k = counts.setdefault(n.rsplit(".", 1)[1], [0, 0])
+            for prev, cur in zip(steps[:-1], steps[1:]):
+                k[0] += prev[n] == cur[n]
+                k[1] += 1
+        return counts
+
     # the first steps (warm-up) move fastest: the same counts over the second half alone
-    half = {}
-    start = len(history) // 2
-    for n, _ in names:
-        kind = n.rsplit(".", 1)[1]
-        for prev, cur in zip(history[start:-1], history[start + 1:]):
-            k = half.setdefault(kind, [0, 0])
-            k[0] += prev[n] == cur[n]
-            k[1] += 1
+    kinds, half = kept(history), kept(history[len(history) // 2:])
     out = {"config": args.config, "steps": args.steps, "device": str(device),
            "kept": {k: v[0] / v[1] for k, v in kinds.items()},
            "kept_second_half": {k: v[0] / v[1] for k, v in half.items()},
