@@ -22,14 +22,16 @@ Parts (--parts):
          2 layers, 2 x 4096 tokens; on the CPU its llama-tiny), one training step as bench.model's
          Runner takes it (forward with labels, backward, gradient clipping, fused AdamW). Variants:
          hf_eager (bf16 as built), fd_fp8_current_eager and fd_fp8_current_compile (convert_model with
-         Float8Recipe(scaling='current'), eager and torch.compile'd), fd_fp8_current_pre_compile (the
-         same compiled with save_pre_fp8=True: the MLPs keep gu in e4m3), torchao_compile (torchao
-         float8 tensorwise of every linear but the LM head, compiled); fd_fp8_current_lce_compile and
-         fd_fp8_current_pre_lce_compile (the two FP8 ones with convert_model's fused LM head and loss,
-         linear_cross_entropy=True: no logits in training), which show what the step holds beyond
-         the FP8 layers; fd_fp8_current_qkv_compile (convert_model's FP8 default, q / k / v as one
-         GEMM) and fd_fp8_current_qkv_pre_nowc_compile (the same with save_pre_fp8=True and
-         save_weight_fp8=False: gu in e4m3, no weight's FP8 copy held into backward), the light recipe.
+         Float8Recipe(scaling='current') and q / k / v apart, eager and torch.compile'd: the step of
+         the issue's figure, the old path the others are timed against), fd_fp8_current_qkv_compile
+         (convert_model's FP8 default, q / k / v as one GEMM), fd_fp8_current_qkv_pre_nowc_compile (the
+         same with save_pre_fp8=True and save_weight_fp8=False: gu in e4m3, no weight's FP8 copy held
+         into backward; the light recipe), fd_fp8_current_qkv_lce_compile and
+         fd_fp8_current_qkv_pre_nowc_lce_compile (those two with convert_model's fused LM head and loss,
+         linear_cross_entropy=True: no logits in training), torchao_compile (torchao float8 tensorwise
+         of every linear but the LM head, compiled). On request (--llama-variants), q / k / v apart:
+         fd_fp8_current_pre_compile (save_pre_fp8=True), fd_fp8_current_lce_compile and
+         fd_fp8_current_pre_lce_compile (with the fused LM head).
 
 Each variant is built fresh (its own module, the shape's weights), makes WARMUP_STEPS steps (compile,
 tuning, delayed scaling's history, the optimizer's state), and is measured alone before the next
@@ -86,13 +88,17 @@ FP8_PATHS = {"default": ("", {}), "pre_fp8": ("_pre_fp8", {"save_pre_fp8": True}
 OLD_FP8_PATH = "default"
 FP8_SCALINGS = ("current", "delayed")
 LLAMA_CONFIG, CPU_LLAMA_CONFIG = "llama-4096", "llama-tiny"
-LLAMA_VARIANTS = ["hf_eager", "fd_fp8_current_eager", "fd_fp8_current_compile", "fd_fp8_current_pre_compile",
-                  "fd_fp8_current_lce_compile", "fd_fp8_current_pre_lce_compile", "fd_fp8_current_qkv_compile",
-                  "fd_fp8_current_qkv_pre_nowc_compile", "torchao_compile"]
+# the default Llama variants; LLAMA_VARIANTS adds those run on request (--llama-variants)
+LLAMA_DEFAULT_VARIANTS = ["hf_eager", "fd_fp8_current_eager", "fd_fp8_current_compile", "fd_fp8_current_qkv_compile",
+                          "fd_fp8_current_qkv_pre_nowc_compile", "fd_fp8_current_qkv_lce_compile",
+                          "fd_fp8_current_qkv_pre_nowc_lce_compile", "torchao_compile"]
+LLAMA_VARIANTS = LLAMA_DEFAULT_VARIANTS + ["fd_fp8_current_pre_compile", "fd_fp8_current_lce_compile",
+                                           "fd_fp8_current_pre_lce_compile"]
 # the first: the step of the figure; the others are timed against it
-LLAMA_FP8 = ("fd_fp8_current_compile", "fd_fp8_current_eager", "fd_fp8_current_pre_compile",
-             "fd_fp8_current_lce_compile", "fd_fp8_current_pre_lce_compile", "fd_fp8_current_qkv_compile",
-             "fd_fp8_current_qkv_pre_nowc_compile")
+LLAMA_FP8 = ("fd_fp8_current_compile", "fd_fp8_current_eager", "fd_fp8_current_qkv_compile",
+             "fd_fp8_current_qkv_pre_nowc_compile", "fd_fp8_current_qkv_lce_compile",
+             "fd_fp8_current_qkv_pre_nowc_lce_compile", "fd_fp8_current_pre_compile", "fd_fp8_current_lce_compile",
+             "fd_fp8_current_pre_lce_compile")
 LLAMA_OLD_PATH = {k: "fd_fp8_current_compile" for k in LLAMA_FP8[2:]}
 PARTS = ("mlp", "llama")
 WARMUP_STEPS = 3
@@ -308,7 +314,7 @@ def targets(res):
                 out[f"{shape_label(s)}: {key}"] = {t: _target(s, key, den, field, TARGETS[t])
                                                    for t, (den, field) in rows.items()}
     llama = res.get("llama")
-    for key in LLAMA_FP8 if llama else ():
+    for key in (k for k in LLAMA_FP8 if k in llama["variants"]) if llama else ():
         # the default recipe's variants have no old path in the run; the pre_fp8 one has the default's
         out[f"LlamaForCausalLM {llama['config_name']}: {key}"] = {
             "llama_step_memory_vs_torchao": _target(llama, key, "torchao_compile", "peak_bytes",
@@ -411,7 +417,8 @@ def parse_args(argv):
                    help=f"comma list of the FP8 save-for-backward paths to measure ({', '.join(FP8_PATHS)})")
     p.add_argument("--variants", default=None, help="comma list of MLP variants (default: all, "
                    f"{', '.join(mlp_variants(FP8_PATHS))})")
-    p.add_argument("--llama-variants", default=",".join(LLAMA_VARIANTS), help=f"comma list of {LLAMA_VARIANTS}")
+    p.add_argument("--llama-variants", default=",".join(LLAMA_DEFAULT_VARIANTS),
+                   help=f"comma list of {LLAMA_VARIANTS} (default: the first {len(LLAMA_DEFAULT_VARIANTS)})")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (at least 5 for the record)")
     p.add_argument("--quick", action="store_true", help="one GELU shape and the SwiGLU one (the CPU: tiny shapes), "
                    "at most 2 rounds")

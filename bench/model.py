@@ -46,6 +46,9 @@ and, on request (--variants):
   fd_fp8_current_lce_compile    convert_model(fp8=current, linear_cross_entropy=True): FP8 with the
                                 fused LM head and loss, uncompiled and compiled
   fd_fp8_current_pre_lce_compile  the same compiled with save_pre_fp8=True
+  fd_fp8_current_qkv_lce_compile,
+  fd_fp8_current_qkv_pre_nowc_lce_compile  fd_fp8_current_qkv_compile and the light recipe
+                                (fd_fp8_current_qkv_pre_nowc_compile) with the fused LM head and loss
   fd_fp8_current_mf1024_compile as fd_fp8_current_compile with Float8Recipe(min_features=1024): the
                                 1024-wide k / v projections (8 KV heads) in FP8 too, as torchao's
   fd_fp8_delayed_qkv_compile    as fd_fp8_delayed_compile with convert_model(fuse_qkv=True)
@@ -138,7 +141,8 @@ VARIANTS = DEFAULT_VARIANTS + ["fd_fp8_current_qkv_ck1_nowc_compile", "fd_fp8_cu
                                "fd_fp8_current_pre_lce_compile", "fd_fp8_current_mf1024_compile", "fd_lce8_compile",
                                "fd_fp8_current_lce8_compile", "fd_fp8_delayed_qkv_compile",
                                "fd_fp8_current_qkv_rw_compile", "fd_fp8_current_qkv_ck1_compile",
-                               "fd_fp8_current_qkv_nowc_compile"]
+                               "fd_fp8_current_qkv_nowc_compile", "fd_fp8_current_qkv_lce_compile",
+                               "fd_fp8_current_qkv_pre_nowc_lce_compile"]
 BF16_VARIANTS = VARIANTS[:4] + ["fd_lce_compile"]
 TARGETS = {"lce_memory": 0.6, "fd_compile_vs_hf_compile": 0.99, "carried_share_of_lead": 0.75, "fp8_vs_torchao": 1.0,
            "gpt2_fd_eager_vs_hf_eager": 1.02, "gpt2_fd_compile_vs_hf_compile": 0.99}

@@ -1007,10 +1007,10 @@ def test_memory_section_runs_on_cpu(tmp_path):
         # x is counted: at least its storage beside what the layers save
         assert vs["fused_bf16"]["saved_bytes"] > s["M"] * s["d"] * 2
     llama = res["llama"]
-    assert llama["config_name"] == "llama-tiny" and list(llama["variants"]) == memory.LLAMA_VARIANTS
+    assert llama["config_name"] == "llama-tiny" and list(llama["variants"]) == memory.LLAMA_DEFAULT_VARIANTS
     hf = llama["variants"]["hf_eager"]
     assert hf["status"] == "ok" and hf["tokens_per_s"] > 0 and len(hf["round_ms"]) == 2 and hf["saved_bytes"] > 0, hf
-    for key in memory.LLAMA_VARIANTS[1:]:
+    for key in memory.LLAMA_DEFAULT_VARIANTS[1:]:
         assert llama["variants"][key]["status"] == "unavailable", (key, llama["variants"][key])
     verdicts = {where: {k: t["verdict"] for k, t in per.items()} for where, per in res["targets_met"].items()}
     assert "GELU MLP 64 × 64: fused_fp8_current" not in verdicts  # the old path: what the others are measured by
