@@ -94,7 +94,9 @@ torchao compiled; gpt2-small fd_eager >= 1.02x hf_eager and fd_compile >= 0.99x 
 FP8 current scaling compiled >= 1.08x / 1.05x torchao compiled at llama-2048 / llama-4096 (with
 q / k / v as they are and fused: FP8_VS_TORCHAO_39), and every compiled FP8 variant's step memory
 over resident <= torchao compiled's. Each FP8 variant's loss gap to hf_eager within max(LOSS_GAP_FLOOR, LOSS_GAP_FACTOR x hf_compile's gap):
-the main job's FP8 rule over this run's steps, a short check beside its 500-step one.
+the main job's FP8 rule over this run's steps, a short check beside its 500-step one. Each bf16
+conversion's last-LOSS_LAST_STEPS-step mean loss within LOSS_BF16_TOL (relative) of hf_eager's:
+the main job's bf16 rule (#38: converted bf16 within its tolerance of the unconverted model).
 Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<date> files there.
 """
 import contextlib
@@ -153,6 +155,10 @@ FP8_VS_TORCHAO_39 = {"llama-2048": 1.08, "llama-4096": 1.05}
 # computation that differs by rounding alone). Here the reference is hf_eager and that computation
 # hf_compile (bf16 either way, Inductor's fusions rounding differently), over this run's steps.
 LOSS_GAP_FACTOR, LOSS_GAP_FLOOR = 3.0, 1e-2
+# The bf16 conversions' loss curves, by the main job's bf16 rule (examples/train_gpt.py's BF16_TOL):
+# the last-20-step mean losses within this relative distance of hf_eager's. The three numbers are
+# the example's (tests/test_bench_smoke.py checks that they agree).
+LOSS_BF16_TOL, LOSS_LAST_STEPS = 2e-2, 20
 KERNEL_CLASSES = (  # (class, name pattern), first match wins
     ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
@@ -694,6 +700,24 @@ def _ratio(res, num, den):
     return b["ms"] / a["ms"], (min(q), max(q))
 
 
+def last_steps_gap(losses, ref, steps=LOSS_LAST_STEPS):
+    """Relative distance of two loss curves' last-`steps` means (the main job's bf16 rule)."""
+    a, b = statistics.fmean(losses[-steps:]), statistics.fmean(ref[-steps:])
+    return abs(a - b) / abs(b)
+
+
+def bf16_loss_rows(name, c):
+    """#38: each bf16 conversion's loss curve within the main job's bf16 tolerance of hf_eager's."""
+    ref = c["variants"].get("hf_eager", {}).get("losses")
+    rows = []
+    for key, v in c["variants"].items():
+        if key.startswith("fd_") and "_fp8_" not in key and "_lce8_" not in key and v.get("losses") and ref:
+            gap = last_steps_gap(v["losses"], ref)
+            rows.append((f"{name}: {key} last-{LOSS_LAST_STEPS}-step mean loss within {LOSS_BF16_TOL:g} (relative) "
+                         f"of hf_eager's", gap, None, gap <= LOSS_BF16_TOL))
+    return rows
+
+
 def targets(res):
     rows = []
     for name, c in res["configs"].items():
@@ -734,6 +758,7 @@ def targets(res):
                         rows.append((f"{name}: {key} loss gap to hf_eager <= max({LOSS_GAP_FLOOR:g}, {LOSS_GAP_FACTOR:g} x "
                                      f"hf_compile's {noise:.3f}) = {limit:.3f}", v["loss_gap"], None,
                                      v["loss_gap"] <= limit))
+            rows += bf16_loss_rows(name, c)
             lce, hf = c["variants"].get("fd_lce_compile", {}), c["variants"].get("hf_compile", {})
             if lce.get("step_bytes") and hf.get("step_bytes"):
                 m = lce["step_bytes"] / hf["step_bytes"]
@@ -744,6 +769,7 @@ def targets(res):
                                 ("fd_compile", "hf_compile", "gpt2_fd_compile_vs_hf_compile")):
                 q, rng = _ratio(c, num, den)
                 rows.append((f"{name}: {den} / {num} >= {TARGETS[t]}", q, rng, None if q is None else q >= TARGETS[t]))
+            rows += bf16_loss_rows(name, c)
     return rows
 
 

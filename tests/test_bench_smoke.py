@@ -870,6 +870,28 @@ def test_model_fp8_loss_gaps_are_judged_by_the_main_jobs_rule():
     assert got == {"fd_fp8_current_compile": (0.2, False), "torchao_compile": (0.1, True)}  # bf16 variants not judged
 
 
+def test_model_bf16_loss_curves_are_judged_by_the_main_jobs_bf16_rule():
+    """Each bf16 conversion's last-20-step mean loss against hf_eager's, within the main job's bf16
+    tolerance; the rule's numbers are the example's own."""
+    from bench import main_job_profile
+    from bench.model import LOSS_BF16_TOL, LOSS_GAP_FACTOR, LOSS_GAP_FLOOR, LOSS_LAST_STEPS, targets
+    example = main_job_profile.load_example()
+    assert (LOSS_BF16_TOL, LOSS_GAP_FACTOR, LOSS_GAP_FLOOR, LOSS_LAST_STEPS) == (
+        example.BF16_TOL, example.FP8_FACTOR, example.FP8_FLOOR, 20)
+    ref = [3.0 - 0.01 * i for i in range(40)]
+    ms = {"ms": 10.0, "round_ms": [10.0, 10.0]}
+    # the last 20 steps' mean of ref is 2.705: 1.5% and 2.5% above it
+    variants = {"hf_eager": dict(ms, losses=ref), "fd_eager": dict(ms, losses=[x * 1.015 for x in ref]),
+                "fd_compile": dict(ms, losses=[x * 1.025 for x in ref]),
+                "fd_fp8_current_compile": dict(ms, losses=[x * 1.5 for x in ref])}
+    for family in ("llama", "gpt2"):
+        res = {"configs": {"c": {"config": {"family": family, "layers": 2}, "variants": variants}}}
+        rows = {t.split(": ")[1].split(" ")[0]: (q, met) for t, q, _, met in targets(res) if "mean loss" in t}
+        assert set(rows) == {"fd_eager", "fd_compile"}  # FP8 variants go by the FP8 rule
+        assert rows["fd_eager"][0] == pytest.approx(0.015) and rows["fd_eager"][1] is True
+        assert rows["fd_compile"][0] == pytest.approx(0.025) and rows["fd_compile"][1] is False
+
+
 def test_model_fp8_targets_of_the_norm_cast_issue():
     """#39's compiled FP8 targets (1.08x / 1.05x torchao at llama-2048 / llama-4096) are judged for
     current scaling, q / k / v fused or not; delayed scaling only against 1x."""
