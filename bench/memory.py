@@ -94,12 +94,10 @@ LLAMA_DEFAULT_VARIANTS = ["hf_eager", "fd_fp8_current_eager", "fd_fp8_current_co
                           "fd_fp8_current_qkv_pre_nowc_lce_compile", "torchao_compile"]
 LLAMA_VARIANTS = LLAMA_DEFAULT_VARIANTS + ["fd_fp8_current_pre_compile", "fd_fp8_current_lce_compile",
                                            "fd_fp8_current_pre_lce_compile"]
-# the first: the step of the issue's figure; the others are timed against it
-LLAMA_FP8 = ("fd_fp8_current_compile", "fd_fp8_current_eager", "fd_fp8_current_qkv_compile",
-             "fd_fp8_current_qkv_pre_nowc_compile", "fd_fp8_current_qkv_lce_compile",
-             "fd_fp8_current_qkv_pre_nowc_lce_compile", "fd_fp8_current_pre_compile", "fd_fp8_current_lce_compile",
-             "fd_fp8_current_pre_lce_compile")
-LLAMA_OLD_PATH = {k: "fd_fp8_current_compile" for k in LLAMA_FP8[2:]}
+# the step of the issue's figure (q / k / v apart, compiled): the compiled FP8 variants are timed against it
+LLAMA_OLD = "fd_fp8_current_compile"
+LLAMA_FP8 = (LLAMA_OLD,) + tuple(k for k in LLAMA_VARIANTS if k.startswith("fd_fp8_") and k != LLAMA_OLD)
+LLAMA_OLD_PATH = {k: LLAMA_OLD for k in LLAMA_FP8 if k.endswith("_compile") and k != LLAMA_OLD}
 PARTS = ("mlp", "llama")
 WARMUP_STEPS = 3
 LLAMA_REPS = 10  # steps per variant and round (--quick: 2)
@@ -315,7 +313,7 @@ def targets(res):
                                                    for t, (den, field) in rows.items()}
     llama = res.get("llama")
     for key in (k for k in LLAMA_FP8 if k in llama["variants"]) if llama else ():
-        # the default recipe's variants have no old path in the run; the pre_fp8 one has the default's
+        # the old path itself and the uncompiled step have no old path to be timed against
         out[f"LlamaForCausalLM {llama['config_name']}: {key}"] = {
             "llama_step_memory_vs_torchao": _target(llama, key, "torchao_compile", "peak_bytes",
                                                     TARGETS["llama_step_memory_vs_torchao"]),
