@@ -63,7 +63,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     ignored rows). num_items_in_batch: with ``'mean'``, the divisor in place of the count (Hugging
     Face's gradient-accumulation normalisation: the sum over this batch divided by it).
     chunk_size: tokens per chunk (None: the op's rule, docs/contract.md; what it picks:
-        ``torch.ops.fused_dense.linear_cross_entropy_chunk_rows(tokens, d, 0)``).
+        ``torch.ops.fused_dense.linear_cross_entropy_chunk_rows(tokens, d, vocab, x.element_size(), 0)``).
     fp8: the logits' GEMM and the input gradient's in FP8 (per-tensor current scaling: x and the
         weight in e4m3, each chunk's logits' gradient in e5m2; the weight's gradient stays in the
         model's dtype); off by default. Needs d and the vocabulary multiples of 16 and, on a GPU,

@@ -203,13 +203,23 @@ def test_cpu_module_form():
 
 def test_chunk_rule():
     rows = OPS.linear_cross_entropy_chunk_rows
-    assert rows(8192, 4096, 0) == 1024  # the largest power of two <= d / 4
-    assert rows(8192, 8192, 0) == 2048
-    assert rows(8192, 5120, 0) == 1024
-    assert rows(8192, 2048, 0) == 512
-    assert rows(8192, 768, 0) == 256  # the floor
-    assert rows(100, 4096, 0) == 100
-    assert rows(8192, 4096, 300) == 300
+    # the largest power of two of rows whose logits fit max(a quarter of the weight gradient, 128 MiB)
+    assert rows(8192, 4096, 128256, 2, 0) == 1024  # d / 4: 1,024 rows are 250.5 MiB
+    assert rows(8192, 8192, 128256, 2, 0) == 2048
+    assert rows(8192, 5120, 128256, 2, 0) == 1024
+    assert rows(8192, 2048, 128256, 2, 0) == 512
+    assert rows(8192, 4096, 128256, 4, 0) == 1024  # float32 logits: a quarter of a float32 weight gradient
+    assert rows(8192, 4096, 32000, 2, 0) == 2048  # the 128 MiB floor: 2,048 rows are 125 MiB, 4,096 250
+    assert rows(8192, 2048, 32000, 2, 0) == 2048
+    assert rows(8192, 4096, 32000, 4, 0) == 1024
+    assert rows(65536, 4096, 32768, 2, 0) == 2048  # exactly 128 MiB fits
+    assert rows(65536, 4096, 32769, 2, 0) == 1024
+    assert rows(8192, 768, 262144, 2, 0) == 256  # the floor of rows
+    assert rows(100, 4096, 32000, 2, 0) == 100
+    assert rows(8192, 4096, 32000, 2, 300) == 300
+    for bad in ((8192, 0, 32000, 2, 0), (8192, 4096, 0, 2, 0), (8192, 4096, 32000, 0, 0)):
+        with pytest.raises(ValueError, match="d, vocab and element_bytes must be positive"):
+            rows(*bad)
 
 
 def scaled(t, g):

@@ -56,15 +56,18 @@ namespace fused_dense {
 namespace {
 
 // The chunk rule. The weight gradient's accumulation reads and writes [V, d] once a chunk, so
-// its memory traffic per GEMM flop falls as 1 / rows. On the H200 at d 4096, vocab 128,256 and
-// 8,192 tokens (forward + backward, medians of 3): 512 rows 43.6-45.3 ms, 896 rows 43.5-45.1,
-// 1,024 rows 41.3-42.6, 2,048 rows 39.9-40.3; rows that are not a power of two gained nothing
-// (896 ran as slowly as 512). A chunk's logits [rows, V] in the weight's dtype are rows / d of the
-// weight gradient's bytes: the largest power of two of rows at most d / kChunkRowsPerD keeps
-// them within a quarter of the weight gradient the step holds anyway (1,024 rows at d 4096:
-// peak 1.17x Liger's 256-row chunks there, where 2,048 rows would be 1.39x). At least 256.
+// its memory traffic per GEMM flop falls as 1 / rows, whatever V and d: the rows of a chunk, not
+// its bytes, set the time. A chunk's logits [rows, V] in the input's dtype are rows / d of the
+// weight gradient's bytes. The rule takes the largest power of two of rows (at least
+// kMinChunkRows; rows that are not a power of two gained nothing: 896 ran as slowly as 512 on the
+// H200) whose logits fit the larger of two allowances: a quarter of the weight gradient the step
+// holds anyway (d / kChunkRowsPerD rows: 1,024 at d 4096, where 2,048 would be 1.39x the peak of
+// Liger's 256-row chunks at vocab 128,256), and kChunkBytesFloor, which gives small vocabularies,
+// whose whole head is light, rows enough that the accumulation's traffic stops mattering.
+// Measurements: docs/performance.md, "The LM head and its loss".
 constexpr int64_t kChunkRowsPerD = 4;
 constexpr int64_t kMinChunkRows = 256;
+constexpr int64_t kChunkBytesFloor = int64_t{128} << 20;
 
 void logits_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight_t, const std::optional<at::Tensor>& bias) {
   if (bias.has_value() && bias->defined()) {
@@ -254,11 +257,15 @@ void lce_scale_reference(const at::Tensor& t, const at::Tensor& grad_loss) {
   t.copy_(t.to(math).mul(grad_loss.reshape({}).to(math)));
 }
 
-int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t chunk_size) {
+int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t vocab, int64_t element_bytes, int64_t chunk_size) {
   int64_t c = chunk_size;
   if (c <= 0) {
+    TORCH_CHECK_VALUE(d > 0 && vocab > 0 && element_bytes > 0, "linear_cross_entropy_chunk_rows: d, vocab and "
+                      "element_bytes must be positive, got ", d, ", ", vocab, " and ", element_bytes);
+    const int64_t row_bytes = vocab * element_bytes;
+    const int64_t allowance = std::max(d / kChunkRowsPerD * row_bytes, kChunkBytesFloor);
     c = kMinChunkRows;
-    while (c * 2 <= d / kChunkRowsPerD) c *= 2;
+    while (c * 2 * row_bytes <= allowance) c *= 2;
   }
   return std::max<int64_t>(std::min(c, rows), 1);
 }
@@ -286,7 +293,7 @@ void run_chunks(const at::Tensor& input, const at::Tensor& weight, const std::op
                 int64_t chunk_size, bool fp8, ChunkGrads& g, RowsOf&& rows_of) {
   const int64_t N = input.size(0), V = weight.size(0);
   if (N == 0) return;
-  const int64_t C = lce_chunk_rows(N, input.size(1), chunk_size);
+  const int64_t C = lce_chunk_rows(N, input.size(1), V, input.element_size(), chunk_size);
   // fp8: each chunk's logits are fp8_linear's output (the allocator hands the last chunk's back)
   const Fp8Operands q = fp8 ? fp8_operands(input, weight, g.input.numel() > 0) : Fp8Operands{};
   at::Tensor buffer = fp8 ? at::Tensor() : at::empty({std::min(C, N), V}, input.options());
@@ -375,6 +382,6 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
         "float label_smoothing=0., float z_loss=0., float softcap=0., int reduction=1, Tensor? divisor=None, "
         "int chunk_size=0, bool fp8=False) -> Tensor");
   def_raw_op(m, "linear_cross_entropy_scale_grads_(Tensor(a!)[] grads, Tensor grad_loss) -> ()");
-  m.def("linear_cross_entropy_chunk_rows(int rows, int d, int chunk_size) -> int",
+  m.def("linear_cross_entropy_chunk_rows(int rows, int d, int vocab, int element_bytes, int chunk_size) -> int",
         &fused_dense::lce_chunk_rows);
 }

@@ -50,8 +50,9 @@ void check_lce_backward(const at::Tensor& grad_loss, const at::Tensor& lse, cons
 // the targets on the host (a device synchronisation on a GPU).
 void check_targets_in_range(const at::Tensor& target, int64_t vocab, int64_t ignore_index, const char* op);
 
-// The tokens per chunk: chunk_size when positive, else the rule of lm_head.cpp.
-int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t chunk_size);
+// The tokens per chunk: chunk_size when positive, else the rule of lm_head.cpp for a head of
+// width d and vocab rows whose logits take element_bytes each (the input's dtype).
+int64_t lce_chunk_rows(int64_t rows, int64_t d, int64_t vocab, int64_t element_bytes, int64_t chunk_size);
 
 // linear_cross_entropy_scale_grads_'s argument checks (every backend): each of grads on
 // grad_loss's device, grad_loss one number of a floating dtype.
