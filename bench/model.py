@@ -77,7 +77,8 @@ Reported per config and variant: ms a step (median over rounds of each round's m
 round's first steps, which compile and tune, are left out), tokens/s, step memory over resident
 (peak during one step, measured alone, minus what is allocated before it), the loss curve and
 its largest gap to hf_eager's (10-step moving averages), and where a step's kernel time goes
-(torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, optimizer, other; the JSON
+(torch.profiler over 3 steps: GEMMs, FP8 casts, norms, attention, the loss's softmax and NLL
+kernels, optimizer, other; the JSON
 also lists each variant's 40 largest kernels, `profile_top`, and its kernel launches a step,
 `launches`; and, `ops`, the device time of each op that launched kernels, by its operands'
 shapes: which GEMM of the step takes how long, the markdown showing hf_compile's and
@@ -160,6 +161,9 @@ LOSS_GAP_FACTOR, LOSS_GAP_FLOOR = 3.0, 1e-2
 # the example's (tests/test_bench_smoke.py checks that they agree).
 LOSS_BF16_TOL, LOSS_LAST_STEPS = 2e-2, 20
 KERNEL_CLASSES = (  # (class, name pattern), first match wins
+    # the LM head's loss: ATen's and Inductor's log-softmax / NLL kernels, the library's rows kernel
+    # (before attention, whose softmax pattern would take them)
+    ("loss", re.compile(r"log_?softmax|nll_?loss|cross_?entropy", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|sm90_xmma|ampere_.*_tn|cublas|wgmma|matmul", re.I)),
@@ -808,7 +812,9 @@ def markdown(res):
                      f"{'–' if k is None else f'{k:.3f}'} | {mem} | {gap} | {v.get('note', '')} |")
         profs = {k: v["profile_ms"] for k, v in c["variants"].items() if v.get("profile_ms")}
         if profs:
-            cols = ["gemm", "attention", "fp8_cast", "norm", "optimizer", "other", "total"]
+            # loss only where a profile has it (records made before the class held it under attention)
+            loss = ["loss"] if any(p.get("loss") for p in profs.values()) else []
+            cols = ["gemm", "attention", *loss, "fp8_cast", "norm", "optimizer", "other", "total"]
             L += ["", "Kernel time a step (ms, torch.profiler over 3 steps; idle: the step's median ms less its "
                   "kernel time, the GPU waiting on the host or between kernels):", "",
                   "| variant | " + " | ".join(cols + ["idle"]) + " |", "|---" * (len(cols) + 2) + "|"]

@@ -855,6 +855,29 @@ def test_model_profile_classes_the_library_fp8_passes_as_casts():
     assert {n: kernel_class(n) for n in names} == names
 
 
+def test_model_profile_classes_the_loss_apart_from_attention():
+    """The LM head's loss kernels (Inductor's, ATen's, the library's) are the loss class, not
+    attention (whose softmax pattern matches them); SDPA's kernels stay attention (names as the
+    H100's profiler gives them)."""
+    from bench.model import kernel_class
+    names = {
+        "triton_red_fused__log_softmax__log_softmax_backward_data__to_copy_add_arange_clone_eq_expand_"
+        "nll_loss_backward_nll_loss_forward_scalar_tensor_slice_view_where_0": "loss",
+        "triton_red_fused__log_softmax__to_copy__unsafe_view_prepare_softmax_online_view_10": "loss",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+        "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float ": "loss",
+        "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>": "loss",
+        "void fused_dense::core::(anonymous namespace)::cross_entropy_rows_kernel<__nv_bfloat16>"
+        "(fused_dense::core::CrossEntropyRowsArgs, bool)": "loss",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0":
+            "attention",
+        "void cudnn::fusion::fmha_reduce_head<true>(void const*, void*, unsigned int)": "attention",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<8, c10::BFloat16, float, c10::BFloat16, "
+        "at::native::(anonymous namespace)::SoftMaxForwardEpilogue>": "attention",  # eager attention's softmax
+    }
+    assert {n: kernel_class(n) for n in names} == names
+
+
 def test_model_fp8_loss_gaps_are_judged_by_the_main_jobs_rule():
     """Each FP8 variant's loss gap to hf_eager against max(floor, factor x hf_compile's gap)."""
     from bench.model import LOSS_GAP_FACTOR, LOSS_GAP_FLOOR, targets
