@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from bench import environment  # noqa: E402
 from bench import lm_head as L  # noqa: E402
-from bench.timing import MIB, Bench  # noqa: E402
+from bench.timing import MIB  # noqa: E402
 
 SHAPES = "2048x32000x8192,4096x32000x8192,4096x32000x16384,2048x128256x8192,4096x128256x8192"
 CHUNKS = "512,1024,2048,4096,8192"
@@ -59,25 +59,12 @@ def main():
         for c in chunks:
             if c < tokens or c == chunks[0]:
                 fns[f"chunk_{c}"] = fused(c)
-        x, weight, target = L.problem(d, vocab, tokens, device, dtype)
-        steps = {n: (lambda fn=fn: fn(x, weight, target).backward(), [x, weight]) for n, fn in fns.items()}
-        bench = Bench(device) if device.type == "cuda" else Bench(device, warmup_ms=5.0, rep_ms=20.0)
-        timed = bench.interleaved(steps, args.rounds)
-        ref = L.reference(x, weight, target)
-        out = {"d": d, "vocab": vocab, "tokens": tokens, "rule_rows": rule, "variants": {}}
-        for n, fn in fns.items():
-            t = timed[n]
-            if "error" in t:
-                out["variants"][n] = {"status": "error", "reason": f"{type(t['error']).__name__}: {t['error']}"}
-                continue
-            x.grad = weight.grad = None
-            loss = fn(x, weight, target)
-            loss.backward()
-            errs = {"loss": L.rel_err(loss, ref[0]), "x_grad": L.rel_err(x.grad, ref[1]),
-                    "weight_grad": L.rel_err(weight.grad, ref[2])}
-            peak = L.peak_bytes(steps[n][0], x, weight, device)
-            out["variants"][n] = dict(t, status="ok", peak_bytes=peak, **errs)
-        del ref
+        # bench.lm_head's timing (interleaved rounds, each variant's peak alone) and accuracy
+        out = dict(L.run_shape(d, vocab, tokens, fns, args, device, dtype), rule_rows=rule)
+        errors = L.accuracy(d, vocab, tokens, fns, device, dtype)["variants"]
+        for n, v in out["variants"].items():
+            if v["status"] == "ok":
+                v.update(errors[n])  # an error there makes the variant's status "error"
         res["shapes"].append(out)
         base = out["variants"].get("hf_compile", {}).get("ms")
         L.log(f"d {d} vocab {vocab} tokens {tokens} (rule {rule} rows):")
