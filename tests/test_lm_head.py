@@ -203,18 +203,18 @@ def test_cpu_module_form():
 
 def test_chunk_rule():
     rows = OPS.linear_cross_entropy_chunk_rows
-    # the largest power of two of rows whose logits fit max(a quarter of the weight gradient, 128 MiB)
-    assert rows(8192, 4096, 128256, 2, 0) == 1024  # d / 4: 1,024 rows are 250.5 MiB
-    assert rows(8192, 8192, 128256, 2, 0) == 2048
+    # the largest power of two of rows whose logits fit max(a quarter of the weight gradient, 256 MiB)
+    assert rows(8192, 4096, 128256, 2, 0) == 1024  # 1,024 rows are 250.5 MiB, under both allowances
+    assert rows(8192, 8192, 128256, 2, 0) == 2048  # d / 4: 2,048 rows are 501 MiB, a quarter of 2,004
     assert rows(8192, 5120, 128256, 2, 0) == 1024
-    assert rows(8192, 2048, 128256, 2, 0) == 512
+    assert rows(8192, 2048, 128256, 2, 0) == 1024  # the floor: a quarter alone gave 512
     assert rows(8192, 4096, 128256, 4, 0) == 1024  # float32 logits: a quarter of a float32 weight gradient
-    assert rows(8192, 4096, 32000, 2, 0) == 2048  # the 128 MiB floor: 2,048 rows are 125 MiB, 4,096 250
-    assert rows(8192, 2048, 32000, 2, 0) == 2048
-    assert rows(8192, 4096, 32000, 4, 0) == 1024
-    assert rows(65536, 4096, 32768, 2, 0) == 2048  # exactly 128 MiB fits
-    assert rows(65536, 4096, 32769, 2, 0) == 1024
-    assert rows(8192, 768, 262144, 2, 0) == 256  # the floor of rows
+    assert rows(8192, 4096, 32000, 2, 0) == 4096  # the 256 MiB floor: 4,096 rows are 250 MiB, 8,192 500
+    assert rows(8192, 2048, 32000, 2, 0) == 4096
+    assert rows(8192, 4096, 32000, 4, 0) == 2048
+    assert rows(65536, 4096, 32768, 2, 0) == 4096  # exactly 256 MiB fits
+    assert rows(65536, 4096, 32769, 2, 0) == 2048
+    assert rows(8192, 512, 1048576, 2, 0) == 256  # the floor of rows (both allowances give 128)
     assert rows(100, 4096, 32000, 2, 0) == 100
     assert rows(8192, 4096, 32000, 2, 300) == 300
     for bad in ((8192, 0, 32000, 2, 0), (8192, 4096, 0, 2, 0), (8192, 4096, 32000, 0, 0)):

@@ -63,12 +63,13 @@ namespace {
 // H200) whose logits fit the larger of two allowances: a quarter of the weight gradient the step
 // holds anyway (d / kChunkRowsPerD rows: 1,024 at d 4096, where 2,048 would be 1.39x the peak of
 // Liger's 256-row chunks at vocab 128,256), and kChunkBytesFloor, which gives small vocabularies,
-// whose whole head is light, more rows (2,048 at vocab 32,000: within 1.05x of Hugging Face +
-// torch.compile's time on an H100, where d / 4 rows took up to 1.27x).
+// whose whole head is light, more rows (4,096 at vocab 32,000: Hugging Face + torch.compile's time
+// on an H100, where d / 4 rows took up to 1.27x and 2,048 up to 1.05x; 1,024 at d 2048 and vocab
+// 128,256: 0.99x it, where 512 took 1.11x).
 // Measurements: docs/performance.md, "The LM head and its loss".
 constexpr int64_t kChunkRowsPerD = 4;
 constexpr int64_t kMinChunkRows = 256;
-constexpr int64_t kChunkBytesFloor = int64_t{128} << 20;
+constexpr int64_t kChunkBytesFloor = int64_t{256} << 20;
 
 void logits_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight_t, const std::optional<at::Tensor>& bias) {
   if (bias.has_value() && bias->defined()) {
