@@ -316,9 +316,7 @@ def part_training(args):
 def markdown(res):
     env = res["environment"]
     lines = [f"# Dynamic token counts: heuristic='auto' without stalls ({env.get('date_utc', '')[:10]})", "",
-             f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
-             f"CUDA {env.get('torch_cuda')}, cuBLASLt {env.get('cublasLt_version_str') or env.get('cublasLt_version')}, "
-             f"source tree {str(env.get('git_tree'))[:12]}. bf16, gelu_approx, hidden 4d, forward + backward. "
+             f"{report.environment_line(env)}. bf16, gelu_approx, hidden 4d, forward + backward. "
              "Produced by `python -m bench.dynamic` (bench/dynamic.py says what each part measures).", ""]
     if "passes" in res:
         first = next(iter(res["passes"].values()))

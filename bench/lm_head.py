@@ -235,8 +235,7 @@ def markdown(res):
     env = res["environment"]
     names_run = recorded_variants(res)
     lines = [f"# The LM head and its loss, fused ({env.get('date_utc', '')[:10]})", "",
-             f"{env.get('gpu', env.get('device'))}, driver {env.get('driver', '–')}, torch {env.get('torch')}, "
-             f"CUDA {env.get('torch_cuda')}, source tree {str(env.get('git_tree'))[:12]}. {res['dtype']}, no bias, "
+             f"{report.environment_line(env)}. {res['dtype']}, no bias, "
              f"{int(100 * IGNORED_SHARE)}% of the targets ignore_index, mean loss, forward + backward. Produced by "
              "`python -m bench.lm_head` (bench/lm_head.py says what each variant is).", ""]
     unavailable = res.get("unavailable", {})

@@ -97,7 +97,8 @@ q / k / v as they are and fused: FP8_VS_TORCHAO_39), and every compiled FP8 vari
 over resident <= torchao compiled's. Each FP8 variant's loss gap to hf_eager within max(LOSS_GAP_FLOOR, LOSS_GAP_FACTOR x hf_compile's gap):
 the main job's FP8 rule over this run's steps, a short check beside its 500-step one. Each bf16
 conversion's last-LOSS_LAST_STEPS-step mean loss within LOSS_BF16_TOL (relative) of hf_eager's:
-the main job's bf16 rule (#38: converted bf16 within its tolerance of the unconverted model).
+the main job's bf16 rule (#38: converted bf16 within its tolerance of the unconverted model), or
+within LOSS_BF16_NOISE_FACTOR x hf_compile's own distance where the run's rounding noise is larger.
 Writes DIR/model-<YYYY-MM-DD>.json, .md and .png and removes the other model-<date> files there.
 """
 import contextlib
@@ -158,8 +159,13 @@ FP8_VS_TORCHAO_39 = {"llama-2048": 1.08, "llama-4096": 1.05}
 LOSS_GAP_FACTOR, LOSS_GAP_FLOOR = 3.0, 1e-2
 # The bf16 conversions' loss curves, by the main job's bf16 rule (examples/train_gpt.py's BF16_TOL):
 # the last-20-step mean losses within this relative distance of hf_eager's. The three numbers are
-# the example's (tests/test_bench_smoke.py checks that they agree).
+# the example's (tests/test_bench_smoke.py checks that they agree). Here the limit is at least
+# LOSS_BF16_NOISE_FACTOR x hf_compile's own distance, a computation that differs from hf_eager by
+# rounding alone: at llama-4096 the same code's hf_eager moved 2.7% between two H100 runs (last-20
+# means 2.417 and 2.483, dc43a17 and 563b9bd: nondeterministic backward kernels, amplified over 200
+# steps) and hf_compile stood 0.5% and 4.5% from it, so 2e-2 alone judged the noise.
 LOSS_BF16_TOL, LOSS_LAST_STEPS = 2e-2, 20
+LOSS_BF16_NOISE_FACTOR = 2.0
 KERNEL_CLASSES = (  # (class, name pattern), first match wins
     # the LM head's loss: ATen's and Inductor's log-softmax / NLL kernels, the library's rows kernel
     # (before attention, whose softmax pattern would take them)
@@ -711,14 +717,22 @@ def last_steps_gap(losses, ref, steps=LOSS_LAST_STEPS):
 
 
 def bf16_loss_rows(name, c):
-    """#38: each bf16 conversion's loss curve within the main job's bf16 tolerance of hf_eager's."""
+    """#38: each bf16 conversion's loss curve within the main job's bf16 tolerance of hf_eager's, or
+    within LOSS_BF16_NOISE_FACTOR x hf_compile's own distance where that is larger."""
     ref = c["variants"].get("hf_eager", {}).get("losses")
     rows = []
+    if not ref:
+        return rows
+    noise = c["variants"].get("hf_compile", {}).get("losses")
+    noise = last_steps_gap(noise, ref) if noise else None
+    limit = LOSS_BF16_TOL if noise is None else max(LOSS_BF16_TOL, LOSS_BF16_NOISE_FACTOR * noise)
+    within = (f"{LOSS_BF16_TOL:g}" if noise is None else
+              f"max({LOSS_BF16_TOL:g}, {LOSS_BF16_NOISE_FACTOR:g} x hf_compile's {noise:.3f}) = {limit:.3f}")
     for key, v in c["variants"].items():
-        if key.startswith("fd_") and "_fp8_" not in key and "_lce8_" not in key and v.get("losses") and ref:
+        if key.startswith("fd_") and "_fp8_" not in key and "_lce8_" not in key and v.get("losses"):
             gap = last_steps_gap(v["losses"], ref)
-            rows.append((f"{name}: {key} last-{LOSS_LAST_STEPS}-step mean loss within {LOSS_BF16_TOL:g} (relative) "
-                         f"of hf_eager's", gap, None, gap <= LOSS_BF16_TOL))
+            rows.append((f"{name}: {key} last-{LOSS_LAST_STEPS}-step mean loss within {within} (relative) "
+                         f"of hf_eager's", gap, None, gap <= limit))
     return rows
 
 
