@@ -924,6 +924,23 @@ def test_model_bf16_loss_curves_are_judged_by_the_main_jobs_bf16_rule():
         assert all(f") = {limit:.3f} (relative)" in t for t in rows), rows
 
 
+def test_model_step_gain_row_carries_the_rounds_range():
+    """#38's step-gain row: the gain q - 1 of hf_compile / fd_compile, with its per-round range, judged
+    against 0.75 x the MLP's share of the step x its isolated lead."""
+    from bench.model import targets
+    variants = {"hf_compile": {"ms": 10.0, "round_ms": [10.0, 10.2, 9.9]},
+                "fd_compile": {"ms": 9.9, "round_ms": [9.9, 10.0, 10.0]}}
+    mlp = {"ms": {"hf_compile": 1.0}, "lead": 0.02}  # 2 layers x 1 ms: a share of 0.2
+    res = {"configs": {"c": {"config": {"family": "llama", "layers": 2}, "variants": variants, "mlp": mlp}}}
+    (row,) = [r for r in targets(res) if "step gain" in r[0]]
+    assert "MLP share (0.20) x isolated lead (+0.020)" in row[0]
+    assert row[1] == pytest.approx(10.0 / 9.9 - 1)
+    assert row[2] == pytest.approx((9.9 / 10.0 - 1, 10.2 / 10.0 - 1))
+    assert row[3] is True  # 0.0101 >= 0.75 x 0.2 x 0.02 = 0.003
+    mlp["lead"] = 0.08  # needs 0.012
+    assert [r for r in targets(res) if "step gain" in r[0]][0][3] is False
+
+
 def test_model_fp8_targets_of_the_norm_cast_issue():
     """#39's compiled FP8 targets (1.08x / 1.05x torchao at llama-2048 / llama-4096) are judged for
     every compiled current-scaling variant measured (q / k / v fused or not, the lighter recipes);
