@@ -162,8 +162,8 @@ LOSS_GAP_FACTOR, LOSS_GAP_FLOOR = 3.0, 1e-2
 # the example's (tests/test_bench_smoke.py checks that they agree). Here the limit is at least
 # LOSS_BF16_NOISE_FACTOR x hf_compile's own distance, a computation that differs from hf_eager by
 # rounding alone: at llama-4096 the same code's hf_eager moved 2.7% between two H100 runs (last-20
-# means 2.417 and 2.483, dc43a17 and 563b9bd: nondeterministic backward kernels, amplified over 200
-# steps) and hf_compile stood 0.5% and 4.5% from it, so 2e-2 alone judged the noise.
+# means 2.417 and 2.483: nondeterministic backward kernels, amplified over 200 steps) and
+# hf_compile stood 0.5% and 4.5% from it, so 2e-2 alone judged the noise.
 LOSS_BF16_TOL, LOSS_LAST_STEPS = 2e-2, 20
 LOSS_BF16_NOISE_FACTOR = 2.0
 KERNEL_CLASSES = (  # (class, name pattern), first match wins
