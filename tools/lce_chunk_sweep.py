@@ -9,7 +9,9 @@ rule (csrc/torch/lm_head.cpp, lce_chunk_rows).
 
 A shape is d x vocab x tokens; the problem, the reference and the error are bench.lm_head's (bf16
 inputs, 5% of the targets ignore_index, mean loss, forward + backward). "rule" is the chunk the
-op's rule picks for the shape (no chunk_size); it is timed as a variant of its own.
+op's rule picks for the shape (no chunk_size); it is timed as a variant of its own. With
+--profile, each variant's kernels by time a call (torch.profiler over 2 calls) are logged and kept
+in the JSON (`profile`).
 """
 import argparse
 import json
@@ -46,6 +48,7 @@ def main():
     p.add_argument("--no-compile", action="store_true", help="leave Hugging Face + torch.compile out")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a functional check of the script")
     p.add_argument("--out", required=True, help="JSON to write")
+    p.add_argument("--profile", action="store_true", help="also each variant's kernels by time a call")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16
@@ -65,6 +68,20 @@ def main():
         for n, v in out["variants"].items():
             if v["status"] == "ok":
                 v.update(errors[n])  # an error there makes the variant's status "error"
+        if args.profile and device.type == "cuda":
+            from bench.model import profile_calls
+            x, weight, target = L.problem(d, vocab, tokens, device, dtype)
+            for n, fn in fns.items():
+                def call(fn=fn):
+                    fn(x, weight, target).backward()
+                    x.grad = weight.grad = None
+                call()
+                by_class, top = profile_calls(call, 2, top=12)
+                out["variants"][n]["profile"] = {"total_ms": round(by_class["total"], 4), "top": top}
+                L.log(f"  profile {n}: {by_class['total']:.3f} ms of kernels a call")
+                for k in top:
+                    L.log(f"    {k[2]:8.4f} ms {k[3]:5.1f}x  {k[0][:110]}")
+            x = weight = target = None
         res["shapes"].append(out)
         base = out["variants"].get("hf_compile", {}).get("ms")
         L.log(f"d {d} vocab {vocab} tokens {tokens} (rule {rule} rows):")
