@@ -350,15 +350,6 @@ def test_cuda_matches_float64_reference(dtype, reduction, feature, vocab, no_tf3
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_weight_gradient_accumulation(dtype, no_tf32):
-    # On Hopper the chunks after the first add their weight gradient through the core's
-    # cutlass_sm90_wgrad (vocab and d multiples of 8): edge tiles in every dimension (vocab 1000 and
-    # d 72 under the 128-wide tiles, a last chunk of 44 rows under the 64-deep K tile), 5 chunks
-    check_against_reference("cuda", dtype, "mean", "plain", chunk_size=64, n=300, d=72, vocab=1000)
-
-
-@pytest.mark.cuda
 def test_cuda_rows_kernel_equals_the_cpu_reference_per_row():
     # one chunk, the same bf16 logits on both devices: loss and gradient from the rows kernel
     x, weight, b, target = problem("cpu", torch.bfloat16, n=64, d=64, vocab=4000)

@@ -112,7 +112,7 @@ at::Tensor fp8_logits(const Fp8Operands& q, int64_t start, int64_t c, const std:
 // operands (fp8) or null.
 void accumulate_grads(const at::Tensor& g, const at::Tensor& x, const at::Tensor& weight, const Fp8Operands* q,
                       int64_t start, int64_t k, at::Tensor& grad_input, at::Tensor& grad_weight,
-                      at::Tensor& bias_sums, LceWgradFn wgrad_fn) {
+                      at::Tensor& bias_sums) {
   if (grad_input.numel() > 0) {
     at::Tensor rows = grad_input.narrow(0, start, x.size(0));
     if (q == nullptr) {
@@ -127,7 +127,7 @@ void accumulate_grads(const at::Tensor& g, const at::Tensor& x, const at::Tensor
   if (grad_weight.numel() > 0) {
     if (k == 0) {
       at::mm_out(grad_weight, g.t(), x);
-    } else if (!wgrad_fn(grad_weight, g, x)) {
+    } else {
       grad_weight.addmm_(g.t(), x);
     }
   }
@@ -292,7 +292,7 @@ ChunkGrads empty_chunk_grads(const at::Tensor& input, const at::Tensor& weight, 
 // then, when gradients are made, their share of the chunk.
 template <typename RowsOf>
 void run_chunks(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                int64_t chunk_size, bool fp8, ChunkGrads& g, LceWgradFn wgrad_fn, RowsOf&& rows_of) {
+                int64_t chunk_size, bool fp8, ChunkGrads& g, RowsOf&& rows_of) {
   const int64_t N = input.size(0), V = weight.size(0);
   if (N == 0) return;
   const int64_t C = lce_chunk_rows(N, input.size(1), V, input.element_size(), chunk_size);
@@ -311,8 +311,7 @@ void run_chunks(const at::Tensor& input, const at::Tensor& weight, const std::op
       logits_into(logits, x, weight_t, bias);
     }
     rows_of(start, c, logits);
-    if (g.any)
-      accumulate_grads(logits, x, weight, fp8 ? &q : nullptr, start, k, g.input, g.weight, g.bias_sums, wgrad_fn);
+    if (g.any) accumulate_grads(logits, x, weight, fp8 ? &q : nullptr, start, k, g.input, g.weight, g.bias_sums);
   }
 }
 
@@ -320,15 +319,13 @@ void run_chunks(const at::Tensor& input, const at::Tensor& weight, const std::op
 
 LceForwardResult lce_forward(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const at::Tensor& target, const LceOptions& opts, const std::optional<at::Tensor>& divisor,
-                             int64_t chunk_size, std::array<bool, 3> grads, LceRowsFn rows_fn,
-                             LceWgradFn wgrad_fn) {
+                             int64_t chunk_size, std::array<bool, 3> grads, LceRowsFn rows_fn) {
   const int64_t N = input.size(0);
   const auto acc = input.options().dtype(float_math_dtype(input));
   const at::Tensor scale = base_scale(target, opts, divisor, acc);
   at::Tensor loss_rows = at::empty({N}, acc), lse = at::empty({N}, acc);
   ChunkGrads g = empty_chunk_grads(input, weight, bias, grads);
-  run_chunks(input, weight, bias, chunk_size, opts.fp8, g, wgrad_fn, [&](int64_t start, int64_t c,
-                                                                          const at::Tensor& logits) {
+  run_chunks(input, weight, bias, chunk_size, opts.fp8, g, [&](int64_t start, int64_t c, const at::Tensor& logits) {
     rows_fn({logits, target.narrow(0, start, c), scale, loss_rows.narrow(0, start, c), lse.narrow(0, start, c), false,
              g.any},
             opts);
@@ -340,7 +337,7 @@ LceForwardResult lce_forward(const at::Tensor& input, const at::Tensor& weight, 
 LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
                                const LceOptions& opts, const std::optional<at::Tensor>& divisor, int64_t chunk_size,
-                               std::array<bool, 3> grads, LceRowsFn rows_fn, LceWgradFn wgrad_fn) {
+                               std::array<bool, 3> grads, LceRowsFn rows_fn) {
   const auto acc = input.options().dtype(float_math_dtype(input));
   // per row for reduction none, else one scale for every row
   const bool per_row = opts.reduction == kReduceNone;
@@ -348,8 +345,7 @@ LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& in
                                    : (grad_loss.to(acc).reshape({}) * base_scale(target, opts, divisor, acc));
   ChunkGrads g = empty_chunk_grads(input, weight, bias, grads);
   if (g.any) {
-    run_chunks(input, weight, bias, chunk_size, opts.fp8, g, wgrad_fn, [&](int64_t start, int64_t c,
-                                                                            const at::Tensor& logits) {
+    run_chunks(input, weight, bias, chunk_size, opts.fp8, g, [&](int64_t start, int64_t c, const at::Tensor& logits) {
       rows_fn({logits, target.narrow(0, start, c), per_row ? scale.narrow(0, start, c) : scale, at::Tensor(),
                lse.narrow(0, start, c), true, true},
               opts);

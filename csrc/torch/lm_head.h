@@ -30,10 +30,6 @@ struct LceRows {
   bool lse_known = false, write_grad = false;
 };
 using LceRowsFn = void (*)(const LceRows& rows, const LceOptions& opts);
-// Adds g^T x to grad_weight (g [c, V] a chunk's logits' gradient, x [c, d] its rows) where the
-// backend has a kernel of its own for it and it takes the tensors: true; false leaves it to the
-// chunk loop's addmm_.
-using LceWgradFn = bool (*)(const at::Tensor& grad_weight, const at::Tensor& g, const at::Tensor& x);
 
 void check_linear_cross_entropy(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const at::Tensor& target, const LceOptions& opts,
@@ -72,15 +68,13 @@ using LceBackwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 // The ops' chunk loops over a backend's rows kernel (inputs checked, contiguous).
 LceForwardResult lce_forward(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const at::Tensor& target, const LceOptions& opts, const std::optional<at::Tensor>& divisor,
-                             int64_t chunk_size, std::array<bool, 3> grads, LceRowsFn rows_fn,
-                             LceWgradFn wgrad_fn);
+                             int64_t chunk_size, std::array<bool, 3> grads, LceRowsFn rows_fn);
 LceBackwardResult lce_backward(const at::Tensor& grad_loss, const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, const at::Tensor& target, const at::Tensor& lse,
                                const LceOptions& opts, const std::optional<at::Tensor>& divisor, int64_t chunk_size,
-                               std::array<bool, 3> grads, LceRowsFn rows_fn, LceWgradFn wgrad_fn);
+                               std::array<bool, 3> grads, LceRowsFn rows_fn);
 
-// An op kernel over a backend: Backend::rows runs the rows of a chunk, Backend::wgrad adds a
-// chunk's weight gradient where it has a kernel for it (LceWgradFn), Backend::reads_targets(t)
+// An op kernel over a backend: Backend::rows runs the rows of a chunk, Backend::reads_targets(t)
 // says whether the targets may be read on the host to refuse those out of range (else the rows
 // kernel poisons those rows with NaN).
 template <typename Backend>
@@ -93,8 +87,7 @@ LceForwardResult lce_forward_op(const at::Tensor& input, const at::Tensor& weigh
                                               softcap, reduction, divisor, chunk_size, fp8, nullptr, nullptr);
   if (Backend::reads_targets(target))
     check_targets_in_range(target, weight.size(0), ignore_index, "fused_dense::linear_cross_entropy_forward");
-  return lce_forward(input, weight, bias, target, opts, divisor, chunk_size, grads, &Backend::rows,
-                     &Backend::wgrad);
+  return lce_forward(input, weight, bias, target, opts, divisor, chunk_size, grads, &Backend::rows);
 }
 
 template <typename Backend>
@@ -107,8 +100,7 @@ LceBackwardResult lce_backward_op(const at::Tensor& grad_loss, const at::Tensor&
                                               softcap, reduction, divisor, chunk_size, fp8, &grad_loss, &lse);
   if (Backend::reads_targets(target))
     check_targets_in_range(target, weight.size(0), ignore_index, "fused_dense::linear_cross_entropy_backward");
-  return lce_backward(grad_loss, input, weight, bias, target, lse, opts, divisor, chunk_size, grads, &Backend::rows,
-                      &Backend::wgrad);
+  return lce_backward(grad_loss, input, weight, bias, target, lse, opts, divisor, chunk_size, grads, &Backend::rows);
 }
 
 // The outputs, allocated (Meta).

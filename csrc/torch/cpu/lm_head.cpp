@@ -57,7 +57,6 @@ void lce_scale_grads_cpu(at::TensorList grads, const at::Tensor& grad_loss) {
 
 struct CpuBackend {
   static void rows(const LceRows& r, const LceOptions& o) { cross_entropy_rows_reference(r, o); }
-  static bool wgrad(const at::Tensor&, const at::Tensor&, const at::Tensor&) { return false; }  // ATen's addmm_
   static bool reads_targets(const at::Tensor&) { return true; }
 };
 

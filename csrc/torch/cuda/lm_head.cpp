@@ -1,17 +1,12 @@
 // CUDA kernels of the LM head family (lm_head.cpp has their contract): the chunk loop's GEMMs are
-// ATen's (cuBLAS) but for the weight gradient's accumulation, the core's cutlass_sm90_wgrad where
-// it takes the problem (core/cutlass_sm90/cutlass_sm90_wgrad.h; Hopper, 16-bit), the rows are the
-// core's cross_entropy_rows (core/elementwise/elementwise.h), on the tensors' device and stream;
-// float64 takes the reference's rows. The gradients' scaling is
+// ATen's (cuBLAS), the rows are the core's cross_entropy_rows (core/elementwise/elementwise.h) on
+// the tensors' device and stream; float64 takes the reference's rows. The gradients' scaling is
 // the core's scale_unless_one for float32 grad_loss and float16 / bfloat16 / float32 tensors,
 // else lce_scale_reference.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-
-#include "core/cutlass_sm90/cutlass_sm90_wgrad.h"
 #include "core/elementwise/elementwise.h"
 #include "torch/cpu/reference.h"
 #include "torch/cuda/core_call.h"
@@ -21,9 +16,6 @@ namespace fused_dense {
 namespace {
 
 namespace core = ::fused_dense::core;
-
-constexpr int kLceWgradVariant = 0;
-constexpr std::size_t kLceWgradWorkspaceBytes = std::size_t{1} << 20;  // the persistent scheduler's few bytes
 
 struct CudaBackend {
   static void rows(const LceRows& r, const LceOptions& o) {
@@ -46,30 +38,6 @@ struct CudaBackend {
     TORCH_CHECK_NOT_IMPLEMENTED(a.rows <= kMaxCudaDim, "fused_dense::linear_cross_entropy: a chunk of ", a.rows,
                                 " rows is more than the CUDA kernel's ", kMaxCudaDim);
     run_core([&] { core::cross_entropy_rows(a, at::cuda::getCurrentCUDAStream(r.logits.get_device()).stream()); });
-  }
-
-  // grad_weight += g^T x by the core's cutlass_sm90_wgrad, variant kLceWgradVariant; false where it
-  // does not take the tensors (not Hopper, not 16-bit, widths not multiples of 8, misaligned).
-  static bool wgrad(const at::Tensor& grad_weight, const at::Tensor& g, const at::Tensor& x) {
-    if (!grad_weight.is_contiguous() || !g.is_contiguous() || !x.is_contiguous()) return false;
-    core::CutlassSm90WgradArgs a;
-    a.device = g.get_device();
-    a.dtype = g.scalar_type() == at::kBFloat16 ? core::DType::kBFloat16
-              : g.scalar_type() == at::kHalf   ? core::DType::kFloat16
-                                               : core::DType::kFloat32;
-    if (x.scalar_type() != g.scalar_type() || grad_weight.scalar_type() != g.scalar_type()) return false;
-    a.rows = g.size(0), a.out_rows = g.size(1), a.out_cols = x.size(1);
-    a.grad = g.data_ptr(), a.input = x.data_ptr(), a.weight_grad = grad_weight.data_ptr();
-    int variant = kLceWgradVariant;
-    if (const char* v = std::getenv("FUSED_DENSE_LCE_WGRAD")) variant = std::atoi(v);  // the measurement's switch
-    if (variant < 0 || variant >= core::cutlass_sm90_wgrad_variants(a)) return false;
-    const c10::cuda::CUDAGuard guard(g.device());
-    const CallWorkspace ws(g, kLceWgradWorkspaceBytes);
-    bool done = false;
-    run_core([&] {
-      done = core::cutlass_sm90_wgrad(variant, a, ws.get(), at::cuda::getCurrentCUDAStream(a.device).stream());
-    });
-    return done;
   }
 
   // The range check reads the targets on the host: not while a CUDA graph is captured (there
