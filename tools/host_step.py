@@ -68,8 +68,9 @@ def gap_steps(r, ids_list, top, min_gap_us=2.0):
         events = json.load(f)["traceEvents"]
     os.unlink(path)
     kern = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    # launches by the runtime API (cudaLaunchKernel) and the driver API (cuLaunchKernel: Triton's)
     launch = {e["args"].get("correlation"): e for e in events
-              if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+              if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     starts = [e["ts"] for e in ops]
 
