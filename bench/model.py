@@ -832,7 +832,8 @@ def markdown(res):
             loss = ["loss"] if any(p.get("loss") for p in profs.values()) else []
             cols = ["gemm", "attention", *loss, "fp8_cast", "norm", "optimizer", "other", "total"]
             L += ["", "Kernel time a step (ms, torch.profiler over 3 steps; idle: the step's median ms less its "
-                  "kernel time, the GPU waiting on the host or between kernels):", "",
+                  "profiled kernel time: the GPU between kernels, and whatever the timed rounds' kernels took "
+                  "beyond the profiled ones; `tools/host_step.py --gaps` measures the gaps alone):", "",
                   "| variant | " + " | ".join(cols + ["idle"]) + " |", "|---" * (len(cols) + 2) + "|"]
             launches = any("launches" in p for p in profs.values())
             if launches:
