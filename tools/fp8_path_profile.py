@@ -27,18 +27,11 @@ from bench.timing import Bench  # noqa: E402
 
 
 def kernels(fn, calls=3):
-    """{kernel name: ms a call} over `calls` calls (torch.profiler, CUDA activity)."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    """{kernel name: ms a call} over `calls` calls (bench.model's profile, every kernel kept)."""
+    _, top = model.profile_calls(fn, calls, top=None)
     out = {}
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if us and not ev.key.startswith(("ProfilerStep", "cudaLaunch")):
-            out[ev.key[:140]] = out.get(ev.key[:140], 0.0) + us / 1e3 / calls
+    for name, _cls, ms, _launches in top:
+        out[name] = out.get(name, 0.0) + ms
     return out
 
 
