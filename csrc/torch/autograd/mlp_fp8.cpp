@@ -32,7 +32,8 @@
 // rounded to the model dtype in act'(pre') (fp8_quantize's pre_scale_inv): half the bytes of the
 // pre-activation, none of it rebuilt in the model's dtype, for act'(pre) evaluated 3 mantissa bits
 // from pre (off by default); the forward then makes aq^T from aq's bytes (fp8_transpose) and x's
-// transposed copy from x at x's scale after pre is freed, and where backward may free Q(pre) (no
+// transposed copy after pre is freed (from x's row-major bytes where fc1 held them, else from x
+// at x's scale), and where backward may free Q(pre) (no
 // retain_graph) the gradient's row-major FP8 copy is written over it (fp8_quantize_grad_), so the
 // step holds no second tensor of its size.
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -160,8 +161,9 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   // pre's e4m3 copy, written by the ops that read pre for the activation (pre_in_fp8 and kept).
   const bool pre_copy = s != nullptr && p.keep_pre && c.pre_in_fp8();
   // With pre's e4m3 copy kept, the pass over pre is the forward's peak: x's transposed copy (for
-  // fc1's weight gradient) is made after it, from x with x's own scale (the same bytes), unless
-  // the caller handed x's copies over.
+  // fc1's weight gradient) is made after it (the same bytes), unless the caller handed x's copies
+  // over: from x's row-major copy where fc1 holds it through the pass anyway (fp8_linear_act),
+  // else from x at x's own scale (the gated fc1 frees that copy before the pass).
   const bool x_t_after_pre = pre_copy && p.keep_act_out && p.need.w1 && x_fp8.empty();
   Q xq = input_q(x, x_fp8, slot(scales, 0), p.need.w1 && !x_t_after_pre);
   record_amax(amax_out, 0, xq.amax);
@@ -207,9 +209,15 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
   // copies and pre where nothing keeps them, the activation's transposed copy where level 1 / 2
   // rebuilds it.
   const at::Tensor x_scale = xq.scale;
+  at::Tensor x_rows_held = x_t_after_pre && fc1_one_op(c) ? xq.data : at::Tensor();
   xq = Q{};
   pre.reset();
-  if (x_t_after_pre) s->x_t = quantize(x, std::nullopt, 0, false, kE4M3Code, x_scale, false, true, false).data_t;
+  // x's transposed copy: from x's row-major FP8 bytes where fc1 held them through the pass
+  // (fp8_linear_act), else cast again from x at x's scale; the same bytes either way.
+  if (x_t_after_pre)
+    s->x_t = x_rows_held.defined() ? op_calls::fp8_transpose(x_rows_held)
+                                   : quantize(x, std::nullopt, 0, false, kE4M3Code, x_scale, false, true, false).data_t;
+  x_rows_held.reset();
   if (a_t_after_pre) aq.data_t = op_calls::fp8_transpose(aq.data);
   if (s != nullptr) s->a_t = p.keep_act_out ? aq.data_t : at::Tensor();
   aq.data_t.reset();
