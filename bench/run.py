@@ -165,7 +165,7 @@ def method(args, bench):
         "mlp_timer": f"MLP variants of a shape timed in {args.rounds} interleaved rounds (order rotated per round), "
                      + ("CUDA events around each rep, L2 flushed before each" if cuda else
                         "perf_counter around each rep")
-                     + "; median over all reps",
+                     + "; a block whose reps held a tuner measurement timed again; median over all reps",
         "mlp": "fwd + bwd of Linear(d,4d) -> act -> Linear(4d,d) on x[M,d] (requires grad) with a random dY; param "
                "and input grads reset to None before every rep; TF/s = 12*M*d*h/time",
         "floor": "the six plain torch.mm of the step (x@W1^T, h@W2^T, dY@W2, dY^T@h, dH@W1, dH^T@x) on pre-made "

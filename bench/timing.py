@@ -5,6 +5,10 @@ each repetition), warm-up of at least warmup_ms and 2 calls, at least rep_ms and
 repetitions, the L2 cache flushed before each; a figure whose p80 / p20 exceeds RETRY_SPREAD is
 measured once more and the steadier of the two kept. Bench.interleaved(fns, rounds) times several
 functions in rounds, the order rotated by one place per round, each block after the whole warm-up.
+No figure holds the library's tuner at work: 'auto' measures a problem's candidates the first time
+it meets it, or later where its pace (fused_dense.tuning, FUSED_DENSE_TUNING_PACE) deferred it,
+which can fall inside timed repetitions; a block or figure during whose repetitions the tuner
+measured (tuner_seconds grew) is timed again, up to RETIME_TUNED times, and counted (`retimed`).
 SavedStorages and step_memory: what a step keeps for backward and the peak it allocates.
 """
 import contextlib
@@ -18,6 +22,18 @@ import torch
 MIB = 1024 * 1024
 L2_FLUSH_BYTES = 256 * MIB  # written before each timed repetition: larger than any GPU's L2
 _flush_buffers = {}
+RETIME_TUNED = 3  # times a block whose repetitions held a tuner measurement is timed again
+
+
+def tuner_seconds(device):
+    """Seconds the library's tuner has spent measuring in this process (fused_dense.tuning.stats'
+    measuring_s): 0 off CUDA and without the library's CUDA kernels, where nothing is tuned."""
+    if device.type != "cuda":
+        return 0.0
+    import fused_dense
+    if not fused_dense.has_cuda_kernels():
+        return 0.0
+    return fused_dense.tuning.stats()["measuring_s"]
 
 
 def l2_flush_buffer(device):
@@ -50,6 +66,7 @@ class Bench:
         self.warmup_ms, self.rep_ms, self.min_reps, self.cpu_reps = warmup_ms, rep_ms, min_reps, cpu_reps
         self.do_bench = None
         self._flush = None
+        self.tuned_in_reps = False  # whether the last _timed's repetitions held a tuner measurement
         self.method = "cpu perf_counter median"
         if self.cuda:
             self.method = "CUDA events median (cold L2 each rep)"
@@ -94,18 +111,30 @@ class Bench:
         if not self.cuda:
             return summary(self._timed(fn, grad_to_none, 0, self.cpu_reps))
         before = self.allocator_calls()
-        res = self._cuda_once(fn, grad_to_none, est)
+        res, retimed = self._cuda_untuned(fn, grad_to_none, est)
         s = spread(res)
         if s is not None and s > self.RETRY_SPREAD:
             # a clock or power transient disturbed the repetitions: once more, keep the steadier
-            again = self._cuda_once(fn, grad_to_none, est)
+            again, more = self._cuda_untuned(fn, grad_to_none, est)
+            retimed += more
             kept, dropped = (again, res) if (spread(again) or 0.0) < s else (res, again)
             kept["remeasured"] = {"dropped": {k: dropped.get(k) for k in ("ms", "p20", "p80")},
                                   "reason": f"p80 / p20 = {s:.3f} > {self.RETRY_SPREAD}"}
             res = kept
         # cudaMalloc / cudaFree inside the timing stall the GPU: such a figure includes the allocator
         res["allocator_calls"] = self.allocator_calls() - before
+        res["retimed"] = retimed
         return res
+
+    def _cuda_untuned(self, fn, grad_to_none, est):
+        """_cuda_once, again while the tuner measured during it (at most RETIME_TUNED times more):
+        (figure, times retimed). do_bench's own warm-up is inside the span watched."""
+        for retimed in range(RETIME_TUNED + 1):
+            t0 = tuner_seconds(self.device)
+            res = self._cuda_once(fn, grad_to_none, est)
+            if tuner_seconds(self.device) == t0:
+                break
+        return res, retimed
 
     def _cuda_once(self, fn, grad_to_none, est):
         rep = max(self.rep_ms, self.min_reps * est)
@@ -118,10 +147,17 @@ class Bench:
 
     def _timed(self, fn, grad_to_none, warm, n):
         """warm untimed calls, then the times (ms) of n calls: on CUDA events around each with the
-        L2 flushed before each, on the CPU perf_counter around each. Gradients are dropped after."""
+        L2 flushed before each, on the CPU perf_counter around each. Gradients are dropped after.
+        Sets tuned_in_reps: whether the tuner measured during the n calls."""
         for _ in range(warm):
             self._reset(grad_to_none)
             fn()
+        tuned_at = tuner_seconds(self.device)
+        times = self._reps(fn, grad_to_none, n)
+        self.tuned_in_reps = tuner_seconds(self.device) != tuned_at
+        return times
+
+    def _reps(self, fn, grad_to_none, n):
         if not self.cuda:
             times = []
             for _ in range(n):
@@ -162,6 +198,7 @@ class Bench:
         times = {k: [] for k in keys}
         per_round = {k: [] for k in keys}
         allocs = dict.fromkeys(keys, 0)
+        retimed = dict.fromkeys(keys, 0)
         for r in range(rounds):
             live = [k for k in keys if k not in failed]
             shift = r % len(live) if live else 0
@@ -175,7 +212,11 @@ class Bench:
                         est[k] = self._estimate_ms(fn, grad_to_none)
                     rep = max(self.rep_ms, self.min_reps * est[k]) / rounds
                     warm = max(1, int(self.warmup_ms / est[k]))
-                    block = self._timed(fn, grad_to_none, warm, max(2, math.ceil(rep / est[k])))
+                    for _ in range(RETIME_TUNED + 1):
+                        block = self._timed(fn, grad_to_none, warm, max(2, math.ceil(rep / est[k])))
+                        if not self.tuned_in_reps:
+                            break
+                        retimed[k] += 1
                 except Exception as exc:  # noqa: BLE001 - recorded for this key; the others go on
                     failed[k] = exc
                     continue
@@ -193,7 +234,8 @@ class Bench:
             if k in failed:
                 res[k] = {"error": failed[k]}
                 continue
-            res[k] = dict(summary(times[k]), rounds=rounds, round_ms=[round(t, 4) for t in per_round[k]])
+            res[k] = dict(summary(times[k]), rounds=rounds, round_ms=[round(t, 4) for t in per_round[k]],
+                          retimed=retimed[k])
             if self.cuda:
                 res[k]["allocator_calls"] = allocs[k]
         return res

@@ -548,6 +548,95 @@ def test_bench_interleaves_the_variants(monkeypatch):
     assert len(res["a"]["round_ms"]) == 3 and len(res["c"]["round_ms"]) == 3
 
 
+class FakeTuner:
+    """bench.timing.tuner_seconds replaced: the library's measuring_s, grown by measure()."""
+    def __init__(self):
+        self.seconds = 0.0
+
+    def measure(self):
+        self.seconds += 0.1
+
+    def __call__(self, device):
+        return self.seconds
+
+
+def test_bench_retimes_reps_that_held_a_tuner_measurement(monkeypatch):
+    """A tuner measurement during the timed repetitions (not the warm-up) marks the block; the
+    interleaved rounds time such a block again, and a figure taken by __call__ likewise, each
+    counting it in `retimed` (timing replaced: no GPU)."""
+    tuner = FakeTuner()
+    monkeypatch.setattr(timing, "tuner_seconds", tuner)
+    bench = timing.Bench(torch.device("cpu"))
+    calls = []
+
+    def fn_measuring_on(call):
+        def fn():
+            calls.append(None)
+            if len(calls) == call:
+                tuner.measure()
+        return fn
+    bench._timed(fn_measuring_on(1), None, 1, 3)  # in the warm-up: the reps are clean
+    assert not bench.tuned_in_reps
+    calls.clear()
+    bench._timed(fn_measuring_on(2), None, 1, 3)  # the first timed call
+    assert bench.tuned_in_reps
+    # interleaved: key a's first block held a measurement, its second did not
+    bench = timing.Bench(torch.device("cpu"), warmup_ms=10.0, rep_ms=40.0)
+    marks = iter([True, False] + [False] * 10)
+    visits = []
+
+    def timed(fn, grad_to_none, warm, n):
+        key = fn()
+        visits.append(key)
+        bench.tuned_in_reps = key == "a" and next(marks)
+        return [5.0 if bench.tuned_in_reps else 1.0] * n
+    monkeypatch.setattr(bench, "_timed", timed)
+    monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)
+    res = bench.interleaved({k: ((lambda k=k: k), None) for k in "ab"}, rounds=2)
+    assert visits == list("aab" "ba")
+    assert res["a"]["retimed"] == 1 and res["b"]["retimed"] == 0
+    assert res["a"]["ms"] == 1.0 and res["a"]["round_ms"] == [1.0, 1.0]  # the tuned block is not kept
+    # __call__: the span of do_bench (its warm-up with it) watched; at most RETIME_TUNED more
+    bench = timing.Bench(torch.device("cpu"))
+    monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)
+    monkeypatch.setattr(bench, "allocator_calls", lambda: 0)
+    bench.cuda = True
+    taken = []
+
+    def once(fn, g, est):
+        taken.append(None)
+        if len(taken) == 1:
+            tuner.measure()
+        return {"ms": 10.0 * len(taken), "p20": 10.0, "p80": 10.0, "reps": 3}
+    monkeypatch.setattr(bench, "_cuda_once", once)
+    res = bench(lambda: None)
+    assert res["ms"] == 20.0 and res["retimed"] == 1 and len(taken) == 2
+    taken.clear()
+    monkeypatch.setattr(bench, "_cuda_once", lambda fn, g, est: (tuner.measure(), once(fn, g, est))[1])
+    res = bench(lambda: None)
+    assert res["retimed"] == timing.RETIME_TUNED and len(taken) == timing.RETIME_TUNED + 1
+
+
+def test_model_rounds_retime_a_block_that_held_a_tuner_measurement(monkeypatch):
+    """bench.model's interleaved_ms times a block again when the tuner measured during it: the
+    first block after the 3 warm-up calls measures here, so it runs twice and its first time is
+    dropped."""
+    from bench import model as bm
+    tuner = FakeTuner()
+    monkeypatch.setattr(timing, "tuner_seconds", tuner)
+    calls = {"a": 0, "b": 0}
+
+    def step(k):
+        def fn():
+            calls[k] += 1
+            if k == "a" and calls[k] == 4:
+                tuner.measure()
+        return fn
+    times = bm.interleaved_ms({k: step(k) for k in "ab"}, torch.device("cpu"), rounds=2, reps=5)
+    assert calls == {"a": 3 + 5 + 5 + 5, "b": 3 + 5 + 5}
+    assert len(times["a"]) == 2 and len(times["b"]) == 2
+
+
 def test_report_shows_each_ratio_per_round():
     auto = {"status": "ok", "ms": 10.0, "round_ms": [10.0, 9.0, 11.0]}
     eager = {"status": "ok", "ms": 10.5, "round_ms": [10.5, 9.9, 10.45]}
