@@ -637,6 +637,26 @@ def test_model_rounds_retime_a_block_that_held_a_tuner_measurement(monkeypatch):
     assert len(times["a"]) == 2 and len(times["b"]) == 2
 
 
+def test_model_profiles_are_taken_again_when_the_tuner_measured_in_them(monkeypatch):
+    """bench.model's profiles (op_device_time here, on the CPU; profile_calls shares the rule) are
+    taken again while the tuner measured during them: the first profile's calls measure, so the
+    calls run twice and the table is the second profile's."""
+    from bench import model as bm
+    tuner = FakeTuner()
+    monkeypatch.setattr(timing, "tuner_seconds", tuner)
+    calls = []
+    a = torch.randn(64, 64)
+
+    def fn():
+        calls.append(None)
+        if len(calls) == 1:
+            tuner.measure()
+        return a @ a
+    rows = bm.op_device_time(fn, 2, torch.device("cpu"))
+    assert len(calls) == 4
+    assert any(r[0] in ("aten::mm", "aten::matmul") and r[3] == 1 for r in rows), rows
+
+
 def test_report_shows_each_ratio_per_round():
     auto = {"status": "ok", "ms": 10.0, "round_ms": [10.0, 9.0, 11.0]}
     eager = {"status": "ok", "ms": 10.5, "round_ms": [10.5, 9.9, 10.45]}
