@@ -10,7 +10,8 @@ A step whose host time exceeds its kernel time leaves the GPU idle (bench.model'
 column); this says which calls that host time is spent in. With --gaps, the GPU's idle time
 within the profiled steps (gaps between one kernel's end and the next one's start), each gap
 charged to the op that launched the kernel after it (the innermost CPU op around its launch) and
-counted as host-late where that launch came after the gap began. Writes JSON with --json.
+counted as host-late where that launch came after the gap began. A profile during which the
+library's tuner measured is taken again (bench.model.profile_untuned). Writes JSON with --json.
 """
 import argparse
 import json
@@ -28,11 +29,15 @@ from bench import model as bm  # noqa: E402
 def profile_steps(r, ids_list, top):
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
-    r.sync()
-    with profile(activities=acts) as prof:
-        for ids in ids_list:
-            r.step(ids)
+
+    def run():
         r.sync()
+        with profile(activities=acts) as prof:
+            for ids in ids_list:
+                r.step(ids)
+            r.sync()
+        return prof
+    prof = bm.profile_untuned(run, r.device)
     n = len(ids_list)
     rows, launches, kernel_us = [], 0, 0.0
     for ev in prof.key_averages():
@@ -56,11 +61,14 @@ def gap_steps(r, ids_list, top, min_gap_us=2.0):
     import bisect
     import tempfile
     from torch.profiler import ProfilerActivity, profile
-    r.sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for ids in ids_list:
-            r.step(ids)
+    def run():
         r.sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for ids in ids_list:
+                r.step(ids)
+            r.sync()
+        return prof
+    prof = bm.profile_untuned(run, r.device)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     prof.export_chrome_trace(path)
