@@ -373,18 +373,6 @@ def kernel_profile(r, ids_list, top=PROFILE_TOP):
     return profile_calls(lambda: r.step(next(steps)), len(ids_list), top)
 
 
-def profile_untuned(run, device):
-    """run() (a torch.profiler session, returned) again while the library's tuner measured during
-    it, at most timing.RETIME_TUNED times more: a profile holds the step's kernels, not a problem's
-    candidates timed beside it (bench/README.md, "No tuner inside a figure")."""
-    for _ in range(timing.RETIME_TUNED + 1):
-        tuned_at = timing.tuner_seconds(device)
-        prof = run()
-        if timing.tuner_seconds(device) == tuned_at:
-            break
-    return prof
-
-
 def profile_calls(fn, calls, top=PROFILE_TOP):
     """(kernel time a call by class, ms, and `launches`, the kernels launched a call; the `top`
     kernels by time a call as [name, class, ms, launches a call]): torch.profiler over `calls` calls
@@ -398,7 +386,8 @@ def profile_calls(fn, calls, top=PROFILE_TOP):
                 fn()
             torch.cuda.synchronize()
         return prof
-    prof = profile_untuned(run, torch.device("cuda"))
+    # a profile holds the step's kernels, not a problem's candidates timed beside them
+    prof = timing.untuned(run, torch.device("cuda"))[0]
     out, kernels, launches = {}, [], 0
     for ev in prof.key_averages():
         us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -437,7 +426,7 @@ def op_device_time(fn, calls, device, top=OP_TOP):
             if cuda:
                 torch.cuda.synchronize(device)
         return prof
-    prof = profile_untuned(run, device)
+    prof = timing.untuned(run, device)[0]
     rows = {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CPU or ev.name.startswith("ProfilerStep"):
@@ -469,12 +458,7 @@ def interleaved_ms(fns, device, rounds, reps):
     times = {k: [] for k in fns}
     for r in range(rounds):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            for _ in range(timing.RETIME_TUNED + 1):
-                tuned_at = timing.tuner_seconds(device)
-                ms = block_ms(fns[k], device, reps)
-                if timing.tuner_seconds(device) == tuned_at:
-                    break
-            times[k].append(ms)
+            times[k].append(timing.untuned(lambda k=k: block_ms(fns[k], device, reps), device)[0])
     return times
 
 

@@ -8,7 +8,8 @@ functions in rounds, the order rotated by one place per round, each block after 
 No figure holds the library's tuner at work: 'auto' measures a problem's candidates the first time
 it meets it, or later where its pace (fused_dense.tuning, FUSED_DENSE_TUNING_PACE) deferred it,
 which can fall inside timed repetitions; a block or figure during whose repetitions the tuner
-measured (tuner_seconds grew) is timed again, up to RETIME_TUNED times, and counted (`retimed`).
+measured (tuner_seconds grew) is timed again, up to RETIME_TUNED times (untuned), and counted
+(`retimed`).
 SavedStorages and step_memory: what a step keeps for backward and the peak it allocates.
 """
 import contextlib
@@ -34,6 +35,18 @@ def tuner_seconds(device):
     if not fused_dense.has_cuda_kernels():
         return 0.0
     return fused_dense.tuning.stats()["measuring_s"]
+
+
+def untuned(run, device):
+    """(run()'s result, times it ran again): run() again while the library's tuner measured during
+    it (tuner_seconds grew), at most RETIME_TUNED times more; the rule of every timed block and
+    profile of the benchmarks."""
+    for retimed in range(RETIME_TUNED + 1):
+        tuned_at = tuner_seconds(device)
+        out = run()
+        if tuner_seconds(device) == tuned_at:
+            break
+    return out, retimed
 
 
 def l2_flush_buffer(device):
@@ -66,7 +79,7 @@ class Bench:
         self.warmup_ms, self.rep_ms, self.min_reps, self.cpu_reps = warmup_ms, rep_ms, min_reps, cpu_reps
         self.do_bench = None
         self._flush = None
-        self.tuned_in_reps = False  # whether the last _timed's repetitions held a tuner measurement
+        self.retimed = 0  # blocks and figures timed again so far (untuned)
         self.method = "cpu perf_counter median"
         if self.cuda:
             self.method = "CUDA events median (cold L2 each rep)"
@@ -111,30 +124,26 @@ class Bench:
         if not self.cuda:
             return summary(self._timed(fn, grad_to_none, 0, self.cpu_reps))
         before = self.allocator_calls()
-        res, retimed = self._cuda_untuned(fn, grad_to_none, est)
+        retimed_at = self.retimed
+        res = self._cuda_untuned(fn, grad_to_none, est)
         s = spread(res)
         if s is not None and s > self.RETRY_SPREAD:
             # a clock or power transient disturbed the repetitions: once more, keep the steadier
-            again, more = self._cuda_untuned(fn, grad_to_none, est)
-            retimed += more
+            again = self._cuda_untuned(fn, grad_to_none, est)
             kept, dropped = (again, res) if (spread(again) or 0.0) < s else (res, again)
             kept["remeasured"] = {"dropped": {k: dropped.get(k) for k in ("ms", "p20", "p80")},
                                   "reason": f"p80 / p20 = {s:.3f} > {self.RETRY_SPREAD}"}
             res = kept
         # cudaMalloc / cudaFree inside the timing stall the GPU: such a figure includes the allocator
         res["allocator_calls"] = self.allocator_calls() - before
-        res["retimed"] = retimed
+        res["retimed"] = self.retimed - retimed_at
         return res
 
     def _cuda_untuned(self, fn, grad_to_none, est):
-        """_cuda_once, again while the tuner measured during it (at most RETIME_TUNED times more):
-        (figure, times retimed). do_bench's own warm-up is inside the span watched."""
-        for retimed in range(RETIME_TUNED + 1):
-            t0 = tuner_seconds(self.device)
-            res = self._cuda_once(fn, grad_to_none, est)
-            if tuner_seconds(self.device) == t0:
-                break
-        return res, retimed
+        """_cuda_once under untuned (do_bench's own warm-up inside the span watched)."""
+        res, retimed = untuned(lambda: self._cuda_once(fn, grad_to_none, est), self.device)
+        self.retimed += retimed
+        return res
 
     def _cuda_once(self, fn, grad_to_none, est):
         rep = max(self.rep_ms, self.min_reps * est)
@@ -148,13 +157,12 @@ class Bench:
     def _timed(self, fn, grad_to_none, warm, n):
         """warm untimed calls, then the times (ms) of n calls: on CUDA events around each with the
         L2 flushed before each, on the CPU perf_counter around each. Gradients are dropped after.
-        Sets tuned_in_reps: whether the tuner measured during the n calls."""
+        The n calls run under untuned (the warm-up is outside the span watched)."""
         for _ in range(warm):
             self._reset(grad_to_none)
             fn()
-        tuned_at = tuner_seconds(self.device)
-        times = self._reps(fn, grad_to_none, n)
-        self.tuned_in_reps = tuner_seconds(self.device) != tuned_at
+        times, retimed = untuned(lambda: self._reps(fn, grad_to_none, n), self.device)
+        self.retimed += retimed
         return times
 
     def _reps(self, fn, grad_to_none, n):
@@ -212,11 +220,9 @@ class Bench:
                         est[k] = self._estimate_ms(fn, grad_to_none)
                     rep = max(self.rep_ms, self.min_reps * est[k]) / rounds
                     warm = max(1, int(self.warmup_ms / est[k]))
-                    for _ in range(RETIME_TUNED + 1):
-                        block = self._timed(fn, grad_to_none, warm, max(2, math.ceil(rep / est[k])))
-                        if not self.tuned_in_reps:
-                            break
-                        retimed[k] += 1
+                    retimed_at = self.retimed
+                    block = self._timed(fn, grad_to_none, warm, max(2, math.ceil(rep / est[k])))
+                    retimed[k] += self.retimed - retimed_at
                 except Exception as exc:  # noqa: BLE001 - recorded for this key; the others go on
                     failed[k] = exc
                     continue

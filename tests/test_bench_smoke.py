@@ -561,11 +561,23 @@ class FakeTuner:
 
 
 def test_bench_retimes_reps_that_held_a_tuner_measurement(monkeypatch):
-    """A tuner measurement during the timed repetitions (not the warm-up) marks the block; the
-    interleaved rounds time such a block again, and a figure taken by __call__ likewise, each
-    counting it in `retimed` (timing replaced: no GPU)."""
+    """untuned runs a block again while the tuner measured during it (at most RETIME_TUNED times
+    more) and keeps the clean run; _timed watches the timed calls, not the warm-up; the interleaved
+    rounds and a figure taken by __call__ count the blocks timed again in `retimed` (timing
+    replaced: no GPU)."""
     tuner = FakeTuner()
     monkeypatch.setattr(timing, "tuner_seconds", tuner)
+    runs = []
+
+    def run():
+        runs.append(None)
+        if len(runs) == 1:
+            tuner.measure()
+        return len(runs)
+    assert timing.untuned(run, torch.device("cpu")) == (2, 1)
+    runs.clear()
+    assert timing.untuned(lambda: (tuner.measure(), run())[1], torch.device("cpu")) == (
+        timing.RETIME_TUNED + 1, timing.RETIME_TUNED)
     bench = timing.Bench(torch.device("cpu"))
     calls = []
 
@@ -575,27 +587,26 @@ def test_bench_retimes_reps_that_held_a_tuner_measurement(monkeypatch):
             if len(calls) == call:
                 tuner.measure()
         return fn
-    bench._timed(fn_measuring_on(1), None, 1, 3)  # in the warm-up: the reps are clean
-    assert not bench.tuned_in_reps
+    bench._timed(fn_measuring_on(1), None, 1, 3)  # in the warm-up: the timed calls are clean
+    assert bench.retimed == 0 and len(calls) == 4
     calls.clear()
-    bench._timed(fn_measuring_on(2), None, 1, 3)  # the first timed call
-    assert bench.tuned_in_reps
-    # interleaved: key a's first block held a measurement, its second did not
+    bench._timed(fn_measuring_on(2), None, 1, 3)  # the first timed call: the 3 calls again
+    assert bench.retimed == 1 and len(calls) == 7
+    # interleaved: key a's first block was timed again
     bench = timing.Bench(torch.device("cpu"), warmup_ms=10.0, rep_ms=40.0)
-    marks = iter([True, False] + [False] * 10)
     visits = []
 
     def timed(fn, grad_to_none, warm, n):
         key = fn()
         visits.append(key)
-        bench.tuned_in_reps = key == "a" and next(marks)
-        return [5.0 if bench.tuned_in_reps else 1.0] * n
+        if key == "a" and visits.count("a") == 1:
+            bench.retimed += 1
+        return [1.0] * n
     monkeypatch.setattr(bench, "_timed", timed)
     monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)
     res = bench.interleaved({k: ((lambda k=k: k), None) for k in "ab"}, rounds=2)
-    assert visits == list("aab" "ba")
+    assert visits == list("ab" "ba")
     assert res["a"]["retimed"] == 1 and res["b"]["retimed"] == 0
-    assert res["a"]["ms"] == 1.0 and res["a"]["round_ms"] == [1.0, 1.0]  # the tuned block is not kept
     # __call__: the span of do_bench (its warm-up with it) watched; at most RETIME_TUNED more
     bench = timing.Bench(torch.device("cpu"))
     monkeypatch.setattr(bench, "_estimate_ms", lambda fn, g: 1.0)

@@ -11,7 +11,7 @@ column); this says which calls that host time is spent in. With --gaps, the GPU'
 within the profiled steps (gaps between one kernel's end and the next one's start), each gap
 charged to the op that launched the kernel after it (the innermost CPU op around its launch) and
 counted as host-late where that launch came after the gap began. A profile during which the
-library's tuner measured is taken again (bench.model.profile_untuned). Writes JSON with --json.
+library's tuner measured is taken again (bench.timing.untuned). Writes JSON with --json.
 """
 import argparse
 import json
@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import model as bm  # noqa: E402
+from bench import timing  # noqa: E402
 
 
 def profile_steps(r, ids_list, top):
@@ -37,7 +38,7 @@ def profile_steps(r, ids_list, top):
                 r.step(ids)
             r.sync()
         return prof
-    prof = bm.profile_untuned(run, r.device)
+    prof = timing.untuned(run, r.device)[0]
     n = len(ids_list)
     rows, launches, kernel_us = [], 0, 0.0
     for ev in prof.key_averages():
@@ -68,7 +69,7 @@ def gap_steps(r, ids_list, top, min_gap_us=2.0):
                 r.step(ids)
             r.sync()
         return prof
-    prof = bm.profile_untuned(run, r.device)
+    prof = timing.untuned(run, r.device)[0]
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     prof.export_chrome_trace(path)
