@@ -125,11 +125,11 @@ class Bench:
             return summary(self._timed(fn, grad_to_none, 0, self.cpu_reps))
         before = self.allocator_calls()
         retimed_at = self.retimed
-        res = self._cuda_untuned(fn, grad_to_none, est)
+        res = self._cuda_once(fn, grad_to_none, est)
         s = spread(res)
         if s is not None and s > self.RETRY_SPREAD:
             # a clock or power transient disturbed the repetitions: once more, keep the steadier
-            again = self._cuda_untuned(fn, grad_to_none, est)
+            again = self._cuda_once(fn, grad_to_none, est)
             kept, dropped = (again, res) if (spread(again) or 0.0) < s else (res, again)
             kept["remeasured"] = {"dropped": {k: dropped.get(k) for k in ("ms", "p20", "p80")},
                                   "reason": f"p80 / p20 = {s:.3f} > {self.RETRY_SPREAD}"}
@@ -139,19 +139,16 @@ class Bench:
         res["retimed"] = self.retimed - retimed_at
         return res
 
-    def _cuda_untuned(self, fn, grad_to_none, est):
-        """_cuda_once under untuned (do_bench's own warm-up inside the span watched)."""
-        res, retimed = untuned(lambda: self._cuda_once(fn, grad_to_none, est), self.device)
-        self.retimed += retimed
-        return res
-
     def _cuda_once(self, fn, grad_to_none, est):
         rep = max(self.rep_ms, self.min_reps * est)
         warm = max(self.warmup_ms, 2 * est)
         n = max(1, int(rep / est))
         if self.do_bench is None:
             return summary(self._timed(fn, grad_to_none, max(1, int(warm / est)), n))
-        q = self.do_bench(fn, warmup=warm, rep=rep, grad_to_none=grad_to_none, quantiles=[0.5, 0.2, 0.8])
+        # do_bench under untuned, its own warm-up inside the span watched (_timed watches its calls)
+        q, retimed = untuned(lambda: self.do_bench(fn, warmup=warm, rep=rep, grad_to_none=grad_to_none,
+                                                   quantiles=[0.5, 0.2, 0.8]), self.device)
+        self.retimed += retimed
         return {"ms": float(q[0]), "p20": float(q[1]), "p80": float(q[2]), "reps": n}
 
     def _timed(self, fn, grad_to_none, warm, n):
