@@ -668,6 +668,33 @@ def test_model_profiles_are_taken_again_when_the_tuner_measured_in_them(monkeypa
     assert any(r[0] in ("aten::mm", "aten::matmul") and r[3] == 1 for r in rows), rows
 
 
+def test_host_step_wall_steps_retake_a_step_the_tuner_measured_in(monkeypatch):
+    """tools/host_step.wall_steps (fp8_path_profile's walls too): a step during which the tuner
+    measured is taken again, so each (host, wall) pair is of a clean step."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import host_step
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tools"))
+    tuner = FakeTuner()
+    monkeypatch.setattr(timing, "tuner_seconds", tuner)
+    steps = []
+
+    class Runner:
+        device = torch.device("cpu")
+
+        def sync(self):
+            pass
+
+        def step(self, ids):
+            steps.append(ids)
+            if len(steps) == 2:  # the second step (ids "b") measures
+                tuner.measure()
+    walls = host_step.wall_steps(Runner(), ["a", "b", "c"])
+    assert steps == ["a", "b", "b", "c"] and len(walls) == 3
+    assert all(len(w) == 2 and 0 <= w[0] <= w[1] for w in walls), walls
+
+
 def test_report_shows_each_ratio_per_round():
     auto = {"status": "ok", "ms": 10.0, "round_ms": [10.0, 9.0, 11.0]}
     eager = {"status": "ok", "ms": 10.5, "round_ms": [10.5, 9.9, 10.45]}

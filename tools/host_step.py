@@ -10,8 +10,9 @@ A step whose host time exceeds its kernel time leaves the GPU idle (bench.model'
 column); this says which calls that host time is spent in. With --gaps, the GPU's idle time
 within the profiled steps (gaps between one kernel's end and the next one's start), each gap
 charged to the op that launched the kernel after it (the innermost CPU op around its launch) and
-counted as host-late where that launch came after the gap began. A profile during which the
-library's tuner measured is taken again (bench.timing.untuned). Writes JSON with --json.
+counted as host-late where that launch came after the gap began. A profile or wall-timed step
+during which the library's tuner measured is taken again (bench.timing.untuned). Writes JSON with
+--json.
 """
 import argparse
 import json
@@ -113,15 +114,15 @@ def gap_steps(r, ids_list, top, min_gap_us=2.0):
 
 
 def wall_steps(r, ids_list):
-    out = []
-    for ids in ids_list:
+    """(host ms, synchronized wall ms) of each step; a step the tuner measured in is taken again."""
+    def one(ids):
         r.sync()
         t = time.perf_counter()
         r.step(ids)
         t_host = time.perf_counter()
         r.sync()
-        out.append(((t_host - t) * 1e3, (time.perf_counter() - t) * 1e3))
-    return out
+        return (t_host - t) * 1e3, (time.perf_counter() - t) * 1e3
+    return [timing.untuned(lambda: one(ids), r.device)[0] for ids in ids_list]
 
 
 def main(argv=None):
