@@ -302,7 +302,8 @@ def test_return_dict_false_and_outputs_carried():
     for a, b in zip(out.hidden_states, ref.hidden_states):
         assert torch.equal(a, b)
     # the cache's field: past_key_values up to transformers 5.17 at least, cache in later releases
-    name = next(f for f in ("cache", "past_key_values") if hasattr(ref, f))
+    name = next((f for f in ("cache", "past_key_values") if hasattr(ref, f)), None)
+    assert name is not None, f"no cache field in {type(ref).__name__}"
     cache, ref_cache = getattr(out, name), getattr(ref, name)
     assert ref_cache is not None and type(cache) is type(ref_cache) and cache.get_seq_length() == SEQ
     tup = fused(input_ids=ids, labels=labels, return_dict=False)
