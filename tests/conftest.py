@@ -271,6 +271,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when torch.cuda.is_available() is False")
 
 
+# The optional packages some tests compare against or convert (transformers' models, torchao,
+# Liger), by the version this run imports: their APIs move between releases (transformers renamed
+# an output field between 5.17 and 5.25), so a run's output says which ones it ran against.
+_REPORTED_PACKAGES = ("torch", "transformers", "torchao", "liger_kernel", "triton")
+
+
+def _installed_version(name):
+    from importlib import metadata
+
+    try:
+        return metadata.version(name.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def pytest_report_header(config):
+    return "versions: " + ", ".join(f"{name} {_installed_version(name)}" for name in _REPORTED_PACKAGES)
+
+
 def _shard_spec():
     """FUSED_DENSE_TEST_SHARD="i/n" (0 <= i < n): run every n-th collected test starting at i, so n
     processes (e.g. one compute-sanitizer each) split a suite between them with no test run twice."""
