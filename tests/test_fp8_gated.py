@@ -156,6 +156,36 @@ def test_gated_quantize_delayed_saturates_and_nan_propagates(device):
     assert math.isnan(amax.item()) and math.isnan(s.item()) and torch.isnan(data.float()).all()
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("act", list(GATED))
+@pytest.mark.parametrize("pre_fp8", [False, True])
+def test_gated_backward_amax_sees_every_column(device, act, pre_fp8):
+    """The backward's amax pass (current scaling) measures both halves of every interleave block in
+    every row: a spike planted in one gate or up column is the amax, wherever it sits (the first
+    block's gate half, a middle block's up half, both halves of the last row's last block), with gu
+    in the model's dtype (mode 4) and as its e4m3 copy (mode 6). 37 rows: no multiple of a tile."""
+    rows, hidden = 37, 40
+    g_col, u_col = gate_up_columns(hidden)
+    from test_fp8 import e4m3_copy
+
+    for r, j, half in ((0, 0, "gate"), (17, 20, "up"), (36, 39, "up"), (36, 39, "gate"), (3, 31, "gate")):
+        d_h = randn(rows, hidden, device=device)
+        gu = randn(rows, 2 * hidden, device=device)
+        d_h[r, j] = 1000.0
+        # gate column: d_h * u * act'(0) = 1000 * 50 * 0.5; up column: d_h * act(10), about 1000 * 10
+        gu[r, g_col[j]], gu[r, u_col[j]] = (0.0, 50.0) if half == "gate" else (10.0, 0.0)
+        if pre_fp8:
+            pre, psi = e4m3_copy(gu)
+            used = (pre.float() * psi).to(gu.dtype)
+        else:
+            pre, psi, used = gu, None, gu
+        res = torch.ops.fused_dense.fp8_quantize(d_h, pre, GATED[act], True, 0, None, True, False, False, psi)
+        v = gated_value_grad(d_h.double().cpu(), used.double().cpu(), act).abs()
+        col = (g_col if half == "gate" else u_col)[j].item()
+        assert v.max().item() == v[r, col].item() > 5000, "the spike is the reference's amax"
+        assert math.isclose(res[4].item(), v[r, col].item(), rel_tol=1e-5), (r, j, half, res[4].item())
+
+
 def test_gated_quantize_errors():
     q = torch.ops.fused_dense.fp8_quantize
     with pytest.raises(ValueError, match="packed gu .* multiple of 16 .* got 24"):

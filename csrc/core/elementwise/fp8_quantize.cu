@@ -124,6 +124,35 @@ __device__ __forceinline__ float2 pre_pair_fp8(const Raw8<T, kMode>& r, int j, f
   return v;
 }
 
+// Modes 4 and 6: both halves of an interleave block from its raw words (its 8 d_h and 16 gu
+// values), f(i, gate column i's value, up column i's value) for i = 0 .. 7: d_h * u * act'(g) and
+// d_h * act(g), from one act(g) and act'(g).
+template <typename T, Activation A, int kMode, typename F>
+__device__ __forceinline__ void gated_grad_values(const Raw8<T, kMode>& r, float pre_scale_inv, F&& f) {
+  static_assert(base_mode<kMode>() == 4, "the gated backward's values");
+  constexpr bool kFast = sizeof(T) == 2;
+  const T* e = reinterpret_cast<const T*>(r.x);
+  const auto gated = [&](int i, float g, float u) {
+    float deriv;
+    const float a = gate_act<A, kFast>(g, &deriv);
+    const float d = Cvt<T>::to_float(e[i]);
+    f(i, (d * u) * deriv, d * a);
+  };
+  if constexpr (pre_fp8<kMode>()) {
+#pragma unroll
+    for (int i = 0; i < kVec; i += 2) {
+      const float2 g = pre_pair_fp8<T, kMode>(r, i / 2, pre_scale_inv);
+      const float2 u = pre_pair_fp8<T, kMode>(r, (kVec + i) / 2, pre_scale_inv);
+      gated(i, g.x, u.x);
+      gated(i + 1, g.y, u.y);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kVec; ++i)
+      gated(i, pre_at<T, kMode>(r, i, pre_scale_inv), pre_at<T, kMode>(r, kVec + i, pre_scale_inv));
+  }
+}
+
 // The 8 values of raw words; `up` (mode 4): the columns are the block's up half. Zero words give
 // v = 0 in every mode (act(0) = 0, 0 * act'(p) = 0, act(0) * 0 = 0).
 template <typename T, Activation A, int kMode>
@@ -136,25 +165,9 @@ __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, floa
     for (int i = 0; i < kVec; ++i) v[i] = gate_act<A, kFast>(Cvt<T>::to_float(e[i])) * Cvt<T>::to_float(e[kVec + i]);
     return;
   } else if constexpr (kBase == 4) {
-    const auto gated = [&](int i, float g, float u) {
-      float deriv;
-      const float a = gate_act<A, kFast>(g, &deriv);
-      const float d = Cvt<T>::to_float(e[i]);
-      v[i] = up ? d * a : (d * u) * deriv;
-    };
-    if constexpr (pre_fp8<kMode>()) {
-#pragma unroll
-      for (int i = 0; i < kVec; i += 2) {
-        const float2 g = pre_pair_fp8<T, kMode>(r, i / 2, pre_scale_inv);
-        const float2 u = pre_pair_fp8<T, kMode>(r, (kVec + i) / 2, pre_scale_inv);
-        gated(i, g.x, u.x);
-        gated(i + 1, g.y, u.y);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i)
-        gated(i, pre_at<T, kMode>(r, i, pre_scale_inv), pre_at<T, kMode>(r, kVec + i, pre_scale_inv));
-    }
+    gated_grad_values<T, A, kMode>(r, pre_scale_inv, [&](int i, float gate, float up_value) {
+      v[i] = up ? up_value : gate;
+    });
     return;
   } else {
 #pragma unroll
@@ -204,14 +217,25 @@ __global__ void __launch_bounds__(kThreads)
   unsigned m = 0, m_in = 0;
   const float psi = pre_fp8<kMode>() ? *pre_scale_inv : 1.f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < vectors; i0 += kUnroll * stride) {
+  // Modes 4 and 6: a unit is an interleave block, both its halves (2 vectors) from one load and one
+  // act(g): the half-block vectors loaded the same words and evaluated act(g) twice.
+  constexpr bool kBlocks = base_mode<kMode>() == 4;
+  static_assert(!kBlocks || kWhat == kAmaxOfV, "the gated backward measures v's amax only");
+  const int64_t units = kBlocks ? vectors / 2 : vectors;  // vectors is even there (cols % 16 == 0)
+  for (int64_t i0 = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i0 < units; i0 += kUnroll * stride) {
     Raw8<T, kMode> raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = i0 + u * stride;
-      load_raw<T, kMode>(x, pre, i * kVec, i < vectors, raw[u]);
+      load_raw<T, kMode>(x, pre, i * (kBlocks ? 2 * kVec : kVec), i < units, raw[u]);
     }
-    if constexpr ((kWhat & kAmaxOfV) != 0) {
+    if constexpr (kBlocks) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        gated_grad_values<T, A, kMode>(raw[u], psi, [&](int, float gate, float up) {
+          m = max(m, max(abs_bits(gate), abs_bits(up)));
+        });
+    } else if constexpr ((kWhat & kAmaxOfV) != 0) {
       float v[kUnroll][kVec];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) values_of<T, A, kMode>(raw[u], up_half((i0 + u * stride) * kVec), psi, v[u]);
