@@ -142,6 +142,21 @@ def test_sanitize_summary_attributes_reports_to_kernels():
     assert [n for k, n, _ in other if k.startswith("Error: Race")] == ["nvjet_sm90_x_TNN"]
 
 
+def test_profile_tools_kernel_names_keep_the_template_arguments():
+    """The profile tools' kernel lines (short at TEMPLATE_WIDTH) keep what tells two instances of
+    one kernel apart, here fp8_quantize's mode and flag, and drop only the argument list."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
+    import sanitize_summary
+
+    ns = "fused_dense::core::(anonymous namespace)::"
+    for mode, flag in ((6, "false"), (3, "true")):
+        name = (f"void {ns}cast_kernel_capped<__nv_bfloat16, (fused_dense::core::Activation)5, {mode}, {flag}>"
+                f"(__nv_bfloat16 const*, __nv_bfloat16 const*, {ns}CastParams)")
+        assert sanitize_summary.short(name, sanitize_summary.TEMPLATE_WIDTH) == name[:name.index(">(") + 1]
+    assert sanitize_summary.short("nvjet_sm90_qqtst_128x256_TNN", sanitize_summary.TEMPLATE_WIDTH) == \
+        "nvjet_sm90_qqtst_128x256_TNN"
+
+
 def test_sanitize_summary_union_counts_each_test_once_with_its_worst_outcome():
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
     import io

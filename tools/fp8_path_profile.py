@@ -28,6 +28,7 @@ from bench.timing import Bench  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import host_step  # noqa: E402
+from sanitize_summary import TEMPLATE_WIDTH, short  # noqa: E402
 
 GAP_STEPS = 5  # steps traced for the gaps
 WALL_STEPS = 15  # synchronized steps for the wall and host times
@@ -93,7 +94,7 @@ def run_shape(shape, rounds, device, gaps=False):
     for scaling, kk in rec["kernels"].items():
         model.log(f"{rec['shape']} {scaling}: kernel ms a step default {kk['total'][0]} pre_fp8 {kk['total'][1]}")
         for n, a, b in kk["rows"][:12]:
-            model.log(f"  {a:8.4f} {b:8.4f} {b - a:+8.4f}  {n[:110]}")
+            model.log(f"  {a:8.4f} {b:8.4f} {b - a:+8.4f}  {short(n, TEMPLATE_WIDTH)}")
     for key, g in rec.get("gaps", {}).items():
         model.log(f"{rec['shape']} {key}: wall {g['wall_ms']} ms, host {g['host_ms']}, idle {g['idle_ms_a_step']:.4f} "
                   f"(host-late {g['host_late_ms_a_step']:.4f})")

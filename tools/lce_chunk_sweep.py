@@ -28,6 +28,9 @@ from bench import environment  # noqa: E402
 from bench import lm_head as L  # noqa: E402
 from bench.timing import MIB  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from sanitize_summary import TEMPLATE_WIDTH, short  # noqa: E402
+
 SHAPES = "2048x32000x8192,4096x32000x8192,4096x32000x16384,2048x128256x8192,4096x128256x8192"
 CHUNKS = "512,1024,2048,4096,8192"
 
@@ -80,7 +83,7 @@ def main():
                 out["variants"][n]["profile"] = {"total_ms": round(by_class["total"], 4), "top": top}
                 L.log(f"  profile {n}: {by_class['total']:.3f} ms of kernels a call")
                 for k in top:
-                    L.log(f"    {k[2]:8.4f} ms {k[3]:5.1f}x  {k[0][:110]}")
+                    L.log(f"    {k[2]:8.4f} ms {k[3]:5.1f}x  {short(k[0], TEMPLATE_WIDTH)}")
             x = weight = target = None
         res["shapes"].append(out)
         base = out["variants"].get("hf_compile", {}).get("ms")

@@ -35,7 +35,14 @@ def in_fused_dense(kernel):
     return "fused_dense" in kernel
 
 
+# A width at which the library's kernels keep their template arguments (an op's mode and flags,
+# e.g. cast_kernel_capped<__nv_bfloat16, (fused_dense::core::Activation)4, 6, false>) once short()
+# has dropped the argument list: the profile tools' kernel lines.
+TEMPLATE_WIDTH = 130
+
+
 def short(kernel, width=90):
+    """A demangled kernel name without its argument list, cut to `width`."""
     kernel = kernel.strip()
     if kernel.endswith(")"):  # drop the argument list of a demangled name, nothing before it
         depth = 0
