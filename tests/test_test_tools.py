@@ -152,7 +152,8 @@ def test_profile_tools_kernel_names_keep_the_template_arguments():
     for mode, flag in ((6, "false"), (3, "true")):
         name = (f"void {ns}cast_kernel_capped<__nv_bfloat16, (fused_dense::core::Activation)5, {mode}, {flag}>"
                 f"(__nv_bfloat16 const*, __nv_bfloat16 const*, {ns}CastParams)")
-        assert sanitize_summary.short(name, sanitize_summary.TEMPLATE_WIDTH) == name[:name.index(">(") + 1]
+        for seen in (name, name[:160]):  # whole, and cut as bench.model's profile keeps it
+            assert sanitize_summary.short(seen, sanitize_summary.TEMPLATE_WIDTH) == name[:name.index(">(") + 1]
     assert sanitize_summary.short("nvjet_sm90_qqtst_128x256_TNN", sanitize_summary.TEMPLATE_WIDTH) == \
         "nvjet_sm90_qqtst_128x256_TNN"
 

@@ -42,7 +42,9 @@ TEMPLATE_WIDTH = 130
 
 
 def short(kernel, width=90):
-    """A demangled kernel name without its argument list, cut to `width`."""
+    """A demangled kernel name without its argument list, cut to `width`. A name whose argument
+    list was cut short (bench.model's profile keeps 160 characters) loses it from the template's
+    closing '>('."""
     kernel = kernel.strip()
     if kernel.endswith(")"):  # drop the argument list of a demangled name, nothing before it
         depth = 0
@@ -51,6 +53,8 @@ def short(kernel, width=90):
             if depth == 0:
                 kernel = kernel[:i].strip()
                 break
+    elif ">(" in kernel:
+        kernel = kernel[: kernel.index(">(") + 1]
     return kernel if len(kernel) <= width else kernel[: width - 3] + "..."
 
 
