@@ -273,7 +273,8 @@ def pytest_configure(config):
 
 # The optional packages some tests compare against or convert (transformers' models, torchao,
 # Liger), by the version this run imports: their APIs move between releases (transformers renamed
-# an output field between 5.17 and 5.25), so a run's output says which ones it ran against.
+# an output field between 5.17 and 5.25), so a run's output says which ones it ran against: in the
+# header, and at the end, which `pytest -q` (the README's command) prints as well.
 _REPORTED_PACKAGES = ("torch", "transformers", "torchao", "liger_kernel", "triton")
 
 
@@ -286,8 +287,16 @@ def _installed_version(name):
         return "not installed"
 
 
-def pytest_report_header(config):
+def _versions_line():
     return "versions: " + ", ".join(f"{name} {_installed_version(name)}" for name in _REPORTED_PACKAGES)
+
+
+def pytest_report_header(config):
+    return _versions_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_versions_line())
 
 
 def _shard_spec():
