@@ -288,10 +288,19 @@ def shape_label(s):
 
 
 def _target(rec, num, den, field, limit):
-    """{ratio: num's field / den's, verdict} of one target (n/a where either figure is missing)."""
+    """{ratio: num's field / den's, verdict} of one target (n/a where either figure is missing). A
+    time (field "ms") also gives the per-round ratios' range, `rounds` [least, greatest], and its
+    verdict is "tie" where the medians' ratio is over the limit but some round's is not: the run
+    cannot tell the two apart at that limit."""
     a = report.ok_value(rec, num, field)
     b = report.ok_value(rec, den, field) if den is not None else None
-    return {"ratio": a / b if a is not None and b else None, "verdict": report.verdict(a, b, limit)}
+    out = {"ratio": a / b if a is not None and b else None, "verdict": report.verdict(a, b, limit)}
+    if field == "ms" and out["ratio"] is not None:
+        q = report.round_ratios(rec["variants"][num], rec["variants"][den])
+        out["rounds"] = [min(q), max(q)] if q else None
+        if q and out["verdict"] == "not met" and min(q) <= limit:
+            out["verdict"] = "tie"
+    return out
 
 
 def targets(res):
@@ -349,9 +358,12 @@ def markdown(res):
             fig = "–" if t["ratio"] is None else f"{t['ratio']:.3f}"
             if t["ratio"] is not None and t["verdict"] == "not met" and fig == f"{res['targets'][key]:.3f}":
                 fig = f"{t['ratio']:.10g}"  # over its limit only beyond three places: say by how much
+            if t.get("rounds"):
+                fig += f" (rounds {t['rounds'][0]:.3f}–{t['rounds'][1]:.3f})"
             L.append(f"| {where} | {TARGET_NAMES[key]} | {fig} | {t['verdict']} |")
     L += ["", "Figures: the FP8 variant's over the comparator's (bytes; ms for the time; for tokens/s the ms "
-          "ratio, so ≤ 1 meets it). A figure over its limit only beyond three places is shown to ten digits: for the "
+          "ratio, so ≤ 1 meets it; a time's verdict is \"tie\" where the medians' ratio is over its limit and some "
+          "interleaved round's is not). A figure over its limit only beyond three places is shown to ten digits: for the "
           "saved bytes, the FP8 copies are exactly half of bf16's and their 4-byte scales are the excess. The "
           "loss-curve target (500 steps within the main job's FP8 limit) is the main job's FP8 check, not measured "
           "here.", ""]

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "core/common/activation_math.cuh"
 #include "core/common/cuda_check.h"
@@ -184,6 +185,101 @@ __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, floa
 
 // Mode 4: the columns from `off` are an up half (the second 8 of their 16-column block).
 __device__ __forceinline__ bool up_half(int64_t off) { return off % (2 * kGatedInterleave) >= kGatedInterleave; }
+
+// The cast pass in modes 4 and 6: the two lanes of an interleave block (lane bit 0 = the up half;
+// cg = threadIdx.x % 8, and a block's halves are cg 2b, 2b + 1) split its elements: lane h loads
+// elements 4h .. 4h + 3 of d_h, g and u only, evaluates act(g) there and both columns' values,
+// keeps its own half's and hands the partner the other's (4 shuffles). With each lane loading all
+// 16 gu values and evaluating all 8 act(g), the pair evaluated every act(g) twice: mode 6's pass
+// took 0.845 ms against 0.824 now (SwiGLU, 16384 x 28672, each pass alone on an H100; GeGLU 0.859
+// against 0.831), and mode 4's, bound by memory, is the same either way (0.964 / 0.966).
+template <typename T, int kMode>
+struct RawGatedHalf {
+  static constexpr int kQuarter = kVec / 2;  // elements a lane reads of each of d_h, g and u
+  static constexpr int kDWords = kQuarter * static_cast<int>(sizeof(T)) / 4;
+  static constexpr int kPreWords = pre_fp8<kMode>() ? 1 : kDWords;
+  uint32_t d[kDWords];
+  uint32_t g[kPreWords];
+  uint32_t u[kPreWords];
+};
+
+template <int kWords>
+__device__ __forceinline__ void load_words(const void* src, bool valid, uint32_t (&w)[kWords]) {
+  static_assert(kWords == 1 || kWords == 2 || kWords == 4, "4, 8 or 16 bytes");
+  if constexpr (kWords == 4) {
+    const uint4 v = valid ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (kWords == 2) {
+    const uint2 v = valid ? *reinterpret_cast<const uint2*>(src) : make_uint2(0, 0);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = valid ? *reinterpret_cast<const uint32_t*>(src) : 0u;
+  }
+}
+
+// Loads lane h's quarter of the block holding the 8 values at `off` (h = up_half(off)).
+template <typename T, int kMode>
+__device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, bool valid,
+                                         RawGatedHalf<T, kMode>& r) {
+  static_assert(base_mode<kMode>() == 4, "the gated backward's cast");
+  constexpr int kQ = RawGatedHalf<T, kMode>::kQuarter;
+  const int64_t pre_off = off - off % (2 * kGatedInterleave);  // the block's first gate column
+  const int h = up_half(off) ? 1 : 0;
+  load_words(x + pre_off / 2 + kQ * h, valid, r.d);
+  if constexpr (pre_fp8<kMode>()) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(pre) + pre_off + kQ * h;
+    load_words(b, valid, r.g);
+    load_words(b + kGatedInterleave, valid, r.u);
+  } else {
+    load_words(pre + pre_off + kQ * h, valid, r.g);
+    load_words(pre + pre_off + kGatedInterleave + kQ * h, valid, r.u);
+  }
+}
+
+// The lane's 8 values (its half's columns) from its quarter and its partner's: the same products as
+// gated_grad_values, so the same bits. Every lane of the warp calls it (the shuffles).
+template <typename T, Activation A, int kMode>
+__device__ __forceinline__ void values_of(const RawGatedHalf<T, kMode>& r, bool up, float pre_scale_inv,
+                                          float (&v)[kVec]) {
+  constexpr bool kFast = sizeof(T) == 2;
+  constexpr int kQ = RawGatedHalf<T, kMode>::kQuarter;
+  float g[kQ], u[kQ];
+  if constexpr (pre_fp8<kMode>()) {
+    const auto* gb = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.g);
+    const auto* ub = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.u);
+#pragma unroll
+    for (int j = 0; j < kQ / 2; ++j) {
+      const float2 gq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(gb[j], __NV_E4M3)));  // exact
+      const float2 uq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(ub[j], __NV_E4M3)));
+      float2 gv = make_float2(gq.x * pre_scale_inv, gq.y * pre_scale_inv);
+      float2 uv = make_float2(uq.x * pre_scale_inv, uq.y * pre_scale_inv);
+      if constexpr (sizeof(T) == 2) {
+        gv = Cvt<T>::to_float2(Cvt<T>::from_float2(gv.x, gv.y));
+        uv = Cvt<T>::to_float2(Cvt<T>::from_float2(uv.x, uv.y));
+      }
+      g[2 * j] = gv.x, g[2 * j + 1] = gv.y, u[2 * j] = uv.x, u[2 * j + 1] = uv.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kQ; ++j) {
+      g[j] = Cvt<T>::to_float(reinterpret_cast<const T*>(r.g)[j]);
+      u[j] = Cvt<T>::to_float(reinterpret_cast<const T*>(r.u)[j]);
+    }
+  }
+  const T* e = reinterpret_cast<const T*>(r.d);
+#pragma unroll
+  for (int j = 0; j < kQ; ++j) {
+    float deriv;
+    const float a = gate_act<A, kFast>(g[j], &deriv);
+    const float d = Cvt<T>::to_float(e[j]);
+    const float gate = (d * u[j]) * deriv, upv = d * a;
+    // The gate lane keeps its elements' gate values and sends their up values; the up lane keeps
+    // its elements' up values (4 .. 7) and sends their gate values.
+    const float got = __shfl_xor_sync(0xffffffffu, up ? gate : upv, 1);
+    v[j] = up ? got : gate;
+    v[kQ + j] = up ? upv : got;
+  }
+}
 
 __device__ __forceinline__ unsigned block_max(unsigned m) {
   __shared__ unsigned warp_max[kThreads / 32];
@@ -385,6 +481,17 @@ __device__ __forceinline__ void store_tile_transposed(const TransposeTile& tile,
     *reinterpret_cast<uint2*>(data_t + (out_row + i) * ld_t + out_col) = make_uint2(col[0][i], col[1][i]);
 }
 
+// Whether the cast pass quantizes a tile (and writes the input's copy) before issuing the next
+// tile's loads, holding 2 words a pass across them, or after, holding the 8 float values. Measured
+// apart on an H100 (each pass alone, 16384 rows: SwiGLU's gu of 28672 columns, GELU's pre of
+// 32768, x of 8192): before is faster where the values are cheap or the pass also writes the
+// input's copy — with the copy 1.042 against 1.096 ms (SwiGLU) and 1.043 against 1.216 (GeGLU,
+// whose late form spilled 60 bytes at the 128-register cap), modes 0 / 1 0.198 / 0.870 against
+// 0.205 / 0.882 — and after is faster for the backward modes (2: 1.216 against 1.271, 4: 0.966
+// against 1.007, 5: 1.060 against 1.107; 6 a tie) and mode 3 without the copy (0.527 against 0.536).
+template <int kMode, bool kInput>
+constexpr bool quantize_before_loads() { return kInput || kMode == 0 || kMode == 1; }
+
 // Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
 // tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t. kInput (forward
 // modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
@@ -410,7 +517,8 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
   float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   unsigned m = 0;
-  Raw8<T, kMode> raw[kPasses];
+  using Raw = std::conditional_t<base_mode<kMode>() == 4, RawGatedHalf<T, kMode>, Raw8<T, kMode>>;
+  Raw raw[kPasses];
   const bool up = up_half(col);
   const auto load_tile = [&](int64_t t) {
 #pragma unroll
@@ -420,50 +528,74 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
     }
   };
   if (r_begin < r_end) load_tile(r_begin);
-  for (int64_t t0 = r_begin; t0 < r_end; t0 += kTileRows) {
-    float v[kPasses][kVec];
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, psi, v[pass]);
-    // Mode 6 in place: the two lanes of an interleave block read its 16 gu bytes, and each writes
-    // 8 of them below; both reads precede both writes (the loop is uniform across the block).
-    if constexpr (kMode == 6) __syncwarp();
+  // The input's copy of one pass (kInput), from its raw words: mode 1's 8 elements at the values'
+  // offset, mode 3's 16 of gu at twice it (its rows are 2 cols wide).
+  const auto copy_input = [&](int64_t t0, int pass) {
     if constexpr (kInput) {
-      // The input's copy, before the raw words are reloaded: mode 1's 8 elements at the values'
-      // offset, mode 3's 16 of gu at twice it (its rows are 2 cols wide).
       constexpr int kN = input_elements<T, kMode>();
+      const int64_t row = t0 + pass * kRowsPerPass + rl;
+      if (!col_in || row >= p.rows) return;
+      const T* e = reinterpret_cast<const T*>(raw[pass].x);
+      __align__(16) uint8_t qi[kN];
 #pragma unroll
-      for (int pass = 0; pass < kPasses; ++pass) {
-        const int64_t row = t0 + pass * kRowsPerPass + rl;
-        if (!col_in || row >= p.rows) continue;
-        const T* e = reinterpret_cast<const T*>(raw[pass].x);
-        __align__(16) uint8_t qi[kN];
-#pragma unroll
-        for (int k = 0; k < kN; ++k) qi[k] = to_fp8(Cvt<T>::to_float(e[k]) * scale_in, Fp8Format::kE4M3);
-        uint8_t* dst = p.input_data + (row * p.cols + col) * x_factor<kMode>();
-        if constexpr (kN == 16) {
-          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(qi);
-        } else {
-          *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(qi);
-        }
+      for (int k = 0; k < kN; ++k) qi[k] = to_fp8(Cvt<T>::to_float(e[k]) * scale_in, Fp8Format::kE4M3);
+      uint8_t* dst = p.input_data + (row * p.cols + col) * x_factor<kMode>();
+      if constexpr (kN == 16) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(qi);
+      } else {
+        *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(qi);
       }
     }
-    // The next tile's loads are in flight while this one is quantized and stored.
-    if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
+  };
+  // A pass's 8 values into the column sums and the amax, and their FP8 bytes.
+  const auto quantize = [&](const float (&v)[kVec]) {
+    __align__(8) uint8_t q[kVec];
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int lr = pass * kRowsPerPass + rl;
-      const int64_t row = t0 + lr;
-      uint8_t q[kVec];
+    for (int k = 0; k < kVec; ++k) {
+      acc[k] += v[k];
+      m = max(m, abs_bits(v[k]));
+      q[k] = to_fp8(v[k] * scale, p.format);
+    }
+    return *reinterpret_cast<const uint2*>(q);
+  };
+  const auto store = [&](int64_t t0, int pass, uint2 q8) {
+    const int lr = pass * kRowsPerPass + rl;
+    const int64_t row = t0 + lr;
+    if (p.data != nullptr && col_in && row < p.rows) *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = q8;
+    if (p.data_t != nullptr) tile.put8(lr, cg, q8.x, q8.y);
+  };
+  // Mode 6 in place: the two lanes of an interleave block read 8 of its 16 gu bytes each, and each
+  // writes 8, some of them the partner's; both reads precede both writes (the loop is uniform
+  // across the block).
+  const auto reads_before_writes = [] {
+    if constexpr (kMode == 6) __syncwarp();
+  };
+  for (int64_t t0 = r_begin; t0 < r_end; t0 += kTileRows) {
+    // The next tile's loads are in flight while this one is stored (its bytes made before them,
+    // quantize_before_loads) or quantized and stored.
+    if constexpr (quantize_before_loads<kMode, kInput>()) {
+      uint2 q8[kPasses];
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        acc[k] += v[pass][k];
-        m = max(m, abs_bits(v[pass][k]));
-        q[k] = to_fp8(v[pass][k] * scale, p.format);
+      for (int pass = 0; pass < kPasses; ++pass) {
+        float v[kVec];
+        values_of<T, A, kMode>(raw[pass], up, psi, v);
+        copy_input(t0, pass);
+        q8[pass] = quantize(v);
       }
-      if (p.data != nullptr && col_in && row < p.rows)
-        *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = *reinterpret_cast<const uint2*>(q);
-      if (p.data_t != nullptr)
-        tile.put8(lr, cg, *reinterpret_cast<const uint32_t*>(q), *reinterpret_cast<const uint32_t*>(q + 4));
+      reads_before_writes();
+      if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) store(t0, pass, q8[pass]);
+    } else {
+      float v[kPasses][kVec];
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) values_of<T, A, kMode>(raw[pass], up, psi, v[pass]);
+      reads_before_writes();
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) copy_input(t0, pass);
+      if (t0 + kTileRows < r_end) load_tile(t0 + kTileRows);
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) store(t0, pass, quantize(v[pass]));
     }
     if (p.data_t != nullptr) {
       __syncthreads();
