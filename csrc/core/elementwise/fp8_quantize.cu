@@ -111,18 +111,22 @@ __device__ __forceinline__ float pre_at(const Raw8<T, kMode>& r, int i, float sc
   }
 }
 
-// Mode 6: pre_at's values of the elements 2j and 2j + 1, two at a time: one conversion of two bytes
-// to half2 (exact), two products and one packed rounding to T. Mode 6's passes are bound by
+// Mode 6: two e4m3 bytes as pre_at reads them, both at once: one conversion of the two bytes to
+// half2 (exact), two products and one packed rounding to T. Mode 6's passes are bound by
 // instruction issue, and one byte at a time (7 instructions an element) made them 1.6x mode 4's
 // (H200, 16384 x 28672). Mode 5 keeps pre_at: its pass was not slower than mode 2's, and the pairs
 // would cost it a block an SM (80 registers uncapped, 128 in pairs).
-template <typename T, int kMode>
-__device__ __forceinline__ float2 pre_pair_fp8(const Raw8<T, kMode>& r, int j, float scale_inv) {
-  const auto two = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.pre)[j];
+template <typename T>
+__device__ __forceinline__ float2 e4m3_pair(__nv_fp8x2_storage_t two, float scale_inv) {
   const float2 q = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3)));
   const float2 v = make_float2(q.x * scale_inv, q.y * scale_inv);
   if constexpr (sizeof(T) == 2) return Cvt<T>::to_float2(Cvt<T>::from_float2(v.x, v.y));
   return v;
+}
+
+template <typename T, int kMode>
+__device__ __forceinline__ float2 pre_pair_fp8(const Raw8<T, kMode>& r, int j, float scale_inv) {
+  return e4m3_pair<T>(reinterpret_cast<const __nv_fp8x2_storage_t*>(r.pre)[j], scale_inv);
 }
 
 // Modes 4 and 6: both halves of an interleave block from its raw words (its 8 d_h and 16 gu
@@ -186,21 +190,21 @@ __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, floa
 // Mode 4: the columns from `off` are an up half (the second 8 of their 16-column block).
 __device__ __forceinline__ bool up_half(int64_t off) { return off % (2 * kGatedInterleave) >= kGatedInterleave; }
 
-// The cast pass in modes 4 and 6: the two lanes of an interleave block (lane bit 0 = the up half;
+// The cast pass in mode 6: the two lanes of an interleave block (lane bit 0 = the up half;
 // cg = threadIdx.x % 8, and a block's halves are cg 2b, 2b + 1) split its elements: lane h loads
 // elements 4h .. 4h + 3 of d_h, g and u only, evaluates act(g) there and both columns' values,
 // keeps its own half's and hands the partner the other's (4 shuffles). With each lane loading all
 // 16 gu values and evaluating all 8 act(g), the pair evaluated every act(g) twice: mode 6's pass
 // took 0.845 ms against 0.824 now (SwiGLU, 16384 x 28672, each pass alone on an H100; GeGLU 0.859
-// against 0.831); mode 4's, bound by memory, 0.966 against 0.964 (SwiGLU) and 0.984 against 0.971 (GeGLU).
+// against 0.831). Mode 4 (bf16 gu) is bound by memory and keeps Raw8: split, its pass took 0.966
+// against 0.964 ms (SwiGLU) and 0.984 against 0.971 (GeGLU).
 template <typename T, int kMode>
 struct RawGatedHalf {
   static constexpr int kQuarter = kVec / 2;  // elements a lane reads of each of d_h, g and u
   static constexpr int kDWords = kQuarter * static_cast<int>(sizeof(T)) / 4;
-  static constexpr int kPreWords = pre_fp8<kMode>() ? 1 : kDWords;
   uint32_t d[kDWords];
-  uint32_t g[kPreWords];
-  uint32_t u[kPreWords];
+  uint32_t g[1];  // 4 e4m3 bytes
+  uint32_t u[1];
 };
 
 template <int kWords>
@@ -221,50 +225,31 @@ __device__ __forceinline__ void load_words(const void* src, bool valid, uint32_t
 template <typename T, int kMode>
 __device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, bool valid,
                                          RawGatedHalf<T, kMode>& r) {
-  static_assert(base_mode<kMode>() == 4, "the gated backward's cast");
+  static_assert(kMode == 6, "the gated backward's cast from gu's e4m3 copy");
   constexpr int kQ = RawGatedHalf<T, kMode>::kQuarter;
   const int64_t pre_off = off - off % (2 * kGatedInterleave);  // the block's first gate column
   const int h = up_half(off) ? 1 : 0;
   load_words(x + pre_off / 2 + kQ * h, valid, r.d);
-  if constexpr (pre_fp8<kMode>()) {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(pre) + pre_off + kQ * h;
-    load_words(b, valid, r.g);
-    load_words(b + kGatedInterleave, valid, r.u);
-  } else {
-    load_words(pre + pre_off + kQ * h, valid, r.g);
-    load_words(pre + pre_off + kGatedInterleave + kQ * h, valid, r.u);
-  }
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(pre) + pre_off + kQ * h;
+  load_words(b, valid, r.g);
+  load_words(b + kGatedInterleave, valid, r.u);
 }
 
-// The lane's 8 values (its half's columns) from its quarter and its partner's: the same products as
-// gated_grad_values, so the same bits. Every lane of the warp calls it (the shuffles).
+// The lane's 8 values (its half's columns) from its quarter and its partner's: gated_grad_values'
+// products and e4m3_pair's values, so the same bits. Every lane of the warp calls it (the shuffles).
 template <typename T, Activation A, int kMode>
 __device__ __forceinline__ void values_of(const RawGatedHalf<T, kMode>& r, bool up, float pre_scale_inv,
                                           float (&v)[kVec]) {
+  static_assert(kMode == 6, "the gated backward's cast from gu's e4m3 copy");
   constexpr bool kFast = sizeof(T) == 2;
   constexpr int kQ = RawGatedHalf<T, kMode>::kQuarter;
   float g[kQ], u[kQ];
-  if constexpr (pre_fp8<kMode>()) {
-    const auto* gb = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.g);
-    const auto* ub = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.u);
+  const auto* gb = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.g);
+  const auto* ub = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.u);
 #pragma unroll
-    for (int j = 0; j < kQ / 2; ++j) {
-      const float2 gq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(gb[j], __NV_E4M3)));  // exact
-      const float2 uq = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(ub[j], __NV_E4M3)));
-      float2 gv = make_float2(gq.x * pre_scale_inv, gq.y * pre_scale_inv);
-      float2 uv = make_float2(uq.x * pre_scale_inv, uq.y * pre_scale_inv);
-      if constexpr (sizeof(T) == 2) {
-        gv = Cvt<T>::to_float2(Cvt<T>::from_float2(gv.x, gv.y));
-        uv = Cvt<T>::to_float2(Cvt<T>::from_float2(uv.x, uv.y));
-      }
-      g[2 * j] = gv.x, g[2 * j + 1] = gv.y, u[2 * j] = uv.x, u[2 * j + 1] = uv.y;
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kQ; ++j) {
-      g[j] = Cvt<T>::to_float(reinterpret_cast<const T*>(r.g)[j]);
-      u[j] = Cvt<T>::to_float(reinterpret_cast<const T*>(r.u)[j]);
-    }
+  for (int j = 0; j < kQ / 2; ++j) {
+    const float2 gv = e4m3_pair<T>(gb[j], pre_scale_inv), uv = e4m3_pair<T>(ub[j], pre_scale_inv);
+    g[2 * j] = gv.x, g[2 * j + 1] = gv.y, u[2 * j] = uv.x, u[2 * j + 1] = uv.y;
   }
   const T* e = reinterpret_cast<const T*>(r.d);
 #pragma unroll
@@ -517,7 +502,7 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
   const int64_t r_end = min(r_begin + p.rows_per_block, p.data_t != nullptr ? p.ld_t : p.rows);
   float acc[kVec] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   unsigned m = 0;
-  using Raw = std::conditional_t<base_mode<kMode>() == 4, RawGatedHalf<T, kMode>, Raw8<T, kMode>>;
+  using Raw = std::conditional_t<kMode == 6, RawGatedHalf<T, kMode>, Raw8<T, kMode>>;
   Raw raw[kPasses];
   const bool up = up_half(col);
   const auto load_tile = [&](int64_t t) {
