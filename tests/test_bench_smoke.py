@@ -1334,3 +1334,32 @@ def test_model_targets_compare_fp8_step_memory_with_torchao():
         "llama-2048: fd_fp8_current_qkv_ck1_nowc_compile / torchao_compile step memory <= 1 (#39)":
             (3300 / 3359, True)}
     assert not [t for t, *_ in bench_model.targets(res(None)) if "step memory" in t]
+
+
+def test_quantize_passes_tool_times_every_case_and_compares_two_builds(tmp_path, capsys):
+    """tools/quantize_passes.py on the CPU reference kernels: every pass with the scale given and
+    with current scaling, one --jsonl line a run, --compare side by side with the later label's
+    ratio to the first."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import quantize_passes
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tools"))
+    out = tmp_path / "runs.jsonl"
+    small = ["--device", "cpu", "--rows", "32", "--d", "32", "--hidden", "48", "--rounds", "1", "--jsonl", str(out)]
+    assert quantize_passes.main(small + ["--label", "old"]) == 0
+    assert quantize_passes.main(small + ["--label", "new", "--cases", "bwd from e4m3"]) == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in runs] == ["old", "new"]
+    families = ("x", "plain gelu_approx", "gated swiglu")
+    kinds = ("fwd", "fwd + pre's e4m3 copy", "bwd", "bwd from e4m3 pre", "bwd from e4m3 pre, in place")
+    names = {"x"} | {f"{f} {k}" for f in families[1:] for k in kinds}
+    assert set(runs[0]["ms"]) == {f"{n}: {s}" for n in names for s in ("cast", "current")}
+    assert set(runs[1]["ms"]) == {f"{f} {k}: {s}" for f in families[1:] for k in kinds[3:] for s in ("cast", "current")}
+    assert all(len(v) == 1 and v[0] > 0 for r in runs for v in r["ms"].values())
+    capsys.readouterr()
+    lines = quantize_passes.compare(str(out))
+    assert "new/old" in lines[0]
+    row = next(line for line in lines if line.startswith("gated swiglu bwd from e4m3 pre, in place: current"))
+    assert len(row.split()[-3:]) == 3 and float(row.split()[-1]) > 0
+    assert next(line for line in lines if line.startswith("x: cast")).rstrip().endswith("-")
