@@ -182,7 +182,8 @@ def markdown(res, resources, commit, date):
     lines += ["", "Names: `pp` ping-pong, `co` cooperative; tile M × N (K 64 unless `_k128`); cluster M × N (TMA "
               "multicast across it); `sk` stream-K, else the persistent data-parallel scheduler; `_s3` a mainloop of "
               "3 stages, else as many as fit beside the epilogue's shared memory; `_e64` an epilogue sub-tile of 64 "
-              "columns, else CUTLASS's 32; then the scheduler's raster order (heuristic, M, N) / swizzle.", "",
+              "columns, else CUTLASS's 32; `_sn` the two consumer warp groups side by side along N (each "
+              "tile M × N/2), with the register-store epilogue; `_ns` that epilogue without the split; then the scheduler's raster order (heuristic, M, N) / swizzle.", "",
               "## The configurations", "",
               "Registers: ptxas's figure per kernel, the launch bound of a warp-specialized kernel (its warp groups "
               "then set their own with setmaxnreg); spills are what tells a configuration short of registers.", "",
@@ -195,6 +196,8 @@ def markdown(res, resources, commit, date):
         tile = " × ".join(str(x) for x in c["tile"])
         stages = c.get("stages", "–")  # records before the stage count was written leave it out
         epi = " × ".join(str(x) for x in c["epilogue_tile"]) if "epilogue_tile" in c else "–"
+        if epi == "0 × 0":  # the register-store epilogue: no shared-memory sub-tile
+            epi = "none (register stores)"
         lines.append(f"| {c['name']} | {c['schedule']} | {c['scheduler']} | {tile} | {stages} | {epi} | "
                      f"{c['smem_bytes'] / 1024:.1f} | {regs} | {spills} |")
     mat = screening_matrix(res)

@@ -10,9 +10,11 @@ dir=${1:?usage: bash bench/native/build_mainloop.sh BUILD_DIR [NVCC_ARG...]}
 shift
 source tools/cutlass_path.sh
 mkdir -p "$dir"
-# name tile_m tile_n tile_k cluster_m cluster_n cooperative stream_k stages epi_n
+# name tile_m tile_n tile_k cluster_m cluster_n cooperative stream_k stages epi_n [epilogue]
 # (stages 0: as many as fit beside the epilogue's shared memory; epi_n: the epilogue sub-tile's
-# columns). The first 14 are the library's kind of configuration; the rest search the axes
+# columns; epilogue, optional: tma (the default), nosmem (stores from registers) or split_n (the
+# warp groups side by side along N, with the nosmem epilogue: mainloop_config.cu). MAINLOOP_CONFIGS,
+# when set, replaces the list (the same columns), to build a subset. The first 14 are the library's kind of configuration; the rest search the axes
 # #40 names: N tiles that are no power of two (160, 224), 2 x 2 clusters, fewer stages, a wider
 # epilogue sub-tile, and a 128-deep K tile.
 CONFIGS="
@@ -41,23 +43,36 @@ co_128x256_c2x1_s3 128 256 64 2 1 1 0 3 32
 co_128x256_c2x1_e64 128 256 64 2 1 1 0 0 64
 co_256x128_c2x1_e64 256 128 64 2 1 1 0 0 64
 pp_128x128_c2x1_k128 128 128 128 2 1 0 0 0 32
+co_192x192_c2x1_sn 192 192 64 2 1 1 0 4 32 split_n
+co_192x192_c1x2_sn 192 192 64 1 2 1 0 4 32 split_n
+co_192x192_c2x1_sn_s3 192 192 64 2 1 1 0 3 32 split_n
+co_192x192_c1x2_sn_s3 192 192 64 1 2 1 0 3 32 split_n
+co_256x128_c2x1_ns 256 128 64 2 1 1 0 0 32 nosmem
 "
+CONFIGS=${MAINLOOP_CONFIGS:-$CONFIGS}
 common=(-std=c++17 -O3 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a
         -I"$CUTLASS_PATH/include" -I"$CUTLASS_PATH/tools/util/include" -Ibench/native -I"$dir" "$@")
 : >"$dir/configs.inc"
 : >"$dir/jobs.txt"
 i=0
-while read -r name tm tn tk cm cn coop sk st en; do
+while read -r name tm tn tk cm cn coop sk st en epi; do
   [ -n "$name" ] || continue
-  [ -n "$en" ] || { echo "CONFIGS line '$name': 10 columns expected" >&2; exit 2; }
+  [ -n "$en" ] || { echo "CONFIGS line '$name': 10 or 11 columns expected" >&2; exit 2; }
+  case "${epi:-tma}" in
+    tma) split=0 nosmem=0 ;;
+    nosmem) split=0 nosmem=1 ;;
+    split_n) split=1 nosmem=1 ;;
+    *) echo "CONFIGS line '$name': epilogue must be tma, nosmem or split_n, got '$epi'" >&2; exit 2 ;;
+  esac
   echo "ML_CONFIG($i)" >>"$dir/configs.inc"
-  echo "$i $name $tm $tn $tk $cm $cn $coop $sk $st $en" >>"$dir/jobs.txt"
+  echo "$i $name $tm $tn $tk $cm $cn $coop $sk $st $en $split $nosmem" >>"$dir/jobs.txt"
   i=$((i + 1))
 done <<<"$CONFIGS"
 compile_one() {
-  read -r i name tm tn tk cm cn coop sk st en <<<"$1"
+  read -r i name tm tn tk cm cn coop sk st en split nosmem <<<"$1"
   nvcc "${common[@]}" -Xptxas -v -DMAINLOOP_CONFIG=$i -DCONFIG_NAME=$name -DTILE_M=$tm -DTILE_N=$tn -DTILE_K=$tk \
     -DCLUSTER_M=$cm -DCLUSTER_N=$cn -DCOOPERATIVE=$coop -DSTREAM_K=$sk -DSTAGES=$st -DEPI_N=$en \
+    -DSPLIT_N=$split -DEPI_NOSMEM=$nosmem \
     -c bench/native/mainloop_config.cu \
     -o "$dir/config_$i.o" >"$dir/ptxas_$i.log" 2>&1 || { cat "$dir/ptxas_$i.log" >&2; return 1; }
   echo "built $name"
