@@ -432,7 +432,10 @@ def test_mainloop_record_shows_stages_and_energy():
            "sustain_s": 10, "energy_s": 0.5,
            "configs": [{"name": "co_128x256_c2x1_s3", "tile": [128, 256, 64], "cluster": [2, 1],
                         "schedule": "cooperative", "scheduler": "persistent", "smem_bytes": 160 * 1024, "stages": 3,
-                        "epilogue_tile": [128, 32]}],
+                        "epilogue_tile": [128, 32]},
+                       {"name": "co_192x192_c2x1_sn", "tile": [192, 192, 64], "cluster": [2, 1],
+                        "schedule": "cooperative", "scheduler": "persistent", "smem_bytes": 192 * 1024, "stages": 4,
+                        "epilogue_tile": [0, 0]}],
            "problems": [{"role": "gated_fc1", "m": 8192, "n": 22016, "k": 4096,
                          "screen": [{"name": "cublaslt#0", "ms": 2.0},
                                     {"name": "co_128x256_c2x1_s3 M/2", "config": 0, "ms": 2.1, "ok": True,
@@ -443,6 +446,9 @@ def test_mainloop_record_shows_stages_and_energy():
     md = mainloop.markdown(res, {"co_128x256_c2x1_s3": [{"registers": 168, "spill_stores": 0, "spill_loads": 0}]},
                            "abc1234", "2026-12-05")
     assert "| co_128x256_c2x1_s3 | cooperative | persistent | 128 × 256 × 64 | 3 | 128 × 32 | 160.0 | 168 |" in md
+    # the register-store epilogue (split-N, nosmem) has no sub-tile: said so, not "0 × 0"
+    assert "| co_192x192_c2x1_sn | cooperative | persistent | 192 × 192 × 64 | 4 | none (register stores) | 192.0 | – |" \
+        in md
     assert "## Energy and clock cycles under the power cap (0.5 s" in md
     # ours: 1.1x the energy, 2.1 ms at 1600 MHz = 3.36 Mcycles against 2.0 ms at 1700 = 3.4
     assert "| gated_fc1 | 8192 × 22016 × 4096 | co_128x256_c2x1_s3 M/2 | 2.1000 | 1320.00 | 629 | 1600 | 3.360 | " \
