@@ -1,7 +1,7 @@
 // The mainloop search of the library's GEMM roles (bench/native/README.md): every configuration
 // build_mainloop.sh compiled, with each tile-scheduler order, timed against cuBLASLt's GEMM at the
 // same shape and output, all in one run.
-//   mainloop_search [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] [--quick]
+//   mainloop_search [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] [--quick | --problems I,J,...]
 //   mainloop_search --profile P NAME[/ORDER] ...   (for ncu: shape P of the list, cuBLASLt's first
 //                   algorithm and each named configuration (ORDER: heuristic, M or N / swizzle;
 //                   default heuristic/1) launched 3 times each, checked, nothing timed or written)
@@ -356,6 +356,7 @@ int main(int argc, char** argv) {
   int rounds = 7;
   double sustain_s = 20, energy_s = 0.5;
   bool quick = false;
+  std::vector<int> only;  // --problems: indices into the list, in its order
   int profile = -1;
   std::vector<std::string> profile_names;
   for (int i = 1; i < argc; ++i) {
@@ -367,8 +368,20 @@ int main(int argc, char** argv) {
     else if (a == "--sustain-s" && i + 1 < argc) sustain_s = std::atof(argv[++i]);
     else if (a == "--energy-s" && i + 1 < argc) energy_s = std::atof(argv[++i]);
     else if (a == "--quick") quick = true;
-    else {
-      std::fprintf(stderr, "usage: %s [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] [--quick]\n",
+    else if (a == "--problems" && i + 1 < argc) {
+      for (const char* p = argv[++i]; *p != '\0';) {
+        char* end = nullptr;
+        only.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+        if (end == p) {
+          std::fprintf(stderr, "--problems: comma-separated indices expected, got '%s'\n", argv[i]);
+          return 2;
+        }
+        p = *end == ',' ? end + 1 : end;
+      }
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s [--out FILE.json] [--rounds R] [--sustain-s S] [--energy-s E] "
+                   "[--quick | --problems I,J,...]\n",
                    argv[0]);
       return 2;
     }
@@ -379,7 +392,18 @@ int main(int argc, char** argv) {
   int driver = 0, runtime = 0;
   CK(cudaDriverGetVersion(&driver));
   CK(cudaRuntimeGetVersion(&runtime));
-  const std::vector<Problem> probs = problems(quick);
+  std::vector<Problem> probs = problems(quick);
+  if (!only.empty()) {
+    const std::vector<Problem> all = probs;
+    probs.clear();
+    for (int i : only) {
+      if (i < 0 || i >= static_cast<int>(all.size())) {
+        std::fprintf(stderr, "--problems: index %d outside [0, %zu)\n", i, all.size());
+        return 2;
+      }
+      probs.push_back(all[i]);
+    }
+  }
   hs.setup(probs);
   Buffers& buf = hs.buf;
   cudaDeviceProp prop{};
