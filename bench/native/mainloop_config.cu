@@ -55,7 +55,8 @@ using EpilogueSchedule = cute::conditional_t<
 using Scheduler = cute::conditional_t<STREAM_K, cutlass::gemm::StreamKScheduler, void>;
 // The epilogue sub-tile: CUTLASS's automatic one spelled out (EpilogueTileAuto's deduction does not
 // compile in gcc's host pass for the cooperative schedules), 128 (cooperative; 64 for 64-row
-// tiles) or 64 rows (ping-pong) by EPI_N columns (CUTLASS's choice: 32).
+// tiles) or 64 rows (ping-pong) by EPI_N columns (CUTLASS's choice: 32). The register-store
+// epilogue has no sub-tile (EpilogueTileAuto, which it ignores).
 using EpilogueTile = cute::conditional_t<
     EPI_NOSMEM, cutlass::epilogue::collective::EpilogueTileAuto,
     cute::Shape<cute::Int<(COOPERATIVE && TILE_M >= 128) ? 128 : 64>, cute::Int<EPI_N>>>;
