@@ -152,6 +152,15 @@ def energy_lines(res):
     return lines
 
 
+def split_n_legend(res):
+    """The names' legend for the split-N configurations and their control, where the run has them."""
+    names = [c["name"] for c in res["configs"]]
+    if not any(n.endswith(("_sn", "_ns")) or "_sn_" in n for n in names):
+        return ""
+    return ("`_sn` the two consumer warp groups side by side along N (each tile M × N/2), with the "
+            "register-store epilogue; `_ns` that epilogue without the split; ")
+
+
 def markdown(res, resources, commit, date):
     """The record's markdown from the harness's JSON (a record's own JSON holds its commit and resources)."""
     rows = ratio_rows(res)
@@ -182,8 +191,8 @@ def markdown(res, resources, commit, date):
     lines += ["", "Names: `pp` ping-pong, `co` cooperative; tile M × N (K 64 unless `_k128`); cluster M × N (TMA "
               "multicast across it); `sk` stream-K, else the persistent data-parallel scheduler; `_s3` a mainloop of "
               "3 stages, else as many as fit beside the epilogue's shared memory; `_e64` an epilogue sub-tile of 64 "
-              "columns, else CUTLASS's 32; `_sn` the two consumer warp groups side by side along N (each "
-              "tile M × N/2), with the register-store epilogue; `_ns` that epilogue without the split; then the scheduler's raster order (heuristic, M, N) / swizzle.", "",
+              "columns, else CUTLASS's 32; " + split_n_legend(res)
+              + "then the scheduler's raster order (heuristic, M, N) / swizzle.", "",
               "## The configurations", "",
               "Registers: ptxas's figure per kernel, the launch bound of a warp-specialized kernel (its warp groups "
               "then set their own with setmaxnreg); spills are what tells a configuration short of registers.", "",

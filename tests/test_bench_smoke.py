@@ -446,6 +446,8 @@ def test_mainloop_record_shows_stages_and_energy():
     md = mainloop.markdown(res, {"co_128x256_c2x1_s3": [{"registers": 168, "spill_stores": 0, "spill_loads": 0}]},
                            "abc1234", "2026-12-05")
     assert "| co_128x256_c2x1_s3 | cooperative | persistent | 128 × 256 × 64 | 3 | 128 × 32 | 160.0 | 168 |" in md
+    # the split-N names are explained where the run has them (the run of record has none)
+    assert "`_sn` the two consumer warp groups side by side along N" in md
     # the register-store epilogue (split-N, nosmem) has no sub-tile: said so, not "0 × 0"
     assert "| co_192x192_c2x1_sn | cooperative | persistent | 192 × 192 × 64 | 4 | none (register stores) | 192.0 | – |" \
         in md
