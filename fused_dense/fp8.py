@@ -91,9 +91,9 @@ class Float8Recipe:
             from the pre-activation. Off by default (docs/contract.md, "Checkpoint levels").
         save_weight_fp8: keep each weight's transposed FP8 copy (its data gradient's operand) from
             the forward to the backward (True), or hold none and quantize the weight again in
-            backward (False: the same bytes; one byte a weight element less through the step, for
-            one more amax and cast pass over each weight in backward). Copies kept for later
-            micro-batches (``is_first_microbatch``) are whole either way. Under both, a weight
+            backward at the forward's scale (False: the same bytes; one byte a weight element less
+            through the step, for one more cast pass over each weight in backward). Copies kept for
+            later micro-batches (``is_first_microbatch``) are whole either way. Under both, a weight
             changed in place between the forward and a backward that reads it is autograd's error,
             as with nn.Linear.
     """
@@ -212,11 +212,12 @@ def prepare_layer(module: torch.nn.Module) -> None:
 
 
 def quantize_weight(weight: Tensor, transposed: bool = True) -> List[Tensor]:
-    """The FP8 copies of a weight [N, K] (e4m3, scaled from its amax): [data, data_t, scale_inv];
-    data_t empty where not ``transposed`` (the FP8 ops then quantize the weight again in backward)."""
-    data, data_t, _, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(
+    """The FP8 copies of a weight [N, K] (e4m3, scaled from its amax): [data, data_t, scale_inv,
+    scale]; data_t empty where not ``transposed`` (the FP8 ops then cast the weight again in
+    backward, at ``scale``: the same bytes, with no second amax pass)."""
+    data, data_t, scale, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(
         weight.detach().contiguous(), None, 0, False, 0, None, True, transposed, False)
-    return [data, data_t, scale_inv]
+    return [data, data_t, scale_inv, scale]
 
 
 class Fp8State:

@@ -151,16 +151,18 @@ def poison_cuda_cache(device=None, large_bytes=256 << 20, small_blocks=32):
 
 
 class OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """The fused_dense ops a region calls, by name (the C++ autograd calls them through the
-    dispatcher, so a dispatch mode sees each call)."""
+    """The fused_dense ops a region calls, by name, and their positional arguments (the C++
+    autograd calls them through the dispatcher, so a dispatch mode sees each call)."""
 
     def __init__(self):
         super().__init__()
         self.names = []
+        self.args = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fused_dense":
             self.names.append(func.__name__.split(".")[0])
+            self.args.append(args)
         return func(*args, **(kwargs or {}))
 
 

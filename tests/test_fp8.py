@@ -1102,9 +1102,9 @@ LAYER_LEVELS = [("dense", 0), ("mlp", 0), ("mlp", 1), ("mlp", 2), ("gated", 0), 
 @pytest.mark.parametrize("layer,lvl", LAYER_LEVELS)
 def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, save_weight, monkeypatch):
     """Between the forward and the backward the step holds, of the per-step FP8 weight copies
-    [data, data_t, scale_inv], the transposed copies (the data gradients' operands; none with
-    save_weight_fp8=False, where backward quantizes the weights again) and the scales; the
-    row-major copy only of weight1 at level 2, whose backward re-runs fc1. Outputs and gradients
+    [data, data_t, scale_inv, scale], the transposed copies (the data gradients' operands) and
+    scale_inv, or with save_weight_fp8=False scale_inv and the scale backward casts the weights
+    at again; the row-major copy only of weight1 at level 2, whose backward re-runs fc1. Outputs and gradients
     equal, bit for bit, those of a forward whose whole copies outlive it (the layer keeps them:
     is_first_microbatch=True)."""
     made = []
@@ -1139,15 +1139,49 @@ def test_backward_keeps_only_the_weight_copies_it_reads(device, layer, lvl, save
     monkeypatch.setattr(fused_dense.fp8, "quantize_weight", recording)
     held, got = step()
     # per weight quantized (the MLPs: weight1, for the gated one the packed gate / up, then weight2)
-    expected = [[False, save_weight, True]]
+    expected = [[False, save_weight, True, not save_weight]]
     if layer != "dense":
-        expected = [[lvl == 2, save_weight, True], [False, save_weight, True]]
-    assert held == expected, f"copies held after the forward (data, data_t, scale_inv per weight): {held}"
+        expected = [[lvl == 2, save_weight, True, not save_weight], [False, save_weight, True, not save_weight]]
+    assert held == expected, f"copies held after the forward (data, data_t, scale_inv, scale per weight): {held}"
     made.clear()
     held, want = step(is_first_microbatch=True)
     assert all(h[1] for h in held), "copies kept for later micro-batches are whole"
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layer,lvl", LAYER_LEVELS)
+def test_weights_cast_again_at_the_forward_scale(device, layer, lvl, monkeypatch):
+    """With save_weight_fp8=False backward casts each weight whose data gradient runs once, at the
+    scale its forward copies were made with (fp8_quantize given that scale: no amax pass over the
+    weight), transposed only; the bytes are the forward's (test above)."""
+    from conftest import OpLog
+    made = []
+    quantize = fused_dense.fp8.quantize_weight
+
+    def recording(weight, transposed=True):
+        copies = quantize(weight, transposed)
+        made.append((weight, copies))
+        return copies
+
+    monkeypatch.setattr(fused_dense.fp8, "quantize_weight", recording)
+    torch.manual_seed(lvl)
+    kw = dict(device=device, dtype=torch.bfloat16, fp8=Float8Recipe(min_features=0, save_weight_fp8=False))
+    m = (FusedDense(64, 48, **kw) if layer == "dense" else FusedMLP(64, 128, checkpoint_lvl=lvl, **kw)
+         if layer == "mlp" else FusedGatedMLP(64, 96, activation="swiglu", checkpoint_lvl=lvl, **kw))
+    x = randn(40, 64, device=device).requires_grad_(True)
+    out = m(x)
+    with OpLog() as log:
+        out.backward(torch.randn_like(out))
+    assert len(made) == (1 if layer == "dense" else 2)
+    for weight, (_, data_t, _, scale) in made:
+        assert data_t.numel() == 0
+        casts = [a for n, a in zip(log.names, log.args) if n == "fp8_quantize" and a[0].shape == weight.shape]
+        assert len(casts) == 1, f"{len(casts)} casts of a {tuple(weight.shape)} weight in backward"
+        (_, _, _, _, fmt, given, rowwise, columnwise, _) = casts[0][:9]
+        assert given is not None and torch.equal(given, scale), "backward cast the weight at a scale of its own"
+        assert (fmt, rowwise, columnwise) == (0, False, True)
 
 
 @pytest.mark.parametrize("device", devices())

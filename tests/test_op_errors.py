@@ -200,12 +200,12 @@ def test_cuda_mixed_devices_rejected():
 
 
 def _fp8_copies(*weights):
-    """weights_fp8 for the FP8 ops: [data, data_t, scale_inv] of each weight, by fp8_quantize."""
+    """weights_fp8 for the FP8 ops: [data, data_t, scale_inv, scale] of each weight, by fp8_quantize."""
     out = []
     for w in weights:
-        data, data_t, _, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(w, None, 0, False, 0, None, True, True,
-                                                                              False)
-        out += [data, data_t, scale_inv]
+        data, data_t, scale, scale_inv, _, _ = torch.ops.fused_dense.fp8_quantize(w, None, 0, False, 0, None, True,
+                                                                                  True, False)
+        out += [data, data_t, scale_inv, scale]
     return out
 
 
@@ -272,14 +272,14 @@ def test_cpu_fp8_width_error_names_the_users_argument(case):
 
 @pytest.mark.parametrize("op", ["dense", "mlp"])
 def test_cpu_fp8_weight_copy_of_another_shape_is_named(op):
-    """A weight's transposed FP8 copy (weights_fp8[3 i + 1]) must be [in, out] of that weight, or
+    """A weight's transposed FP8 copy (weights_fp8[4 i + 1]) must be [in, out] of that weight, or
     empty (backward quantizes the weight again); anything else names the slot, the expected and
     the actual shape."""
     x, w1, w2 = tensor(4, 32), tensor(64, 32), tensor(32, 64)
     copies = _fp8_copies(w1, w2)
     copies[1] = copies[1][:, :48].contiguous()
     if op == "dense":
-        call = lambda: torch.ops.fused_dense.fp8_dense(x, w1, None, copies[:3], 1, None, None, [])  # noqa: E731
+        call = lambda: torch.ops.fused_dense.fp8_dense(x, w1, None, copies[:4], 1, None, None, [])  # noqa: E731
     else:
         call = lambda: torch.ops.fused_dense.fused_mlp_fp8(x, w1, None, w2, None, 1, 0, copies, 1, None, None,  # noqa: E731
                                                            [])
@@ -287,3 +287,30 @@ def test_cpu_fp8_weight_copy_of_another_shape_is_named(op):
         call()
     msg = str(info.value)
     assert "weights_fp8[1] must be weight1's transposed FP8 copy [32, 64] or empty" in msg and "got [32, 48]" in msg, msg
+
+
+@pytest.mark.parametrize("op", ["dense", "mlp"])
+@pytest.mark.parametrize("mistake", ["count", "scale"])
+def test_cpu_fp8_weight_copies_miscounted_or_scale_of_another_type_are_named(op, mistake):
+    """weights_fp8 holds 4 tensors a weight (data, data_t, scale_inv, scale): a list of another
+    length (here 3 a weight, without the scale) names the count expected and got; a scale that is
+    not a float32 scalar names its slot."""
+    x, w1, w2 = tensor(4, 32), tensor(64, 32), tensor(32, 64)
+    copies = _fp8_copies(w1) if op == "dense" else _fp8_copies(w1, w2)
+    if mistake == "count":
+        copies = [t for i, t in enumerate(copies) if i % 4 != 3]
+    else:
+        copies[3] = copies[3].double()
+    if op == "dense":
+        call = lambda: torch.ops.fused_dense.fp8_dense(x, w1, None, copies, 1, None, None, [])  # noqa: E731
+    else:
+        call = lambda: torch.ops.fused_dense.fused_mlp_fp8(x, w1, None, w2, None, 1, 0, copies, 1, None, None,  # noqa: E731
+                                                           [])
+    with pytest.raises(ValueError) as info:
+        call()
+    msg = str(info.value)
+    if mistake == "count":
+        want = "must hold 4 tensors" if op == "dense" else "must hold 8 tensors"
+        assert want in msg and f"got {len(copies)}" in msg, msg
+    else:
+        assert "weights_fp8[3] must be weight1's float32 scale, got Double" in msg, msg

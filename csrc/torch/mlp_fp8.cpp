@@ -57,8 +57,9 @@ void check_mlp_fp8(const at::Tensor& x, const at::Tensor& weight1, const at::Ten
   fp8_format_of(grad_format, kMlpOp, "grad_format");
   check_vector(scales, 4, x, kMlpOp, "scales");
   check_vector(amax_out, 4, x, kMlpOp, "amax_out");
-  TORCH_CHECK_VALUE(weights_fp8.size() == 6, kMlpOp, ": weights_fp8 must hold 6 tensors (data, data_t, scale_inv of "
-                    "weight1, then of weight2), got ", weights_fp8.size());
+  TORCH_CHECK_VALUE(weights_fp8.size() == 2 * kFp8WeightTensors, kMlpOp, ": weights_fp8 must hold ",
+                    2 * kFp8WeightTensors, " tensors (data, data_t, scale_inv, scale of weight1, then of weight2), got ",
+                    weights_fp8.size());
 }
 
 void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad_format, const Opt& scales,
@@ -71,8 +72,8 @@ void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad
   fp8_format_of(grad_format, kDenseOp, "grad_format");
   check_vector(scales, 2, x, kDenseOp, "scales");
   check_vector(amax_out, 2, x, kDenseOp, "amax_out");
-  TORCH_CHECK_VALUE(weights_fp8.size() == 3, kDenseOp,
-                    ": weights_fp8 must hold 3 tensors (the weight's data, data_t, scale_inv), got ", weights_fp8.size());
+  TORCH_CHECK_VALUE(weights_fp8.size() == kFp8WeightTensors, kDenseOp, ": weights_fp8 must hold ", kFp8WeightTensors,
+                    " tensors (the weight's data, data_t, scale_inv, scale), got ", weights_fp8.size());
 }
 
 void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op) {
@@ -97,19 +98,23 @@ void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op) {
 }
 
 Fp8Weight fp8_weight_at(at::TensorList w, size_t i, const at::Tensor& weight, const char* op) {
-  const at::Tensor& d = w[3 * i];
-  const at::Tensor& t = w[3 * i + 1];
-  const at::Tensor& s = w[3 * i + 2];
-  TORCH_CHECK_VALUE(d.sizes() == weight.sizes(), op, ": weights_fp8[", 3 * i, "] must be weight", i + 1,
+  const size_t base = kFp8WeightTensors * i;
+  const at::Tensor& d = w[base];
+  const at::Tensor& t = w[base + 1];
+  TORCH_CHECK_VALUE(d.sizes() == weight.sizes(), op, ": weights_fp8[", base, "] must be weight", i + 1,
                     "'s FP8 copy of shape ", weight.sizes(), ", got ", d.sizes());
-  TORCH_CHECK_VALUE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": weights_fp8[", 3 * i + 2,
-                    "] must be weight", i + 1, "'s float32 scale_inv, got ", s.scalar_type(), " of shape ", s.sizes());
+  for (size_t k = 2; k < kFp8WeightTensors; ++k) {
+    const at::Tensor& s = w[base + k];
+    TORCH_CHECK_VALUE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": weights_fp8[", base + k, "] must be weight",
+                      i + 1, "'s float32 ", k == 2 ? "scale_inv" : "scale", ", got ", s.scalar_type(), " of shape ",
+                      s.sizes());
+  }
   TORCH_CHECK_VALUE(d.scalar_type() == at::kFloat8_e4m3fn && t.scalar_type() == at::kFloat8_e4m3fn, op,
                     ": weights_fp8 must hold float8_e4m3fn weights, got ", d.scalar_type(), " and ", t.scalar_type());
   TORCH_CHECK_VALUE(t.numel() == 0 || (t.dim() == 2 && t.size(0) == weight.size(1) && t.size(1) == weight.size(0)), op,
-                    ": weights_fp8[", 3 * i + 1, "] must be weight", i + 1, "'s transposed FP8 copy [", weight.size(1),
+                    ": weights_fp8[", base + 1, "] must be weight", i + 1, "'s transposed FP8 copy [", weight.size(1),
                     ", ", weight.size(0), "] or empty (made again in backward), got ", t.sizes());
-  return Fp8Weight{d, t, s};
+  return Fp8Weight{d, t, w[base + 2], w[base + 3]};
 }
 
 }  // namespace fused_dense
@@ -117,8 +122,9 @@ Fp8Weight fp8_weight_at(at::TensorList w, size_t i, const at::Tensor& weight, co
 TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   // FP8 fc2(act(fc1(x))) with a C++ derivative; activation 1 to 5 (4, 5: gated, weight1 the packed
   // gate / up weight); checkpoint_lvl 0 / 1 / 2;
-  // weights_fp8: [data, data_t, scale_inv] of weight1, then of weight2 (fp8_quantize, e4m3, each
-  // scaled from its own amax); a data_t empty: backward quantizes that weight again for it;
+  // weights_fp8: [data, data_t, scale_inv, scale] of weight1, then of weight2 (fp8_quantize, e4m3,
+  // each scaled from its own amax); a data_t empty: backward quantizes that weight again for it at
+  // that scale;
   // grad_format: 0 e4m3, 1 e5m2; scales: delayed scaling's [x, act, grad_out, d_pre] or None
   // (current scaling); amax_out: [4] written with those tensors' amaxes (grad_out, d_pre: in backward);
   // x_fp8: x quantized before the op (mlp_fp8.h, check_x_fp8), used in place of quantizing x; with
@@ -128,7 +134,7 @@ TORCH_LIBRARY_FRAGMENT(fused_dense, m) {
   m.def("fused_mlp_fp8(Tensor x, Tensor weight1, Tensor? bias1, Tensor weight2, Tensor? bias2, int activation, "
         "int checkpoint_lvl, Tensor[] weights_fp8, int grad_format, Tensor? scales, Tensor(a!)? amax_out, "
         "Tensor[] x_fp8, bool save_pre_fp8=False) -> Tensor");
-  // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv] as
+  // FP8 x @ weight.T + bias with a C++ derivative; weights_fp8 [data, data_t, scale_inv, scale] as
   // fused_mlp_fp8's;
   // scales / amax_out: [x, grad_out]; x_fp8 as fused_mlp_fp8's.
   m.def("fp8_dense(Tensor x, Tensor weight, Tensor? bias, Tensor[] weights_fp8, int grad_format, Tensor? scales, "

@@ -10,7 +10,7 @@ namespace fused_dense {
 
 // fused_mlp_fp8's arguments: the shapes of x [B, K], weight1 [h, K] (gated: the packed [2h, K])
 // and weight2 [N, h], the widths K and h positive multiples of 16 and N a multiple of 16 (the FP8
-// GEMMs'), the codes, the scaling vectors and the count of weights_fp8.
+// GEMMs'), the codes, the scaling vectors and the count of weights_fp8 (kFp8WeightTensors a weight).
 void check_mlp_fp8(const at::Tensor& x, const at::Tensor& weight1, const at::Tensor& weight2, int64_t activation,
                    int64_t grad_format, const std::optional<at::Tensor>& scales,
                    const std::optional<at::Tensor>& amax_out, at::TensorList weights_fp8);
@@ -27,9 +27,12 @@ void check_fp8_dense(const at::Tensor& x, const at::Tensor& weight, int64_t grad
 // (scales[0]); amax_out's x entry receives their amax. Checked against x.
 void check_x_fp8(const at::Tensor& x, at::TensorList x_fp8, const char* op);
 
-// A weight's FP8 copies, made by fp8_quantize(weight, rowwise and columnwise).
+// A weight's FP8 copies, made by fp8_quantize(weight, rowwise and columnwise; e4m3, scaled from
+// its own amax): the data, its transposed copy (or empty: made again in backward, at `scale`, so
+// with the same bytes and no second amax pass), the scale's reciprocal and the scale.
+inline constexpr size_t kFp8WeightTensors = 4;
 struct Fp8Weight {
-  at::Tensor data, data_t, scale_inv;
+  at::Tensor data, data_t, scale_inv, scale;
 };
 
 // The FP8 copies of the i-th weight (weight1, weight2) in weights_fp8, checked against it.

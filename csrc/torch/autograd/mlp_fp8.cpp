@@ -22,7 +22,8 @@
 // weight-gradient GEMMs). The weights' FP8 copies (data, data^T, scale_inv) come in as arguments:
 // the caller makes them once per optimizer step and may reuse them across micro-batches. Handed
 // without data^T (empty; Recipe save_weight_fp8=False), the step holds no weight copy from the
-// forward to the backward, which quantizes the weight again for its data gradient (weight_t).
+// forward to the backward, which quantizes the weight again for its data gradient at the scale the
+// copies were made with (weight_t: one cast pass, the same bytes as the transposed copy).
 // The forward GEMMs use Hopper's fast FP8 accumulation, the gradient GEMMs the precise one.
 // Level 1 rebuilds aq^T from pre, level 2 re-runs fc1 from xq: both with the forward's scales,
 // so the rebuilt tensors are the forward's bits and no amax is recorded again.
@@ -89,21 +90,31 @@ bool x_t_from_rows(at::TensorList x_fp8, bool weight_grad) {
 
 // The copies of an FP8 weight a Function keeps for backward: the row-major one only where backward
 // re-runs the forward GEMM (`rows`: level 2's fc1), the transposed one where a data gradient reads
-// it (`cols`), the scale always; the others are left undefined. The copies are the caller's per-step
+// it (`cols`; handed empty, the scale weight_t casts at instead), scale_inv always; the others are
+// left undefined. The copies are the caller's per-step
 // tensors, so a copy kept here is one the step holds from the forward to the backward: keeping the
 // row-major copies as well held twice the FP8 weight bytes backward reads through every eager step
 // (60 MiB more a decoder layer at llama-2048). Under torch.compile only what backward reads is saved.
 c10::List<at::Tensor> kept_weight(const Fp8Weight& w, bool rows, bool cols) {
-  return c10::List<at::Tensor>({rows ? w.data : at::Tensor(), cols ? w.data_t : at::Tensor(), w.scale_inv});
+  const bool cast_again = cols && w.data_t.sym_numel() == 0;
+  return c10::List<at::Tensor>(
+      {rows ? w.data : at::Tensor(), cols ? w.data_t : at::Tensor(), w.scale_inv, cast_again ? w.scale : at::Tensor()});
+}
+
+// A weight's kept copies (kept_weight's list) as the Fp8Weight backward reads.
+Fp8Weight kept_weight_of(const c10::List<at::Tensor>& l) {
+  return Fp8Weight{l.get(0), l.get(1), l.get(2), l.get(3)};
 }
 
 // The weight's transposed copy for a data gradient: the one the caller handed, or, where it handed
-// none (an empty data_t: Recipe save_weight_fp8=False), the saved weight quantized as it was for
-// the forward (its own amax, e4m3; weights_fp8's contract), so the same scale and bytes.
+// none (an empty data_t: Recipe save_weight_fp8=False), the saved weight cast at the scale its
+// copies were made with (its own amax's, e4m3; weights_fp8's contract): the same bytes, from one
+// pass over the weight where its amax would take a second.
 at::Tensor weight_t(const Fp8Weight& w, const at::Tensor& weight) {
   if (w.data_t.defined() && w.data_t.sym_numel() != 0) return w.data_t;
-  TORCH_INTERNAL_ASSERT(weight.defined(), "weight_t: no transposed copy and no saved weight to make it from");
-  return quantize(weight.contiguous(), std::nullopt, 0, false, kE4M3Code, std::nullopt, false, true, false).data_t;
+  TORCH_INTERNAL_ASSERT(weight.defined() && w.scale.defined(),
+                        "weight_t: no transposed copy and no saved weight and scale to make it from");
+  return quantize(weight.contiguous(), std::nullopt, 0, false, kE4M3Code, w.scale, false, true, false).data_t;
 }
 
 // The slot of a delayed-scaling scale, or none (current scaling).
@@ -351,7 +362,7 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     const Fp8MlpConfig c{cfg.get(0), cfg.get(1), cfg.get(2), cfg.get(3) != 0};
     const MlpPlan p = make_plan(c.activation, c.checkpoint_lvl, need, kMlpOp);
     const auto l1 = ctx->saved_data["w1"].toTensorList(), l2 = ctx->saved_data["w2"].toTensorList();
-    const Fp8Weight w1{l1.get(0), l1.get(1), l1.get(2)}, w2{l2.get(0), l2.get(1), l2.get(2)};
+    const Fp8Weight w1 = kept_weight_of(l1), w2 = kept_weight_of(l2);
     const auto [scales, amax_out] = saved_scaling(ctx);
     const auto weight_dtype = static_cast<at::ScalarType>(ctx->saved_data["weight_dtype"].toInt());
     Fp8MlpSaved s{v[1], v[2], v[3], v[4], v[8], v[5], v[6], v[7]};
@@ -363,10 +374,11 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
     Fp8MlpGrads r = mlp_backward(p, c, std::move(g), w1, opt(v[0]), w2, weight_dtype, std::move(s), scales, amax_out,
                                  may_free_saved());
     // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
-    // weight2, bias2, then activation, checkpoint_lvl, the 6 FP8 weight tensors, grad_format,
+    // weight2, bias2, then activation, checkpoint_lvl, the FP8 weight tensors (kFp8WeightTensors a
+    // weight), grad_format,
     // scales, amax_out, the x_fp8 tensors and save_pre_fp8, none of which has a gradient.
     variable_list grads{r.x, r.w1, r.b1, r.w2, r.b2};
-    grads.resize(5 + 2 + 6 + 3 + ctx->saved_data["x_fp8_count"].toInt() + 1);
+    grads.resize(5 + 2 + 2 * kFp8WeightTensors + 3 + ctx->saved_data["x_fp8_count"].toInt() + 1);
     return grads;
   }
 };
@@ -449,7 +461,7 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
     record_amax(amax_out, 1, gq.amax);
     at::Tensor gx, gw, gb;
     if (need_x) {
-      const Fp8Weight w{at::Tensor(), wl.get(1), wl.get(2)};
+      const Fp8Weight w = kept_weight_of(wl);
       gx = op_calls::fp8_linear(gq.data, weight_t(w, v[2]), gq.scale_inv, w.scale_inv, std::nullopt, g.scalar_type(),
                                 false, -2);
     }
@@ -458,10 +470,10 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
       gw = op_calls::fp8_linear(gq.data_t, x_t, gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
     }
     if (need_b) gb = gq.sums;
-    // x, weight, bias, then the 3 FP8 weight tensors, grad_format, scales, amax_out and the x_fp8
+    // x, weight, bias, then the FP8 weight tensors (kFp8WeightTensors), grad_format, scales, amax_out and the x_fp8
     // tensors (no gradients)
     variable_list grads{gx, gw, gb};
-    grads.resize(3 + 3 + 3 + ctx->saved_data["x_fp8_count"].toInt());
+    grads.resize(3 + kFp8WeightTensors + 3 + ctx->saved_data["x_fp8_count"].toInt());
     return grads;
   }
 };
