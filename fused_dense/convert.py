@@ -6,6 +6,11 @@ tests/test_convert.py):
 - gated MLPs of the Llama family (a module with ``gate_proj``, ``up_proj``, ``down_proj`` linear
   layers and an ``act_fn``: Llama, Mistral, Qwen2 with SiLU; Gemma with the tanh GELU) become
   :class:`~fused_dense.FusedGatedMLP` (the packed gate / up weight is a new parameter);
+- gated MLPs whose gate and up weights are one stacked linear layer (``gate_up_proj`` [gate; up],
+  ``down_proj`` and an ``activation_fn``: Phi-3, GLM, GLM-4) become a
+  :class:`ConvertedStackedGatedMLP`, a FusedGatedMLP that saves and loads the stacked
+  ``gate_up_proj.weight``; each is checked on a probe input to compute ``down(act(gate) * up)``
+  before it is replaced;
 - ``nn.Linear`` layers with a bias become :class:`~fused_dense.FusedDense` holding the same
   parameters (the bias add is fused into the GEMM's epilogue); bias-free ones only with
   ``bias_free_linears=True`` or in FP8 (in bf16 a bias-free linear runs the same cuBLASLt GEMM as
@@ -34,7 +39,8 @@ tests/test_convert.py):
 What it leaves alone, with the reason in the report: MLPs with the exact (erf) GELU (GPT-NeoX's
 default, BERT, Falcon: the fused ops have the tanh GELU, 2e-4 relative apart) or another
 activation, whose linear layers are converted one by one; gated MLPs with biases or another
-activation; MLPs with parts beyond these.
+activation, or (stacked) whose forward is not ``down(act(gate) * up)``; MLPs with parts beyond
+these.
 
 With ``linear_cross_entropy=True``, a Hugging Face causal LM of a supported family (Llama,
 Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, GPT-2: :mod:`fused_dense.causal_lm`) also
@@ -43,9 +49,10 @@ computes its training loss with the LM head fused into the cross-entropy
 reported as ``lm_head`` converted. Another model is reported as left alone there, with the reason.
 
 State-dict names stay the model's own (FusedDense is an ``nn.Linear``; FusedGatedMLP saves and
-loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedMLP its MLP's; ConvertedConv1D
-Conv1D's layout), so checkpoints load both ways. Convert before building the optimizer: the gated
-MLPs, the MLPs and the Conv1D layers hold new parameters.
+loads Llama's ``gate_proj`` / ``up_proj`` / ``down_proj``; ConvertedStackedGatedMLP the stacked
+``gate_up_proj``; ConvertedMLP its MLP's; ConvertedConv1D Conv1D's layout), so checkpoints load both
+ways. Convert before building the optimizer: the gated MLPs, the MLPs and the Conv1D layers hold
+new parameters.
 """
 import dataclasses
 from typing import Callable, List, Optional, Tuple, Union
@@ -55,12 +62,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fp8 as _fp8
+from . import ops
 from .causal_lm import causal_lm_family, use_fused_linear_cross_entropy
 from .modules import (QKV_NAMES, FusedDense, FusedGatedMLP, FusedMLP, fuse_qkv_projections, fused_gated_mlp_from,
-                      gated_activation_of, is_llama_mlp, qkv_fusion_problem)
+                      gate_activation, gated_activation_of, is_llama_mlp, qkv_fusion_problem)
 from .norm import FusedLayerNorm, FusedRMSNorm, fused_layer_norm_from, fused_rms_norm_from
 
-__all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "convert_model"]
+__all__ = ["ConversionReport", "ConvertedConv1D", "ConvertedMLP", "ConvertedStackedGatedMLP", "convert_model"]
 
 # The attribute pairs of plain two-linear MLPs of common models: (fc1, fc2).
 _PLAIN_MLP_NAMES = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("fc1", "fc2"), ("w1", "w2"))
@@ -238,6 +246,22 @@ def _linear_parts(layer: nn.Module) -> Tuple[torch.Tensor, Optional[torch.Tensor
     return layer.weight, layer.bias, False
 
 
+def _probe_error(module: nn.Module, fused: nn.Module, weight: torch.Tensor) -> Optional[float]:
+    """None when `fused` computes what `module` does on a probe input (4 rows of weight's input
+    width, its device and dtype; both in eval mode for the call, no dropout), else the relative
+    error: above what the dtype's rounding gives (float64 1e-9, float32 1e-4, 16-bit 3e-2)."""
+    was_training = module.training
+    module.eval(), fused.eval()
+    probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    probe = probe.to(device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        want, got = module(probe).double(), fused(probe).double()
+    module.train(was_training)
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(weight.dtype, 3e-2)
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return None if err <= tol else err
+
+
 def _converted_mlp_from(module: nn.Module, pair: Tuple[str, str], activation: str, checkpoint_lvl, heuristic,
                         fp8) -> Tuple[Optional[ConvertedMLP], str]:
     """A ConvertedMLP holding the MLP's weights, or (None, reason) when the MLP has parts it would
@@ -272,20 +296,95 @@ def _converted_mlp_from(module: nn.Module, pair: Tuple[str, str], activation: st
             _fp8.prepare_layer(fused)
             fused.train(module.training)
             return fused, ""
-        was_training = module.training
-        module.eval(), fused.eval()
-        probe = torch.randn(4, w1.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-        probe = probe.to(device=w1.device, dtype=w1.dtype)
-        want, got = module(probe).double(), fused(probe).double()
-        module.train(was_training)
-        tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(w1.dtype, 3e-2)
-        err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-        if not err <= tol:
+        err = _probe_error(module, fused, w1)
+        if err is not None:
             return None, f"its forward is not {pair[1]}(act({pair[0]}(x))) (probe relative error {err:.1e})"
     fused.fp8 = fp8
     _fp8.prepare_layer(fused)
     fused.train(module.training)
     return fused, ""
+
+
+# A gated MLP whose gate and up weights are one linear layer, stacked [gate; up] along its outputs:
+# these names (Phi-3's, GLM's and GLM-4's: ``gate, up = gate_up_proj(x).chunk(2, -1)``).
+_STACKED_GATE_UP, _STACKED_DOWN = "gate_up_proj", "down_proj"
+
+
+class ConvertedStackedGatedMLP(FusedGatedMLP):
+    """A FusedGatedMLP standing in for a gated MLP whose gate and up weights are one stacked linear
+    layer, ``gate_up_proj.weight`` = [gate; up] ([2h, in], gate's rows first) and ``down_proj``:
+    its state_dict saves and loads that stacked layout under that name (this module's own
+    parameter of the name holds them packed, as the fused GEMM reads them), so checkpoints load
+    both ways. Built by :func:`convert_model`."""
+
+    def _register_gated_state_dict_names(self) -> None:
+        self.register_state_dict_post_hook(_save_stacked)
+        self.register_load_state_dict_pre_hook(_load_stacked)
+
+
+def _save_stacked(module, state_dict, prefix, local_metadata):
+    key = f"{prefix}{_STACKED_GATE_UP}.weight"
+    packed = state_dict.get(key)
+    if packed is not None:
+        state_dict[key] = torch.cat(ops.unpack_gate_up(packed), dim=0)
+
+
+def _load_stacked(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    key = f"{prefix}{_STACKED_GATE_UP}.weight"
+    stacked = state_dict.get(key)
+    if stacked is None:
+        return  # missing: load_state_dict reports it
+    if stacked.dim() != 2 or stacked.shape[0] % 2:
+        error_msgs.append(f"{prefix}: {key} must be the stacked [gate; up] weight [2h, in_features], got shape "
+                          f"{tuple(stacked.shape)}")
+        return
+    gate, up = stacked.chunk(2, dim=0)
+    state_dict[key] = ops.pack_gate_up(gate, up)
+
+
+def _is_stacked_gated_mlp(module: nn.Module) -> bool:
+    """Whether `module` has the stacked gated MLP's parts: ``gate_up_proj`` and ``down_proj`` linear
+    layers (no ``gate_proj``) and an activation attribute."""
+    return (not isinstance(module, nn.Linear) and getattr(module, "gate_proj", None) is None
+            and all(type(getattr(module, n, None)) is nn.Linear for n in (_STACKED_GATE_UP, _STACKED_DOWN))
+            and any(callable(getattr(module, n, None)) for n in _ACT_NAMES))
+
+
+def _stacked_gated_mlp_from(module: nn.Module, checkpoint_lvl, heuristic,
+                            fp8) -> Tuple[Optional[ConvertedStackedGatedMLP], str, str]:
+    """(a ConvertedStackedGatedMLP holding the MLP's weights, '', its activation), or (None, reason,
+    '') when the MLP has biases, parts it would not keep, widths that do not pair, an activation
+    the gated ops do not compute, or a forward that is not down(act(gate) * up) (checked on a probe
+    input, except on the meta device, where the structure decides)."""
+    gate_up, down = getattr(module, _STACKED_GATE_UP), getattr(module, _STACKED_DOWN)
+    act_name = next(n for n in _ACT_NAMES if callable(getattr(module, n, None)))
+    known = {_STACKED_GATE_UP, _STACKED_DOWN, act_name}
+    extra = sorted(n for n, _ in module.named_children() if n not in known)
+    extra += sorted(n for n, _ in module.named_parameters(recurse=False))
+    if extra:
+        return None, f"parts beyond gate_up_proj, down_proj and an activation: {extra}", ""
+    if gate_up.bias is not None or down.bias is not None:
+        return None, "has biases; FusedGatedMLP has none", ""
+    if gate_up.out_features != 2 * down.in_features:
+        return None, (f"gate_up_proj gives {gate_up.out_features} features, not twice the {down.in_features} "
+                      f"down_proj takes"), ""
+    try:
+        activation = gate_activation(getattr(module, act_name), _type_name(module))
+    except ValueError as exc:
+        return None, str(exc).split(": ", 1)[-1], ""
+    w = gate_up.weight
+    fused = ConvertedStackedGatedMLP(gate_up.in_features, down.in_features, down.out_features, activation=activation,
+                                     checkpoint_lvl=checkpoint_lvl, heuristic=heuristic, device=w.device,
+                                     dtype=w.dtype)
+    fused.load_state_dict(module.state_dict(), strict=False)
+    err = None if w.device.type == "meta" else _probe_error(module, fused, w)
+    if err is not None:
+        return None, (f"its forward is not down_proj(act(gate) * up) with [gate; up] = gate_up_proj(x) (probe "
+                      f"relative error {err:.1e})"), ""
+    fused.fp8 = fp8  # after the load, which the delayed recipe's buffers would otherwise refuse
+    _fp8.prepare_layer(fused)
+    fused.train(module.training)
+    return fused, "", activation
 
 
 def _fused_dense_from(linear: nn.Linear, fp8) -> FusedDense:
@@ -401,6 +500,18 @@ def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe
             if wanted(name, module):
                 replacements.append((name, fused_gated_mlp_from(module, activation, checkpoint_lvl, heuristic, fp8)))
                 report.converted.append((name, _type_name(module), f"FusedGatedMLP({activation})"))
+            continue
+        if _is_stacked_gated_mlp(module):
+            taken.add(name)
+            if not wanted(name, module):
+                continue
+            fused, why, activation = _stacked_gated_mlp_from(module, checkpoint_lvl, heuristic, fp8)
+            if fused is None:
+                taken.discard(name)  # its linears are still candidates
+                report.left.append((name, _type_name(module), why))
+                continue
+            replacements.append((name, fused))
+            report.converted.append((name, _type_name(module), f"ConvertedStackedGatedMLP({activation})"))
             continue
         pair = _plain_mlp_pair(module)
         if pair is not None and not isinstance(module, nn.Linear):

@@ -413,7 +413,7 @@ class FusedGatedMLP(GatedStateDictNames, Fp8Layer, nn.Module):
                 f"heuristic={self.heuristic!r}, fp8={self.fp8!r}")
 
 
-def _gate_activation(act_fn, where: str) -> str:
+def gate_activation(act_fn, where: str) -> str:
     """'swiglu' or 'geglu' for a Hugging Face MLP's act_fn, by what it computes (SiLU, or GELU with
     the tanh approximation); ValueError naming the module otherwise."""
     probe = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
@@ -438,7 +438,7 @@ def gated_activation_of(mlp: nn.Module, where: str) -> str:
     `where` when it has biases or another activation."""
     if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
         raise ValueError(f"{where} has biases (mlp_bias=True); FusedGatedMLP has none")
-    return _gate_activation(mlp.act_fn, where)
+    return gate_activation(mlp.act_fn, where)
 
 
 def fused_gated_mlp_from(mlp: nn.Module, activation: str, checkpoint_lvl: int = 0,
