@@ -91,10 +91,10 @@ bool x_t_from_rows(at::TensorList x_fp8, bool weight_grad) {
 // The copies of an FP8 weight a Function keeps for backward: the row-major one only where backward
 // re-runs the forward GEMM (`rows`: level 2's fc1), the transposed one where a data gradient reads
 // it (`cols`; handed empty, the scale weight_t casts at instead), scale_inv always; the others are
-// left undefined. The copies are the caller's per-step
-// tensors, so a copy kept here is one the step holds from the forward to the backward: keeping the
-// row-major copies as well held twice the FP8 weight bytes backward reads through every eager step
-// (60 MiB more a decoder layer at llama-2048). Under torch.compile only what backward reads is saved.
+// left undefined. The copies are the caller's per-step tensors, so a copy kept here is one the step
+// holds from the forward to the backward: keeping the row-major copies as well held twice the FP8
+// weight bytes backward reads through every eager step (60 MiB more a decoder layer at
+// llama-2048). Under torch.compile only what backward reads is saved.
 c10::List<at::Tensor> kept_weight(const Fp8Weight& w, bool rows, bool cols) {
   const bool cast_again = cols && w.data_t.sym_numel() == 0;
   return c10::List<at::Tensor>(
@@ -375,8 +375,8 @@ struct FusedMLPFp8Function : public torch::autograd::Function<FusedMLPFp8Functio
                                  may_free_saved());
     // One entry per forward argument, a tensor list counting one per tensor: x, weight1, bias1,
     // weight2, bias2, then activation, checkpoint_lvl, the FP8 weight tensors (kFp8WeightTensors a
-    // weight), grad_format,
-    // scales, amax_out, the x_fp8 tensors and save_pre_fp8, none of which has a gradient.
+    // weight), grad_format, scales, amax_out, the x_fp8 tensors and save_pre_fp8, none of which has
+    // a gradient.
     variable_list grads{r.x, r.w1, r.b1, r.w2, r.b2};
     grads.resize(5 + 2 + 2 * kFp8WeightTensors + 3 + ctx->saved_data["x_fp8_count"].toInt() + 1);
     return grads;
@@ -470,8 +470,8 @@ struct Fp8DenseFunction : public torch::autograd::Function<Fp8DenseFunction> {
       gw = op_calls::fp8_linear(gq.data_t, x_t, gq.scale_inv, v[1], std::nullopt, weight_dtype, false, -2);
     }
     if (need_b) gb = gq.sums;
-    // x, weight, bias, then the FP8 weight tensors (kFp8WeightTensors), grad_format, scales, amax_out and the x_fp8
-    // tensors (no gradients)
+    // x, weight, bias, then the FP8 weight tensors (kFp8WeightTensors), grad_format, scales,
+    // amax_out and the x_fp8 tensors (no gradients)
     variable_list grads{gx, gw, gb};
     grads.resize(3 + kFp8WeightTensors + 3 + ctx->saved_data["x_fp8_count"].toInt());
     return grads;
