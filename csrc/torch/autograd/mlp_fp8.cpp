@@ -155,10 +155,14 @@ struct Fp8MlpSaved {
   at::Tensor x_data, x_t, x_scale_inv;  // x_data: level 2 only; x_t: x's row-major copy with x_t_rows
   at::Tensor pre;                       // keep_pre (its e4m3 copy with pre_in_fp8)
   at::Tensor pre_scale_inv;             // pre_in_fp8
-  at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; the scales always
+  at::Tensor a_t, a_scale, a_scale_inv;  // a_t: keep_act_out; a_scale: rebuilds_act; a_scale_inv: need_act_out
   bool x_t_rows = false;                 // x_t holds x's row-major copy (x_t_from_rows)
   at::Tensor weight1, weight2;           // where its data gradient runs: the weight (weight_t)
 };
+
+// Whether backward makes the activation's FP8 copy again at the forward's scale (a_scale): level 2
+// re-runs fc1 with it, level 1 rebuilds the transposed copy from pre. Level 0 keeps the copy.
+bool rebuilds_act(const MlpPlan& p) { return p.recompute_fc1 || (p.need_act_out && !p.keep_act_out); }
 
 // fc1 and the quantize of its activation as one op (fp8_linear_act, one GEMM's epilogue writing
 // the activation (delayed scaling) or its amax (current) where the device allows) for the plain
@@ -213,8 +217,8 @@ at::Tensor mlp_forward(const MlpPlan& p, const Fp8MlpConfig& c, const at::Tensor
       s->pre = *pre8;
       s->pre_scale_inv = *pre8_si;
     }
-    s->a_scale = aq.scale;
-    s->a_scale_inv = aq.scale_inv;
+    s->a_scale = rebuilds_act(p) ? aq.scale : at::Tensor();
+    s->a_scale_inv = p.need_act_out ? aq.scale_inv : at::Tensor();
   }
   // What fc2 does not read is released before its output is allocated (the transient peak): x's
   // copies and pre where nothing keeps them, the activation's transposed copy where level 1 / 2
