@@ -448,12 +448,13 @@ def test_gradient_checkpointing_advances_delayed_scaling_once():
         assert all(torch.equal(g_a[n], g_b[n]) for n in g_a)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3"])
 def test_save_pretrained_and_generate(tmp_path, family):
     """A converted model saves a checkpoint the unconverted class loads (and the other way), and
     greedy generation in eval mode gives the unconverted model's tokens (GPT-2: its Conv1D layers
-    saved in their [in, out] layout)."""
-    ref, model = prepared(llama_with_biases() if family == "llama" else gpt2())
+    saved in their [in, out] layout; Phi-3: its stacked gate_up_proj)."""
+    build = {"llama": llama_with_biases, "gpt2": gpt2, "phi3": lambda: stacked_gate_up("phi3")}[family]
+    ref, model = prepared(build())
     cls = type(ref)
     convert_model(model)
     model.save_pretrained(tmp_path / "converted")
