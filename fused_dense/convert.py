@@ -205,6 +205,22 @@ def _load_as_conv1d(module, state_dict, prefix, local_metadata, strict, missing_
         state_dict[key] = state_dict[key].t()
 
 
+def _finished(fused: nn.Module, like: nn.Module, fp8):
+    """`fused` with its FP8 argument set (after any state_dict load, which the delayed recipe's
+    buffers would otherwise refuse), its FP8 state prepared and `like`'s training mode."""
+    fused.fp8 = fp8
+    _fp8.prepare_layer(fused)
+    fused.train(like.training)
+    return fused
+
+
+def _parts_beyond(module: nn.Module, known) -> List[str]:
+    """The children of `module` not named in `known`, then its own parameters: what a conversion
+    keeping only `known` would drop."""
+    extra = sorted(n for n, _ in module.named_children() if n not in known)
+    return extra + sorted(n for n, _ in module.named_parameters(recurse=False))
+
+
 def _dense_from_conv1d(conv: nn.Module, fp8) -> ConvertedConv1D:
     """A ConvertedConv1D with conv's values: the weight transposed into a new parameter, the bias
     the same Parameter object."""
@@ -212,10 +228,7 @@ def _dense_from_conv1d(conv: nn.Module, fp8) -> ConvertedConv1D:
     fused = ConvertedConv1D(w.shape[0], w.shape[1], device="meta", dtype=w.dtype)
     fused.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
     fused.bias = conv.bias
-    fused.fp8 = fp8
-    _fp8.prepare_layer(fused)
-    fused.train(conv.training)
-    return fused
+    return _finished(fused, conv, fp8)
 
 
 def _renames(module: "ConvertedMLP"):
@@ -270,8 +283,7 @@ def _converted_mlp_from(module: nn.Module, pair: Tuple[str, str], activation: st
     act_name = next(n for n in _ACT_NAMES if callable(getattr(module, n, None)))
     dropout = getattr(module, "dropout", None)
     known = set(pair) | {act_name} | ({"dropout"} if isinstance(dropout, nn.Dropout) else set())
-    extra = sorted(n for n, _ in module.named_children() if n not in known)
-    extra += sorted(n for n, _ in module.named_parameters(recurse=False))
+    extra = _parts_beyond(module, known)
     if extra:
         return None, f"parts beyond two linear layers, an activation and a dropout: {extra}"
     w1, b1, t1 = _linear_parts(first)
@@ -292,17 +304,11 @@ def _converted_mlp_from(module: nn.Module, pair: Tuple[str, str], activation: st
         # (not on the meta device, where a model built for later materialisation has no values:
         # there the structure above decides)
         if w1.device.type == "meta":
-            fused.fp8 = fp8
-            _fp8.prepare_layer(fused)
-            fused.train(module.training)
-            return fused, ""
+            return _finished(fused, module, fp8), ""
         err = _probe_error(module, fused, w1)
         if err is not None:
             return None, f"its forward is not {pair[1]}(act({pair[0]}(x))) (probe relative error {err:.1e})"
-    fused.fp8 = fp8
-    _fp8.prepare_layer(fused)
-    fused.train(module.training)
-    return fused, ""
+    return _finished(fused, module, fp8), ""
 
 
 # A gated MLP whose gate and up weights are one linear layer, stacked [gate; up] along its outputs:
@@ -359,8 +365,7 @@ def _stacked_gated_mlp_from(module: nn.Module, checkpoint_lvl, heuristic,
     gate_up, down = getattr(module, _STACKED_GATE_UP), getattr(module, _STACKED_DOWN)
     act_name = next(n for n in _ACT_NAMES if callable(getattr(module, n, None)))
     known = {_STACKED_GATE_UP, _STACKED_DOWN, act_name}
-    extra = sorted(n for n, _ in module.named_children() if n not in known)
-    extra += sorted(n for n, _ in module.named_parameters(recurse=False))
+    extra = _parts_beyond(module, known)
     if extra:
         return None, f"parts beyond gate_up_proj, down_proj and an activation: {extra}", ""
     if gate_up.bias is not None or down.bias is not None:
@@ -381,10 +386,7 @@ def _stacked_gated_mlp_from(module: nn.Module, checkpoint_lvl, heuristic,
     if err is not None:
         return None, (f"its forward is not down_proj(act(gate) * up) with [gate; up] = gate_up_proj(x) (probe "
                       f"relative error {err:.1e})"), ""
-    fused.fp8 = fp8  # after the load, which the delayed recipe's buffers would otherwise refuse
-    _fp8.prepare_layer(fused)
-    fused.train(module.training)
-    return fused, "", activation
+    return _finished(fused, module, fp8), "", activation
 
 
 def _fused_dense_from(linear: nn.Linear, fp8) -> FusedDense:
@@ -394,10 +396,7 @@ def _fused_dense_from(linear: nn.Linear, fp8) -> FusedDense:
     fused.weight = linear.weight
     if linear.bias is not None:
         fused.bias = linear.bias
-    fused.fp8 = fp8
-    _fp8.prepare_layer(fused)
-    fused.train(linear.training)
-    return fused
+    return _finished(fused, linear, fp8)
 
 
 def convert_model(model: nn.Module, *, fp8: Union[None, bool, "_fp8.Float8Recipe"] = None,
