@@ -23,7 +23,7 @@ using namespace elementwise_detail;
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileCols = 64;          // a block's tile: 128 rows x 64 columns
+constexpr int kTileCols = 64;          // a block's tile: 128 rows x 64 columns (in place: CastLayout)
 constexpr int kTileRows = 128;
 constexpr int kVec = 8;                // elements per thread and load (16 bytes of a 16-bit type)
 constexpr int kColGroups = kTileCols / kVec;          // 8 threads span a tile row
@@ -191,20 +191,22 @@ __device__ __forceinline__ void values_of(const Raw8<T, kMode>& r, bool up, floa
 __device__ __forceinline__ bool up_half(int64_t off) { return off % (2 * kGatedInterleave) >= kGatedInterleave; }
 
 // The cast pass in mode 6: the two lanes of an interleave block (lane bit 0 = the up half;
-// cg = threadIdx.x % 8, and a block's halves are cg 2b, 2b + 1) split its elements: lane h loads
-// elements 4h .. 4h + 3 of d_h, g and u only, evaluates act(g) there and both columns' values,
-// keeps its own half's and hands the partner the other's (4 shuffles). With each lane loading all
-// 16 gu values and evaluating all 8 act(g), the pair evaluated every act(g) twice: mode 6's pass
-// took 0.845 ms against 0.824 now (SwiGLU, 16384 x 28672, each pass alone on an H100; GeGLU 0.859
-// against 0.831). Mode 4 (bf16 gu) is bound by memory and keeps Raw8: split, its pass took 0.966
-// against 0.964 ms (SwiGLU) and 0.984 against 0.971 (GeGLU).
+// cg = threadIdx.x % 8, and a block's halves are cg 2b, 2b + 1) split its elements: lane h takes
+// elements 4h .. 4h + 3 of d_h, g and u, evaluates act(g) there and both columns' values, keeps its
+// own half's and hands the partner the other's (4 shuffles). With each lane evaluating all 8 act(g),
+// the pair evaluated every act(g) twice: mode 6's pass took 0.845 ms against 0.824 (SwiGLU,
+// 16384 x 28672, each pass alone on an H100; GeGLU 0.859 against 0.831). Both lanes load the
+// block's 16 gu bytes in one 16-byte load (the pair's requests are one transaction) and each picks
+// its quarter's words: with a lane's own 4-byte g and u loads, each request used 16 of a sector's
+// 32 bytes (ncu), and the pass took 0.655 ms against 0.604 out of place, 0.919 against 0.896 in
+// place (H100, the same shape, 5 interleaved rounds). Mode 4 (bf16 gu) is bound by memory and
+// keeps Raw8: split, its pass took 0.966 against 0.964 ms (SwiGLU) and 0.984 against 0.971 (GeGLU).
 template <typename T, int kMode>
 struct RawGatedHalf {
-  static constexpr int kQuarter = kVec / 2;  // elements a lane reads of each of d_h, g and u
+  static constexpr int kQuarter = kVec / 2;  // elements a lane takes of each of d_h, g and u
   static constexpr int kDWords = kQuarter * static_cast<int>(sizeof(T)) / 4;
   uint32_t d[kDWords];
-  uint32_t g[1];  // 4 e4m3 bytes
-  uint32_t u[1];
+  uint32_t gu[4];  // the block's 16 e4m3 bytes: g's 8, then u's; lane h's quarter is words h, 2 + h
 };
 
 template <int kWords>
@@ -221,7 +223,8 @@ __device__ __forceinline__ void load_words(const void* src, bool valid, uint32_t
   }
 }
 
-// Loads lane h's quarter of the block holding the 8 values at `off` (h = up_half(off)).
+// Loads lane h's quarter of d_h and the whole block's gu bytes, for the 8 values at `off`
+// (h = up_half(off)).
 template <typename T, int kMode>
 __device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, bool valid,
                                          RawGatedHalf<T, kMode>& r) {
@@ -230,9 +233,7 @@ __device__ __forceinline__ void load_raw(const T* x, const T* pre, int64_t off, 
   const int64_t pre_off = off - off % (2 * kGatedInterleave);  // the block's first gate column
   const int h = up_half(off) ? 1 : 0;
   load_words(x + pre_off / 2 + kQ * h, valid, r.d);
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(pre) + pre_off + kQ * h;
-  load_words(b, valid, r.g);
-  load_words(b + kGatedInterleave, valid, r.u);
+  load_words(reinterpret_cast<const uint8_t*>(pre) + pre_off, valid, r.gu);
 }
 
 // The lane's 8 values (its half's columns) from its quarter and its partner's: gated_grad_values'
@@ -244,8 +245,9 @@ __device__ __forceinline__ void values_of(const RawGatedHalf<T, kMode>& r, bool 
   constexpr bool kFast = sizeof(T) == 2;
   constexpr int kQ = RawGatedHalf<T, kMode>::kQuarter;
   float g[kQ], u[kQ];
-  const auto* gb = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.g);
-  const auto* ub = reinterpret_cast<const __nv_fp8x2_storage_t*>(r.u);
+  const uint32_t gw = up ? r.gu[1] : r.gu[0], uw = up ? r.gu[3] : r.gu[2];  // the lane's quarter
+  const auto* gb = reinterpret_cast<const __nv_fp8x2_storage_t*>(&gw);
+  const auto* ub = reinterpret_cast<const __nv_fp8x2_storage_t*>(&uw);
 #pragma unroll
   for (int j = 0; j < kQ / 2; ++j) {
     const float2 gv = e4m3_pair<T>(gb[j], pre_scale_inv), uv = e4m3_pair<T>(ub[j], pre_scale_inv);
@@ -266,14 +268,16 @@ __device__ __forceinline__ void values_of(const RawGatedHalf<T, kMode>& r, bool 
   }
 }
 
+template <int kBlockThreads = kThreads>
 __device__ __forceinline__ unsigned block_max(unsigned m) {
-  __shared__ unsigned warp_max[kThreads / 32];
+  static_assert(kBlockThreads % 32 == 0 && kBlockThreads <= 32 * 32, "a warp's lanes hold the warps' maxima");
+  __shared__ unsigned warp_max[kBlockThreads / 32];
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
   if (threadIdx.x < 32) {
-    m = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
+    m = threadIdx.x < kBlockThreads / 32 ? warp_max[threadIdx.x] : 0u;
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
   }
@@ -477,17 +481,40 @@ __device__ __forceinline__ void store_tile_transposed(const TransposeTile& tile,
 template <int kMode, bool kInput>
 constexpr bool quantize_before_loads() { return kInput || kMode == 0 || kMode == 1; }
 
-// Block (bx, by) covers columns [64 bx, 64 bx + 64) of rows [by rows_per_block, ...), one 128-row
-// tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t. kInput (forward
-// modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
+// A cast block's columns and threads: kCols columns (64, or 128 for the in-place passes), kVec a
+// thread, 32 rows a pass (kRowsPerPass) and kPasses passes a tile (kTileRows), so 256 or 512
+// threads. In place (data = pre, modes 5 and 6) a block covers 128 columns, whole 128-byte lines
+// of the e4m3 bytes it reads and overwrites. With 64, two blocks shared each line, one writing its
+// half while the other's read of the other half could be in flight: mode 6's pass took 0.900 ms in
+// place against 0.604 out of place (SwiGLU 16384 x 28672, H100, 5 interleaved rounds) at the same
+// DRAM and L2 traffic (ncu), and launching the blocks that share a line far apart removed the
+// difference (0.755 against 0.749, both slower for the scattered order). With 128 the in-place
+// pass takes 0.645 ms against 0.916 before (GeGLU 0.645 against 0.918; the plain GELU cast from
+// pre's e4m3 copy 0.427 against 0.475; tools/quantize_passes.py, two builds alternated, H100).
+// Each thread still covers the rows r = rl (mod 32) of its columns in the same order, and the row
+// groups are those of 64-column blocks (row_groups), so the column sums are the same bits in both
+// layouts. The transposed copy's tile is 64 columns wide; in place there is none.
+template <int kCols>
+struct CastLayout {
+  static_assert(kCols == kTileCols || kCols == 2 * kTileCols, "64 or 128 columns a block");
+  static constexpr int kColGroups = kCols / kVec;                   // threads across a tile row
+  static constexpr int kBlockThreads = kColGroups * kRowsPerPass;   // 256 or 512
+};
+static_assert(CastLayout<kTileCols>::kBlockThreads == kThreads, "the transposed tile's threads");
+
+// Block (bx, by) covers columns [kCols bx, kCols bx + kCols) of rows [by rows_per_block, ...), one
+// tile after another, padded rows (rows <= r < ld_t) quantizing as zeros for data_t (kCols 64 only).
+// kInput (forward modes 1 and 3): the input's own e4m3 copy as well, from the same loads.
 // pre carries no __restrict__: data may be pre itself (modes 5 and 6, in place; fp8_quantize.h).
-template <typename T, Activation A, int kMode, bool kInput>
+template <typename T, Activation A, int kMode, bool kInput, int kCols>
 __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre, const CastParams& p) {
   static_assert(!kInput || kMode == 1 || kMode == 3, "the input's copy is of forward modes 1 and 3");
+  using L = CastLayout<kCols>;
+  constexpr bool kTransposes = kCols == kTileCols;  // data_t only with the 64-column tile
   __shared__ __align__(16) TransposeTile tile;
-  __shared__ float sums[kRowsPerPass][kTileCols];
-  const int cg = threadIdx.x % kColGroups, rl = threadIdx.x / kColGroups;
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+  __shared__ float sums[kRowsPerPass][kCols];
+  const int cg = threadIdx.x % L::kColGroups, rl = threadIdx.x / L::kColGroups;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kCols;
   const int64_t col = c0 + cg * kVec;
   const bool col_in = col < p.cols;  // cols % 8 == 0: a group is wholly in or out
   const float scale = p.scale != nullptr ? *p.scale : fp8_scale_from_amax(__uint_as_float(*p.amax_bits), p.format);
@@ -547,11 +574,12 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
     const int lr = pass * kRowsPerPass + rl;
     const int64_t row = t0 + lr;
     if (p.data != nullptr && col_in && row < p.rows) *reinterpret_cast<uint2*>(p.data + row * p.cols + col) = q8;
-    if (p.data_t != nullptr) tile.put8(lr, cg, q8.x, q8.y);
+    if constexpr (kTransposes) {
+      if (p.data_t != nullptr) tile.put8(lr, cg, q8.x, q8.y);
+    }
   };
-  // Mode 6 in place: the two lanes of an interleave block read 8 of its 16 gu bytes each, and each
-  // writes 8, some of them the partner's; both reads precede both writes (the loop is uniform
-  // across the block).
+  // Mode 6 in place: both lanes of an interleave block read all 16 of its gu bytes, and each
+  // writes 8 of them; both reads precede both writes (the loop is uniform across the block).
   const auto reads_before_writes = [] {
     if constexpr (kMode == 6) __syncwarp();
   };
@@ -582,22 +610,24 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) store(t0, pass, quantize(v[pass]));
     }
-    if (p.data_t != nullptr) {
-      __syncthreads();
-      store_tile_transposed(tile, c0, t0, p.cols, p.ld_t, p.data_t);
-      __syncthreads();  // the tile is rewritten by the next rows
+    if constexpr (kTransposes) {
+      if (p.data_t != nullptr) {
+        __syncthreads();
+        store_tile_transposed(tile, c0, t0, p.cols, p.ld_t, p.data_t);
+        __syncthreads();  // the tile is rewritten by the next rows
+      }
     }
   }
   if (p.amax_record != nullptr) {
-    m = block_max(m);
+    m = block_max<L::kBlockThreads>(m);
     if (threadIdx.x == 0 && m != 0u) atomicMax(p.amax_record, m);
   }
   if (p.col_partials != nullptr) {
-    // Column sums of the block's rows: the 32 row lanes of each column group, added in lane order.
+    // Column sums of the block's rows: the row lanes of each column group, added in lane order.
 #pragma unroll
     for (int k = 0; k < kVec; ++k) sums[rl][cg * kVec + k] = acc[k];
     __syncthreads();
-    if (threadIdx.x < kTileCols && c0 + threadIdx.x < p.cols) {
+    if (threadIdx.x < kCols && c0 + threadIdx.x < p.cols) {
       float s = 0.f;
       for (int l = 0; l < kRowsPerPass; ++l) s += sums[l][threadIdx.x];
       p.col_partials[static_cast<int64_t>(blockIdx.y) * p.cols + c0 + threadIdx.x] = s;
@@ -605,18 +635,19 @@ __device__ __forceinline__ void cast_body(const T* __restrict__ x, const T* pre,
   }
 }
 
-template <typename T, Activation A, int kMode, bool kInput>
-__global__ void __launch_bounds__(kThreads) cast_kernel(const T* __restrict__ x, const T* pre, CastParams p) {
-  cast_body<T, A, kMode, kInput>(x, pre, p);
+template <typename T, Activation A, int kMode, bool kInput, int kCols>
+__global__ void __launch_bounds__(CastLayout<kCols>::kBlockThreads) cast_kernel(const T* __restrict__ x, const T* pre, CastParams p) {
+  cast_body<T, A, kMode, kInput, kCols>(x, pre, p);
 }
 
 // The same pass capped at 128 registers (two blocks an SM), for kInput and mode 6's e4m3 pre, which
 // hold more words: uncapped, kInput took 169 registers and one block, and its pass 2.0x the plain
 // one's (gated, 16384 x 28672, H200); mode 6's pairwise dequantization takes 200-228. (A minimum of 1 block in the launch bounds is not the same as none: it moves
-// every kernel's register count, so the uncapped kernel states none.)
-template <typename T, Activation A, int kMode, bool kInput>
-__global__ void __launch_bounds__(kThreads, 2) cast_kernel_capped(const T* __restrict__ x, const T* pre, CastParams p) {
-  cast_body<T, A, kMode, kInput>(x, pre, p);
+// every kernel's register count, so the uncapped kernel states none.) The 512-thread blocks of
+// 128 columns: one an SM, the same 128 registers.
+template <typename T, Activation A, int kMode, bool kInput, int kCols>
+__global__ void __launch_bounds__(CastLayout<kCols>::kBlockThreads, kCols == kTileCols ? 2 : 1) cast_kernel_capped(const T* __restrict__ x, const T* pre, CastParams p) {
+  cast_body<T, A, kMode, kInput, kCols>(x, pre, p);
 }
 
 int mode_of(const Fp8QuantizeArgs& a) {
@@ -644,19 +675,30 @@ void dispatch_mode(int mode, F&& f) {
 }
 
 // The cast pass of mode M, with the input's copy where p.input_scale_inv_out is set (forward modes 1
-// and 3: check_args refuses it elsewhere).
+// and 3: check_args refuses it elsewhere), in blocks of `cols` columns (cast_cols).
 template <typename T, Activation A, int M>
-void launch_cast(dim3 grid, const T* x, const T* pre, const CastParams& p, cudaStream_t stream) {
+void launch_cast(dim3 grid, int cols, const T* x, const T* pre, const CastParams& p, cudaStream_t stream) {
   if constexpr (M == 1 || M == 3) {
     if (p.input_scale_inv_out != nullptr) {
-      cast_kernel_capped<T, A, M, true><<<grid, kThreads, 0, stream>>>(x, pre, p);
+      cast_kernel_capped<T, A, M, true, kTileCols><<<grid, kThreads, 0, stream>>>(x, pre, p);
       return;
     }
   }
+  if constexpr (M == 5 || M == 6) {
+    if (cols == 2 * kTileCols) {
+      if constexpr (M == 6) {
+        cast_kernel_capped<T, A, M, false, 2 * kTileCols><<<grid, CastLayout<2 * kTileCols>::kBlockThreads, 0, stream>>>(x, pre, p);
+      } else {
+        cast_kernel<T, A, M, false, 2 * kTileCols><<<grid, CastLayout<2 * kTileCols>::kBlockThreads, 0, stream>>>(x, pre, p);
+      }
+      return;
+    }
+  }
+  if (cols != kTileCols) throw Error("fused_dense: fp8_quantize: 128-column blocks are for the in-place modes 5 and 6");
   if constexpr (M == 6) {
-    cast_kernel_capped<T, A, M, false><<<grid, kThreads, 0, stream>>>(x, pre, p);
+    cast_kernel_capped<T, A, M, false, kTileCols><<<grid, kThreads, 0, stream>>>(x, pre, p);
   } else {
-    cast_kernel<T, A, M, false><<<grid, kThreads, 0, stream>>>(x, pre, p);
+    cast_kernel<T, A, M, false, kTileCols><<<grid, kThreads, 0, stream>>>(x, pre, p);
   }
 }
 
@@ -679,7 +721,12 @@ void launch_amax(int what, unsigned blocks, const T* x, const T* pre, const floa
   amax_kernel<T, A, M, kAmaxOfV><<<blocks, kThreads, 0, stream>>>(x, pre, pre_scale_inv, vectors, amax);
 }
 
+// The cast pass's columns a block (CastLayout): 128 in place (data = pre_act, modes 5 and 6, which
+// check_args allows without data_t only), else 64.
+int cast_cols(const Fp8QuantizeArgs& a) { return a.data != nullptr && a.data == a.pre_act ? 2 * kTileCols : kTileCols; }
+
 // Row groups per column tile: enough blocks for about 8 per SM, at least one 128-row tile each.
+// Counted in 64-column tiles whatever the block's width, so both layouts split the rows alike.
 int64_t row_groups(int device, const Fp8QuantizeArgs& a) {
   const int64_t rows = a.data_t != nullptr ? fp8_padded_rows(a.rows) : a.rows;
   const int64_t tiles = std::max<int64_t>(1, (rows + kTileRows - 1) / kTileRows);
@@ -819,6 +866,7 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         p.scale_out = a.scale_out, p.scale_inv_out = a.scale_inv_out;
         p.amax_record = current ? nullptr : reinterpret_cast<unsigned*>(a.amax_out);
         const int64_t groups = row_groups(device, a);
+        const int cols = cast_cols(a);
         const int64_t rows_cov = a.data_t != nullptr ? p.ld_t : a.rows;
         const int64_t tiles = std::max<int64_t>(1, (rows_cov + kTileRows - 1) / kTileRows);
         p.rows_per_block = ((tiles + groups - 1) / groups) * kTileRows;
@@ -826,9 +874,9 @@ void fp8_quantize(const Fp8QuantizeArgs& a, void* workspace, std::size_t workspa
         p.input_data = a.input_data;
         p.input_amax_bits = input_amax_bits;
         p.input_scale_inv_out = a.input_scale_inv_out;
-        const int64_t col_tiles = std::max<int64_t>(1, (a.cols + kTileCols - 1) / kTileCols);
+        const int64_t col_tiles = std::max<int64_t>(1, (a.cols + cols - 1) / cols);
         dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(groups));
-        launch_cast<T, A, M>(grid, x, pre, p, stream);
+        launch_cast<T, A, M>(grid, cols, x, pre, p, stream);
         FD_CHECK_LAUNCH();
         if (current && a.amax_out != nullptr && a.amax_out != a.known_amax)
           FD_CUDA_CHECK(cudaMemcpyAsync(a.amax_out, amax_bits, sizeof(float), cudaMemcpyDeviceToDevice, stream));
