@@ -369,15 +369,17 @@ def test_quantize_e4m3_pre_act_errors():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("rows", [150, 1000])
-def test_quantize_grad_in_place_writes_fp8_quantizes_bytes(device, act, dtype, scaling, rows):
+@pytest.mark.parametrize("cols", [96, 328])
+def test_quantize_grad_in_place_writes_fp8_quantizes_bytes(device, act, dtype, scaling, rows, cols):
     """fp8_quantize_grad_ writes the backward quantize's row-major bytes over the e4m3 pre_act it
     reads (the gated modes: two lanes read each 16-byte block before either writes its half), and
     returns its scale, scale_inv, amax and column sums: the bytes of the out-of-place call on an
-    untouched copy (1000 rows: several row tiles and blocks a column)."""
+    untouched copy (1000 rows: several row tiles and blocks a column). On CUDA in place runs
+    128-column blocks and out of place 64-column ones: 96 columns are part of one block, 328 (656
+    gated) several and a part."""
     if device == "cuda":
         poison_cuda_cache()
     gated = act >= 4
-    cols = 96
     x = randn(rows, cols, dtype=dtype, device=device, scale=2.0)
     pre8, pre_si = e4m3_copy(randn(rows, 2 * cols if gated else cols, dtype=dtype, device=device, scale=1.5))
     scale = None if scaling == "current" else torch.tensor(5.0, device=device)
